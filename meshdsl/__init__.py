@@ -1,0 +1,25 @@
+"""meshdsl: a Mesh-TensorFlow-style named-dimension sharding DSL on JAX.
+
+Write a model once over named dims; a :class:`Layout` maps dim names to the axes of a
+:class:`Mesh`; :func:`lower` rewrites the program into sharded einsums and explicit collectives,
+and :func:`explain` reports what they cost before compiling. See DESIGN.md for the contract.
+"""
+
+from . import random
+from .dims import Dim, Shape, shape
+from .errors import LayoutError, MeshDSLError, MeshError, ShapeError
+from .explain import Report, explain
+from .layout import Layout
+from .lower import LoweredFunction, lower
+from .mesh import Mesh
+from .named import NamedArray, Placement, named, param
+from .ops import (
+    abs, add, arange, argmax, astype, clip, concat, cos, cumsum, divide, einsum, equal, erf, exp, expm1,
+    floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, log, log1p, logical_and,
+    logical_not, logical_or, logsumexp, max, maximum, mean, min, minimum, multiply, negative, not_equal,
+    one_hot, ones, pad, power, relu, rename, reshape, round, rsqrt, scan, shift, sigmoid, sign, silu, sin,
+    slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
+    where, zeros,
+)
+
+__version__ = "0.1.0"

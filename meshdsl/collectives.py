@@ -1,0 +1,193 @@
+"""Differentiable, recorded collectives: the only module that calls jax's collective primitives.
+
+Each function emits one collective over a tuple of mesh axes, records it (kind, axes, local shape,
+bytes) in the explicit context, and carries an explicit backward rule that emits - and records -
+its dual under the same origin (op and source line):
+
+    psum (varying -> invariant)          <->  cast to varying (free)
+    cast to varying (free)               <->  psum
+    psum_scatter                         <->  all_gather (varying)
+    all_gather, varying result           <->  psum_scatter
+    all_gather, invariant result         <->  take_block (free)
+    take_block of an invariant value     <->  all_gather, invariant result
+    all_to_all                           <->  all_to_all back
+    ppermute                             <->  ppermute with the inverse permutation
+
+"varying"/"invariant" are jax's ``shard_map`` types (``check_vma``): a value is *invariant* over a
+mesh axis when every device along it holds the same value. Keeping those types exact is what makes
+the backward pass communicate once per value instead of once per use: a replicated activation is
+cast to varying once (cached by the context) and every consumer shares the cast, so the cotangents
+are added locally and reduced by one psum.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .context import varying_axes
+
+__all__ = ["psum", "pmax", "cast", "psum_scatter", "all_gather", "take_block", "all_to_all",
+           "ppermute", "axis_index", "replicate"]
+
+
+def _differentiable(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _linear(ctx, x, forward, transpose):
+    """Apply the linear map ``forward`` with backward ``transpose``, attributed to the current op."""
+    if not _differentiable(x):
+        return forward(x)
+    op, multiplier = ctx.op, ctx.multiplier
+
+    @jax.custom_vjp
+    def f(v):
+        return forward(v)
+
+    def f_fwd(v):
+        return forward(v), None
+
+    def f_bwd(_, ct):
+        with ctx.origin(op, multiplier, "backward"):
+            return (transpose(ct),)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(x)
+
+
+def axis_index(axes) -> jax.Array:
+    """Linear index of this device along ``axes`` (major first)."""
+    return jax.lax.axis_index(tuple(axes)) if len(axes) > 1 else jax.lax.axis_index(axes[0])
+
+
+def _raw_vary(x, axes):
+    need = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, need, to="varying") if need else x
+
+
+def cast(ctx, x, axes, tensor: str = ""):
+    """Invariant -> varying over ``axes`` (no data moves). Its backward is a psum."""
+    axes = tuple(a for a in axes if a not in varying_axes(x))
+    if not axes:
+        return x
+    return _linear(ctx, x, lambda v: jax.lax.pcast(v, axes, to="varying"),
+                   lambda ct: psum(ctx, ct, axes, tensor + " gradient of a value replicated there"))
+
+
+def psum(ctx, x, axes, tensor: str = ""):
+    """Sum partial values over ``axes``; the result is invariant there."""
+    axes = tuple(axes)
+    if not axes:
+        return x
+    x = cast(ctx, x, axes, tensor)
+
+    def forward(v):
+        out = jax.lax.psum(v, axes)
+        ctx.record("all-reduce", axes, v, out, tensor)
+        return out
+
+    def transpose(ct):
+        varying = tuple(a for a in axes if a in varying_axes(ct))
+        if varying:  # a consumer treated the sum as varying: add those cotangents first
+            ct = psum(ctx, ct, varying, tensor)
+        return cast(ctx, ct, axes, tensor)
+
+    return _linear(ctx, x, forward, transpose)
+
+
+def pmax(ctx, x, axes, tensor: str = ""):
+    """Maximum over ``axes`` of a statistic (no gradient: callers stop it)."""
+    axes = tuple(axes)
+    x = jax.lax.stop_gradient(_raw_vary(x, axes))
+    out = jax.lax.pmax(x, axes)
+    ctx.record("all-reduce", axes, x, out, tensor)
+    return out
+
+
+def psum_scatter(ctx, x, axes, dim: int, tensor: str = ""):
+    """Reduce-scatter: sum partial values over ``axes`` and keep this device's block of ``dim``."""
+    axes = tuple(axes)
+    x = cast(ctx, x, axes, tensor)
+
+    def forward(v):
+        out = jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
+        ctx.record("reduce-scatter", axes, v, out, tensor)
+        return out
+
+    return _linear(ctx, x, forward, lambda ct: all_gather(ctx, ct, axes, dim, invariant=False, tensor=tensor))
+
+
+def all_gather(ctx, x, axes, dim: int, *, invariant: bool, tensor: str = ""):
+    """Concatenate the blocks of ``dim`` over ``axes``. ``invariant`` types the result as replicated
+    (its backward then only takes this device's block); otherwise it stays varying (backward:
+    reduce-scatter)."""
+    axes = tuple(axes)
+    x = cast(ctx, x, axes, tensor)
+
+    def forward(v):
+        out = jax.lax.all_gather(v, axes, axis=dim, tiled=True, to="invarying" if invariant else "varying")
+        ctx.record("all-gather", axes, v, out, tensor)
+        return out
+
+    if invariant:
+        return _linear(ctx, x, forward, lambda ct: take_block(ctx, ct, axes, dim, tensor))
+    return _linear(ctx, x, forward, lambda ct: psum_scatter(ctx, ct, axes, dim, tensor))
+
+
+def _slice_block(v, axes, dim: int, block: int):
+    return jax.lax.dynamic_slice_in_dim(v, axis_index(axes) * block, block, axis=dim)
+
+
+def take_block(ctx, x, axes, dim: int, tensor: str = ""):
+    """This device's block of ``dim`` along ``axes``: a local slice, no communication. For a value
+    replicated over an axis, the backward all-gathers the block cotangents (not an all-reduce)."""
+    for a in axes:  # one axis at a time, major first, so each can keep its own type
+        block = x.shape[dim] // ctx.axes_size((a,))
+        if a in varying_axes(x):
+            x = _slice_block(x, (a,), dim, block)
+        else:
+            x = _linear(ctx, x, lambda v, a=a, block=block: _slice_block(_raw_vary(v, (a,)), (a,), dim, block),
+                        lambda ct, a=a: all_gather(ctx, ct, (a,), dim, invariant=True, tensor=tensor))
+    return x
+
+
+def all_to_all(ctx, x, axes, split_dim: int, concat_dim: int, tensor: str = ""):
+    """Move the split over ``axes`` from ``concat_dim`` (becomes whole) to ``split_dim``."""
+    axes = tuple(axes)
+    x = cast(ctx, x, axes, tensor)
+
+    def forward(v):
+        out = jax.lax.all_to_all(v, axes, split_dim, concat_dim, tiled=True)
+        ctx.record("all-to-all", axes, v, out, tensor)
+        return out
+
+    return _linear(ctx, x, forward, lambda ct: all_to_all(ctx, ct, axes, concat_dim, split_dim, tensor))
+
+
+def ppermute(ctx, x, axes, perm, tensor: str = ""):
+    """Send this device's value to another along ``axes`` (``perm``: (source, target) pairs of linear
+    indices); devices that receive nothing get zeros."""
+    axes, perm = tuple(axes), tuple(perm)
+    x = cast(ctx, x, axes, tensor)
+    name = axes if len(axes) > 1 else axes[0]
+
+    def forward(v):
+        out = jax.lax.ppermute(v, name, perm)
+        ctx.record("collective-permute", axes, v, out, tensor)
+        return out
+
+    inverse = tuple((t, s) for s, t in perm)
+    return _linear(ctx, x, forward, lambda ct: ppermute(ctx, ct, axes, inverse, tensor))
+
+
+def replicate(ctx, x, axes, tensor: str = ""):
+    """Type a value that is equal on every device along ``axes`` (but typed varying) as invariant:
+    keep the first device's copy and sum - one all-reduce, recorded."""
+    axes = tuple(axes)
+    if not axes:
+        return x
+    dtype = x.dtype
+    v = x.astype(jnp.int32) if dtype == jnp.bool_ else x
+    v = jnp.where(axis_index(axes) == 0, v, jnp.zeros((), v.dtype))
+    return psum(ctx, v, axes, tensor).astype(dtype)

@@ -1,0 +1,286 @@
+"""Lowering contexts: the one object every lowering rule talks to.
+
+A rule (see :mod:`meshdsl.ops`) is written once. It asks its context four things: where should
+this op compute (:meth:`plan`), give me this operand's local block placed so (:meth:`local`), which
+mesh axes does the result vary over (:meth:`vary`), and wrap my result (:meth:`out`). Three
+contexts answer:
+
+* :class:`GlobalContext` - outside ``md.lower``: every dim whole, no communication. This is the
+  unsharded reference every layout must reproduce.
+* :class:`GspmdContext` - ``backend="gspmd"``: global arrays plus a sharding constraint per op
+  output; the compiler chooses the communication. The baseline for benchmarks.
+* :class:`ExplicitContext` - ``backend="explicit"``: local blocks inside ``shard_map``; every
+  collective comes from :mod:`meshdsl.relayout` / :mod:`meshdsl.collectives` and is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import jax
+from jax.sharding import NamedSharding
+
+from . import cost
+from .errors import LayoutError
+from .layout import check_axes, to_spec
+from .named import NamedArray, Placement
+
+__all__ = ["current", "using", "GlobalContext", "GspmdContext", "ExplicitContext", "CollectiveRecord"]
+
+_local = threading.local()
+
+
+def current():
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else GLOBAL
+
+
+@contextlib.contextmanager
+def using(ctx):
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    """One collective the rewriter emitted (per device)."""
+
+    op: str            # the named op that needed it, e.g. "einsum"
+    line: str          # user source line of that op
+    kind: str          # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    axes: tuple        # mesh axes of the group
+    shape: tuple       # local operand shape
+    dtype: str
+    bytes: float       # bytes moved per device, one execution
+    count: int = 1     # executions (scan trip counts)
+    phase: str = "forward"
+    tensor: str = ""   # what moved, e.g. "[batch:8 d_ff:64] gather d_ff"
+
+    @property
+    def total_bytes(self) -> float:
+        return self.bytes * self.count
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+class GlobalContext:
+    """Outside ``md.lower``: whole arrays, nothing to place, nothing to communicate."""
+
+    explicit = False
+    mesh = None
+    layout = None
+
+    def __init__(self):
+        self.op = None  # (name, line) of the outermost named op being lowered
+
+    def whole_placement(self, dims):
+        return None
+
+    def placement(self, x: NamedArray):
+        return None
+
+    def pending(self, x: NamedArray) -> frozenset:
+        return frozenset()
+
+    def plan(self, dims, operands, *, prefer=()):
+        return {d.name: () for d in dims}
+
+    def vary(self, planned, operands=(), keep_pending=frozenset()):
+        return frozenset()
+
+    def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
+        return x.array
+
+    def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
+        return NamedArray(array, dims, is_param=is_param)
+
+    def axes_size(self, axes) -> int:
+        return 1
+
+    def layout_axes(self, name: str) -> tuple:
+        return ()
+
+
+GLOBAL = GlobalContext()
+
+
+class GspmdContext(GlobalContext):
+    """Global arrays under ``jax.jit``; each op output is constrained to the layout."""
+
+    def __init__(self, mesh, layout):
+        super().__init__()
+        self.mesh, self.layout = mesh, layout
+        self._checked: dict = {}
+
+    def layout_axes(self, name: str) -> tuple:
+        return self.layout.axes(name)
+
+    def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
+        x = NamedArray(array, dims, is_param=is_param)
+        axes = _checked_canonical(self, x.dims)
+        if any(axes):
+            spec = to_spec(axes)
+            x.array = jax.lax.with_sharding_constraint(array, NamedSharding(self.mesh.jax_mesh, spec))
+        return x
+
+
+def _checked_canonical(ctx, dims) -> tuple:
+    hit = ctx._checked.get(dims)
+    if hit is None:
+        what = f"{ctx.op[0]} at {ctx.op[1]}" if ctx.op else "tensor"
+        hit = tuple(ctx.layout.axes(d.name) for d in dims)
+        check_axes(dims, hit, ctx.mesh, what=f"{what}: result")
+        ctx._checked[dims] = hit
+    return hit
+
+
+class ExplicitContext(GlobalContext):
+    """Inside ``shard_map``: local blocks, placements, explicit recorded collectives."""
+
+    explicit = True
+
+    def __init__(self, mesh, layout, *, param_gather: str = "keep"):
+        super().__init__()
+        self.mesh, self.layout = mesh, layout
+        self.param_gather = param_gather
+        self.records: list[CollectiveRecord] = []
+        self.multiplier = 1          # executions of the code being traced (md.scan trip counts)
+        self.phase = "forward"
+        self.tracing = True          # False once the trace is over: late backward rules record nothing
+        self.dims_seen: set[str] = set()
+        self._checked: dict = {}
+        self._cache: dict = {}       # relayout / cast results, per jax trace
+        self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
+        self._keepalive: list = []
+
+    # -- placements ------------------------------------------------------------------------------
+
+    def layout_axes(self, name: str) -> tuple:
+        return self.layout.axes(name)
+
+    def canonical(self, dims) -> tuple:
+        return _checked_canonical(self, dims)
+
+    def whole_placement(self, dims):
+        return Placement(tuple(() for _ in dims))
+
+    def placement(self, x: NamedArray) -> Placement:
+        return x.placement if x.placement is not None else self.whole_placement(x.dims)
+
+    def pending(self, x: NamedArray) -> frozenset:
+        return self.placement(x).pending
+
+    def axes_size(self, axes) -> int:
+        return self.mesh.axes_size(axes)
+
+    def plan(self, dims, operands, *, prefer=()):
+        from .placement import plan
+        return plan(self, dims, operands, prefer=prefer)
+
+    def vary(self, planned, operands=(), keep_pending=frozenset()):
+        """Mesh axes an op's local computation varies over: every axis the plan splits a dim on
+        (``planned``: axes tuples), the pending sums it keeps, and any axis an operand already
+        varies over beyond its placement (a replicated value typed varying)."""
+        out = set(keep_pending)
+        for axes in planned:
+            out.update(axes)
+        for x in operands:
+            pl = self.placement(x)
+            out |= varying_axes(x.array) - pl.used_axes()
+        return frozenset(out)
+
+    def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
+        from .relayout import relayout
+        pl = self.placement(x)
+        target = tuple(pl.of(x.dims, d.name) if axes_by_name is None else axes_by_name.get(d.name, ())
+                       for d in x.dims)
+        return relayout(self, x, target, frozenset(vary), frozenset(keep_pending))
+
+    def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
+        x = NamedArray(array, dims, is_param=is_param)
+        self.canonical(x.dims)  # every tensor must be valid under the layout, used or not
+        self.dims_seen.update(x.names)
+        axes = tuple((axes_by_name or {}).get(d.name, ()) for d in x.dims)
+        what = f"{self.op[0]} at {self.op[1]}" if self.op else "tensor"
+        check_axes(x.dims, axes, self.mesh, what=f"{what}: result (as placed)")
+        overlap = set(pending) & {a for ax in axes for a in ax}
+        if overlap:
+            raise LayoutError(f"internal: {what} result both split and pending over {sorted(overlap)}")
+        x.placement = Placement(axes, frozenset(pending))
+        if self.op:
+            self._made_by[id(array)] = f"{self.op[0]} at {self.op[1]}"
+            self._keepalive.append(array)
+        return x
+
+    def made_by(self, array) -> str:
+        """``"einsum at model.py:12"`` for a value an op produced (``""`` for inputs)."""
+        return self._made_by.get(id(array), "")
+
+    # -- recording -------------------------------------------------------------------------------
+
+    def record(self, kind, axes, operand, result, tensor: str = "") -> None:
+        if not self.tracing:
+            return
+        n = self.mesh.axes_size(axes)
+        if n <= 1:
+            return
+        platform = self.mesh.platform
+        op_b = cost.array_bytes(operand.shape, operand.dtype, platform)
+        res_b = cost.array_bytes(result.shape, result.dtype, platform)
+        name, line = self.op or ("?", "?")
+        self.records.append(CollectiveRecord(
+            op=name, line=line, kind=kind, axes=tuple(axes), shape=tuple(operand.shape),
+            dtype=str(operand.dtype), bytes=cost.moved_bytes(kind, op_b, res_b, n),
+            count=self.multiplier, phase=self.phase, tensor=tensor))
+
+    @contextlib.contextmanager
+    def origin(self, op, multiplier, phase):
+        """Attribute what is emitted inside (e.g. a backward rule) to the op that caused it."""
+        saved = (self.op, self.multiplier, self.phase)
+        self.op, self.multiplier, self.phase = op, multiplier, phase
+        try:
+            yield
+        finally:
+            self.op, self.multiplier, self.phase = saved
+
+    # -- per-trace cache -------------------------------------------------------------------------
+
+    def cached(self, source, key, make):
+        """``make()`` once per (``source`` array, key, current jax trace); later callers share the
+        result, so a value used by several ops is relaid / cast once and its cotangents are summed
+        once (one backward collective, not one per use)."""
+        trace = _current_trace()
+        full = (id(source), key, id(trace))
+        hit = self._cache.get(full)
+        if hit is None:
+            hit = make()
+            self._cache[full] = hit
+            self._keepalive.append((source, trace))  # ids stay unique while the cache lives
+        return hit
+
+
+def varying_axes(array) -> frozenset:
+    """Mesh axes jax's type system says ``array`` varies over (empty outside shard_map)."""
+    try:
+        return frozenset(jax.typeof(array).mat.varying)
+    except (AttributeError, TypeError):
+        return frozenset()
+
+
+def _current_trace():
+    try:
+        from jax._src import core
+        return core.trace_ctx.trace
+    except Exception:  # pragma: no cover - jax internals moved
+        return None

@@ -1,0 +1,146 @@
+"""Named dimensions: the vocabulary every other module speaks.
+
+A :class:`Dim` is a name and a global size (``Dim("d_model", 512)``). A tensor's shape is a tuple
+of Dims, written in Mesh-TF style as a string: ``"batch:8 seq:128"`` (``;`` and ``,`` also
+separate). Ops take dims in any of these forms: one name, a string of names (``"batch d_model"``),
+a ``Dim``, or a sequence of names/Dims; a size is written ``name:size`` where it cannot be inferred.
+
+Names are identifiers; a layout maps names to mesh axes, so a name means the same thing wherever
+it appears, and two dims of one tensor never share a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+
+from .errors import ShapeError
+
+__all__ = ["Dim", "Shape", "shape", "parse_dims", "parse_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """A named dimension: ``name`` (an identifier) and a global ``size``."""
+
+    name: str
+    size: int
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ShapeError(f"dim name {self.name!r} is not an identifier: use letters, digits and _")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            try:
+                size = int(self.size)
+            except (TypeError, ValueError):
+                size = -1
+            if size < 0 or size != self.size:
+                raise ShapeError(f"dim {self.name!r} has size {self.size!r}: sizes are integers >= 0")
+            object.__setattr__(self, "size", size)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.size}"
+
+    def __repr__(self) -> str:
+        return f"Dim({self.name!r}, {self.size})"
+
+
+class Shape(tuple):
+    """A tuple of :class:`Dim` with ``.names`` and ``.sizes``; printed ``batch:8 seq:128``."""
+
+    def __new__(cls, dims: Iterable[Dim] = ()):
+        dims = tuple(dims)
+        names = [d.name for d in dims]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ShapeError(f"duplicate dim names {dupes} in shape [{' '.join(map(str, dims))}]: "
+                             "each dim of a tensor needs its own name (rename one of them)")
+        return super().__new__(cls, dims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(d.size for d in self)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            for d in self:
+                if d.name == key:
+                    return d
+            raise KeyError(key)
+        out = super().__getitem__(key)
+        return Shape(out) if isinstance(key, slice) else out
+
+    def __contains__(self, item) -> bool:
+        if isinstance(item, str):
+            return item in self.names
+        return super().__contains__(item)
+
+    def __str__(self) -> str:
+        return " ".join(map(str, self))
+
+    def __repr__(self) -> str:
+        return f"Shape({str(self)!r})"
+
+
+_SPLIT = re.compile(r"[\s,;]+")
+
+
+def parse_dims(spec, *, what: str = "dims") -> list[tuple[str, int | None]]:
+    """``spec`` in any accepted form -> ``[(name, size or None), ...]``."""
+    if spec is None:
+        return []
+    if isinstance(spec, Dim):
+        return [(spec.name, spec.size)]
+    if isinstance(spec, str):
+        out = []
+        for token in _SPLIT.split(spec.strip()):
+            if not token:
+                continue
+            name, sep, size = token.partition(":")
+            if not name.isidentifier():
+                raise ShapeError(f"{what}: {name!r} in {spec!r} is not a dim name (an identifier)")
+            if sep:
+                try:
+                    n = int(size)
+                except ValueError:
+                    raise ShapeError(f"{what}: size {size!r} of {name!r} in {spec!r} is not an "
+                                     "integer; write name:size, e.g. d_model:512") from None
+                if n < 0:
+                    raise ShapeError(f"{what}: size of {name!r} in {spec!r} is negative")
+                out.append((name, n))
+            else:
+                out.append((name, None))
+        return out
+    if isinstance(spec, Sequence):
+        out = []
+        for item in spec:
+            if isinstance(item, (str, Dim)):
+                out.extend(parse_dims(item, what=what))
+            else:
+                raise ShapeError(f"{what}: {item!r} is neither a dim name nor a Dim")
+        return out
+    raise ShapeError(f"{what}: {spec!r} is neither a dim name, a string of names, a Dim nor a list")
+
+
+def parse_names(spec, *, what: str = "dims") -> tuple[str, ...]:
+    """Names only (sizes, if written, are checked by the caller)."""
+    names = tuple(name for name, _ in parse_dims(spec, what=what))
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ShapeError(f"{what}: {dupes} named twice in {spec!r}")
+    return names
+
+
+def shape(spec) -> Shape:
+    """``md.shape("batch:8 seq:128")`` -> a :class:`Shape`; every size must be written."""
+    dims = []
+    for name, size in parse_dims(spec, what="md.shape"):
+        if size is None:
+            raise ShapeError(f"md.shape({spec!r}): {name!r} has no size; write {name}:<size>")
+        dims.append(Dim(name, size))
+    return Shape(dims)

@@ -1,0 +1,120 @@
+"""``md.explain``: what a layout costs, before compiling.
+
+``md.explain(fn, mesh, layout, *args)`` traces ``fn`` through the explicit rewriter (no compile,
+abstract shapes are fine, and an abstract mesh of any size works) and returns a :class:`Report`:
+
+* every collective the rewriter will emit: the op and user source line that needs it, kind, mesh
+  axes, local shape, dtype, bytes moved per device (ring formulas, as ``hlo_comm`` counts them on
+  the compiled HLO), and how many times it runs (scan trip counts); backward-pass collectives too
+  when ``fn`` takes gradients;
+* matmul FLOPs per device and a memory estimate per device (:mod:`meshdsl.jaxpr_stats`).
+
+``report.summary()`` has the same shape as ``hlo_comm``'s (kind -> count, bytes), so the two can be
+compared number for number. ``to_markdown()``, ``to_dict()`` and an HTML view for notebooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+
+from . import jaxpr_stats
+from .cost import KINDS
+from .lower import lower
+
+__all__ = ["explain", "Report"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+@dataclasses.dataclass
+class Report:
+    """The cost of one program under one layout, per device."""
+
+    mesh: str
+    layout: str
+    collectives: list
+    flops: float
+    memory: dict
+
+    def summary(self) -> dict:
+        """kind -> {"count": executions, "bytes": bytes moved per device} (like ``hlo_comm``)."""
+        out = {}
+        for r in self.collectives:
+            row = out.setdefault(r.kind, {"count": 0, "bytes": 0.0})
+            row["count"] += r.count
+            row["bytes"] += r.total_bytes
+        return {k: out[k] for k in KINDS if k in out}
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(r.total_bytes for r in self.collectives)
+
+    def counts(self) -> dict:
+        return {k: v["count"] for k, v in self.summary().items()}
+
+    def to_dict(self) -> dict:
+        return {"mesh": self.mesh, "layout": self.layout, "flops_per_device": self.flops,
+                "memory_per_device": dict(self.memory), "total_bytes_per_device": self.total_bytes,
+                "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives]}
+
+    def _rows(self):
+        for r in self.collectives:
+            yield (r.phase, r.op, r.line, r.kind, "+".join(r.axes), "x".join(map(str, r.shape)) or "scalar",
+                   r.dtype, str(r.count), _fmt_bytes(r.total_bytes), r.tensor)
+
+    _HEAD = ("phase", "op", "line", "kind", "axes", "local shape", "dtype", "count", "bytes/device", "what")
+
+    def to_markdown(self) -> str:
+        lines = [f"**mesh** {self.mesh} · **layout** `{self.layout}`", "",
+                 f"communication {_fmt_bytes(self.total_bytes)} per device · matmul {_fmt_flops(self.flops)} "
+                 f"per device · memory {_fmt_bytes(self.memory['peak'])} per device (arguments "
+                 f"{_fmt_bytes(self.memory['arguments'])}, temporaries {_fmt_bytes(self.memory['temporaries'])})", ""]
+        lines += ["| kind | count | bytes/device |", "| --- | ---: | ---: |"]
+        for kind, row in self.summary().items():
+            lines.append(f"| {kind} | {row['count']} | {_fmt_bytes(row['bytes'])} |")
+        if not self.collectives:
+            lines.append("| (none) | 0 | 0 B |")
+        if self.collectives:
+            lines += ["", "| " + " | ".join(self._HEAD) + " |", "|" + " --- |" * len(self._HEAD)]
+            lines += ["| " + " | ".join(row) + " |" for row in self._rows()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = (f"<div><b>mesh</b> {esc(self.mesh)} &middot; <b>layout</b> <code>{esc(self.layout)}</code><br>"
+                f"communication <b>{_fmt_bytes(self.total_bytes)}</b>/device &middot; matmul "
+                f"<b>{_fmt_flops(self.flops)}</b>/device &middot; memory <b>{_fmt_bytes(self.memory['peak'])}"
+                f"</b>/device</div>")
+        summary = "".join(f"<tr><td>{k}</td><td>{v['count']}</td><td>{_fmt_bytes(v['bytes'])}</td></tr>"
+                          for k, v in self.summary().items()) or "<tr><td colspan=3>no communication</td></tr>"
+        table = (f"<table><tr><th>kind</th><th>count</th><th>bytes/device</th></tr>{summary}</table>")
+        if self.collectives:
+            rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._rows())
+            table += ("<details><summary>every collective</summary><table><tr>"
+                      + "".join(f"<th>{h}</th>" for h in self._HEAD) + f"</tr>{rows}</table></details>")
+        return head + table
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
+    """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling."""
+    f = lower(fn, mesh, layout, param_gather=param_gather)
+    closed, ctx, _ = f.trace(*args)
+    body = jaxpr_stats.inner_body(closed)
+    return Report(mesh=str(mesh), layout=str(layout), collectives=list(ctx.records),
+                  flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body))

@@ -1,0 +1,106 @@
+"""Cost figures read off a traced (not compiled) program: matmul FLOPs and a memory estimate.
+
+``md.explain`` traces the per-device program (the body of ``shard_map``) to a jaxpr. From it:
+
+* **FLOPs**: ``2 * prod(result) * prod(contracted)`` per ``dot_general``, times loop trip counts
+  (``scan`` lengths); the backward pass is included when ``fn`` takes gradients.
+* **memory**: bytes of the arguments and outputs of one device, and the peak of temporaries from a
+  liveness walk over the program (values live from definition to last use; a sub-program adds its
+  own peak while it runs). It is an estimate of what XLA will allocate, made before compiling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = ["matmul_flops", "memory", "inner_body"]
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jcore.Jaxpr):
+                yield v
+
+
+def _trip_count(eqn) -> int:
+    return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+
+
+def _nbytes(aval) -> int:
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    try:
+        return math.prod(shape) * np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return math.prod(shape) * 8
+
+
+def matmul_flops(jaxpr) -> float:
+    """Matmul FLOPs of one execution of ``jaxpr`` (per device inside shard_map)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc)
+        elif eqn.primitive.name == "cond":
+            total += max((matmul_flops(j) for j in _sub_jaxprs(eqn)), default=0.0)
+        else:
+            total += _trip_count(eqn) * sum(matmul_flops(j) for j in _sub_jaxprs(eqn))
+    return total
+
+
+def _peak(jaxpr) -> int:
+    """Peak bytes of values created inside ``jaxpr`` (its inputs not counted)."""
+    last_use: dict = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                last_use[v] = k
+    for v in jaxpr.outvars:
+        if isinstance(v, jcore.Var):
+            last_use[v] = len(jaxpr.eqns)
+    live, peak, size = {}, 0, 0
+    for k, eqn in enumerate(jaxpr.eqns):
+        inner = max((_peak(j) for j in _sub_jaxprs(eqn)), default=0)
+        peak = max(peak, size + inner)
+        for v in eqn.outvars:
+            if isinstance(v, jcore.Var) and v in last_use:
+                live[v] = _nbytes(v.aval)
+                size += live[v]
+        peak = max(peak, size)
+        for v in [v for v in live if last_use.get(v, -1) <= k]:
+            size -= live.pop(v)
+    return peak
+
+
+def inner_body(closed):
+    """The per-device program: the body of the outermost ``shard_map``, else the jaxpr itself."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+        for sub in _sub_jaxprs(eqn):
+            found = inner_body(sub)
+            if found is not sub:
+                return found
+    return jaxpr
+
+
+def memory(jaxpr) -> dict:
+    """Per-device bytes: arguments, outputs, peak temporaries, and their total."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    args = sum(_nbytes(v.aval) for v in jaxpr.invars)
+    outs = sum(_nbytes(v.aval) for v in jaxpr.outvars if isinstance(v, jcore.Var))
+    temps = _peak(jaxpr)
+    return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + temps}

@@ -1,0 +1,208 @@
+"""Layouts: a function from dim names to mesh axes.
+
+``md.Layout({"batch": "data", "d_ff": "model"})`` says: wherever a tensor has a ``batch`` dim it
+is split over mesh axis ``data``; ``d_ff`` over ``model``; every other dim is replicated. A dim may
+be split over several axes (``{"batch": ("pod", "data")}``, major axis first). ``params=`` rules
+add splits for parameters *at rest* (ZeRO-3 / FSDP: ``params={"d_model": "data"}``); at use the
+rewriter gathers them back to the compute layout.
+
+A tensor's placement is therefore a function of its dims. :meth:`Layout.tensor_axes` computes it
+and refuses what cannot mean what was written: two dims of one tensor on one axis, a size the axes
+do not divide, an axis the mesh lacks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from jax.sharding import PartitionSpec
+
+from .errors import LayoutError, suggest
+
+__all__ = ["Layout"]
+
+Axes = tuple[str, ...]
+
+
+def _as_axes(dim: str, value, where: str) -> Axes:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise LayoutError(f"{where}: rule for {dim!r} must be a mesh axis name or a tuple of them, got {value!r}")
+    axes = tuple(value)
+    for a in axes:
+        if not isinstance(a, str) or not a.isidentifier():
+            raise LayoutError(f"{where}: {a!r} in the rule for {dim!r} is not a mesh axis name")
+    dupes = sorted({a for a in axes if axes.count(a) > 1})
+    if dupes:
+        raise LayoutError(f"{where}: dim {dim!r} maps to mesh axis {dupes[0]!r} twice in {axes}; "
+                          "list each axis once")
+    return axes
+
+
+def _check_rules(rules, where: str) -> dict[str, Axes]:
+    if rules is None:
+        return {}
+    if isinstance(rules, Layout):
+        return dict(rules.rules)
+    if not isinstance(rules, dict):
+        raise LayoutError(f"{where}: expected a dict of dim name -> mesh axes, got {rules!r}")
+    out = {}
+    for dim, value in rules.items():
+        if not isinstance(dim, str) or not dim.isidentifier():
+            raise LayoutError(f"{where}: {dim!r} is not a dim name (an identifier)")
+        out[dim] = _as_axes(dim, value, where)
+    return out
+
+
+class Layout:
+    """Dim name -> mesh axes. ``Layout(rules, params=storage_rules)`` or ``Layout.parse("batch:data;d_ff:model")``."""
+
+    def __init__(self, rules=None, params=None):
+        if isinstance(rules, str):
+            rules = _parse_rules(rules, "md.Layout")
+        if isinstance(params, str):
+            params = _parse_rules(params, "md.Layout params")
+        self.rules: dict[str, Axes] = _check_rules(rules, "md.Layout")
+        self.param_rules: dict[str, Axes] = _check_rules(params, "md.Layout params")
+        for dim, extra in self.param_rules.items():
+            both = set(extra) & set(self.rules.get(dim, ()))
+            if both:
+                raise LayoutError(f"md.Layout: params rule for {dim!r} repeats mesh axis {sorted(both)[0]!r} "
+                                  "of its compute rule; a params rule lists only the extra axes to store it over")
+
+    @classmethod
+    def parse(cls, spec: str, params: str | dict | None = None) -> Layout:
+        """``"batch:data;d_ff:model"``; several axes as ``batch:pod+data`` or ``batch:(pod,data)``."""
+        return cls(_parse_rules(spec, "md.Layout.parse"), params)
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def axes(self, dim: str) -> Axes:
+        """Mesh axes that split ``dim`` in computation (``()`` = replicated)."""
+        return self.rules.get(dim, ())
+
+    def storage_axes(self, dim: str) -> Axes:
+        """Mesh axes that split ``dim`` of a parameter at rest: compute axes, then ``params=`` axes."""
+        return self.rules.get(dim, ()) + self.param_rules.get(dim, ())
+
+    def mesh_axes(self) -> set[str]:
+        return {a for axes in (*self.rules.values(), *self.param_rules.values()) for a in axes}
+
+    def dim_names(self) -> set[str]:
+        return set(self.rules) | set(self.param_rules)
+
+    def check_mesh(self, mesh) -> None:
+        """Every axis a rule names must exist in ``mesh``: a typo is never silently ignored."""
+        for kind, table in (("rule", self.rules), ("params rule", self.param_rules)):
+            for dim, axes in table.items():
+                for a in axes:
+                    if a not in mesh.shape:
+                        raise LayoutError(
+                            f"layout {kind} {dim}:{'+'.join(axes)} names mesh axis {a!r}, but mesh {mesh} "
+                            f"has axes {list(mesh.shape)}{suggest(a, mesh.shape)}; fix the rule or the mesh")
+
+    def tensor_axes(self, dims, mesh, *, storage: bool = False, what: str = "tensor") -> tuple[Axes, ...]:
+        """Per dim of ``dims``, the mesh axes splitting it; LayoutError if that is impossible."""
+        table = self.storage_axes if storage else self.axes
+        out = tuple(table(d.name) for d in dims)
+        check_axes(dims, out, mesh, what=what)
+        return out
+
+    def spec(self, dims, mesh, *, storage: bool = False) -> PartitionSpec:
+        return to_spec(self.tensor_axes(dims, mesh, storage=storage))
+
+    # -- value semantics -------------------------------------------------------------------------
+
+    def _key(self):
+        return (tuple(sorted(self.rules.items())), tuple(sorted(self.param_rules.items())))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Layout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __str__(self) -> str:
+        def fmt(table):
+            return ";".join(f"{d}:{'+'.join(a) if a else '-'}" for d, a in table.items())
+        out = fmt(self.rules)
+        return out + (f" | params {fmt(self.param_rules)}" if self.param_rules else "")
+
+    def __repr__(self) -> str:
+        return f"Layout({str(self)!r})"
+
+
+def to_spec(axes_per_dim) -> PartitionSpec:
+    return PartitionSpec(*[None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes_per_dim])
+
+
+def describe_axes(axes: Axes, mesh) -> str:
+    return "+".join(f"{a}({mesh.shape[a]})" for a in axes)
+
+
+def check_axes(dims, axes_per_dim, mesh, *, what: str) -> None:
+    """LayoutError unless each mesh axis splits at most one dim and every split size divides."""
+    owner: dict[str, str] = {}
+    shape_txt = "[" + " ".join(map(str, dims)) + "]"
+    for d, axes in zip(dims, axes_per_dim):
+        for a in axes:
+            if a not in mesh.shape:
+                raise LayoutError(f"{what} {shape_txt}: dim {d.name!r} is mapped to mesh axis {a!r}, "
+                                  f"which mesh {mesh} lacks{suggest(a, mesh.shape)}")
+            if a in owner:
+                raise LayoutError(
+                    f"{what} {shape_txt} puts both {owner[a]!r} and {d.name!r} on mesh axis {a!r} "
+                    f"(size {mesh.shape[a]}); one mesh axis can split only one dim of a tensor: map one of "
+                    f"them to another axis, or rename one dim so the rule does not apply to it")
+            owner[a] = d.name
+        n = math.prod(mesh.shape[a] for a in axes)
+        if d.size % n:
+            raise LayoutError(
+                f"{what} {shape_txt}: dim {d.name!r} of size {d.size} is split over {describe_axes(axes, mesh)} "
+                f"= {n} devices, which does not divide {d.size}; make {d.name!r} a multiple of {n} or "
+                f"change its layout rule")
+
+
+_RULE = re.compile(r"^\s*([A-Za-z_]\w*)\s*:\s*(.+?)\s*$")
+
+
+def _split_entries(spec: str) -> list[str]:
+    entries, depth, cur = [], 0, []
+    for c in spec:
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        if c in ";,\n" and depth == 0:
+            entries.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    entries.append("".join(cur))
+    return [e for e in (x.strip() for x in entries) if e]
+
+
+def _parse_rules(spec: str, where: str) -> dict[str, Axes]:
+    if not isinstance(spec, str):
+        raise LayoutError(f"{where}: expected a string like 'batch:data;d_ff:model', got {spec!r}")
+    rules: dict[str, Axes] = {}
+    for entry in _split_entries(spec):
+        m = _RULE.match(entry)
+        if not m:
+            raise LayoutError(f"{where}: cannot read {entry!r} in {spec!r}; write dim:axis entries separated "
+                              "by ';', e.g. 'batch:data;d_ff:model' (several axes: 'batch:pod+data')")
+        dim, value = m.group(1), m.group(2)
+        if value.startswith("(") and value.endswith(")"):
+            value = value[1:-1]
+        axes = [a.strip() for a in re.split(r"[+,\s]+", value) if a.strip()]
+        if not axes or any(not a.isidentifier() for a in axes):
+            raise LayoutError(f"{where}: {entry!r} in {spec!r} does not name mesh axes; write dim:axis")
+        if dim in rules:
+            raise LayoutError(f"{where}: dim {dim!r} has two rules in {spec!r}; give it one (several axes: "
+                              f"'{dim}:a+b')")
+        rules[dim] = _as_axes(dim, tuple(axes), where)
+    return rules

@@ -1,0 +1,241 @@
+"""``md.lower``: turn a named program and a layout into a compiled, sharded jax function.
+
+``f = md.lower(fn, mesh, layout)`` returns a callable that behaves like ``jax.jit(fn)``:
+
+* arguments are pytrees of global NamedArrays (flax NNX modules included); other leaves (jax
+  arrays, PRNG keys, scalars) are replicated. Each NamedArray is placed by the layout (parameters
+  by the storage rules): already-placed inputs are not copied;
+* it is traced and compiled once per input structure and shapes;
+* outputs are global NamedArrays laid out by the layout (parameter-marked outputs, such as
+  gradients of parameters, by the storage rules);
+* it can be called inside another ``jax.jit``, differentiated (``jax.grad`` around it), and
+  lowered (``f.lower(*args)`` gives the jax ``Lowered``; ``.compile().as_text()`` the HLO).
+
+``backend="explicit"`` (default) runs ``fn`` inside ``shard_map`` over every mesh axis with an
+:class:`~meshdsl.context.ExplicitContext`: the rewriter decides every collective. ``backend="gspmd"``
+runs ``fn`` on global arrays with one sharding constraint per op output and lets XLA decide: the
+baseline the explicit backend is measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import collectives as C
+from .context import ExplicitContext, GspmdContext, using, varying_axes
+from .errors import LayoutError, MeshDSLError, suggest
+from .layout import Layout, to_spec
+from .mesh import Mesh
+from .named import NamedArray, Placement
+
+__all__ = ["lower", "LoweredFunction"]
+
+BACKENDS = ("explicit", "gspmd")
+PARAM_GATHER = ("keep", "regather")
+
+
+def _is_named(x) -> bool:
+    return isinstance(x, NamedArray)
+
+
+@dataclasses.dataclass
+class _Leaf:
+    named: bool
+    dims: object = None
+    is_param: bool = False
+    axes: tuple = ()
+    spec: PartitionSpec = PartitionSpec()
+
+
+class _Entry:
+    """One compiled variant: a fixed input structure, its placements, and the jitted function."""
+
+    def __init__(self, owner: LoweredFunction, treedef, leaves):
+        self.owner, self.treedef = owner, treedef
+        mesh, layout = owner.mesh, owner.layout
+        self.infos = []
+        for k, leaf in enumerate(leaves):
+            if _is_named(leaf):
+                axes = layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
+                                          what=f"argument {k} ({'parameter' if leaf.is_param else 'input'})")
+                self.infos.append(_Leaf(True, leaf.dims, leaf.is_param, axes, to_spec(axes)))
+            else:
+                self.infos.append(_Leaf(False))
+        self.out_specs: list = []
+        self.out_tree = None
+        self.out_templates: list = []
+        self.last_ctx = None
+        self.traces = 0
+        if not mesh.is_abstract:
+            self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
+            self.jitted = jax.jit(self.run, in_shardings=self.shardings)
+
+    # -- the traced program ----------------------------------------------------------------------
+
+    def run(self, *arrays):
+        self.traces += 1
+        owner = self.owner
+        if owner.backend == "gspmd":
+            return self._run_gspmd(arrays)
+        smap = jax.shard_map(self._body, mesh=owner.mesh.jax_mesh,
+                             in_specs=tuple(i.spec for i in self.infos),
+                             out_specs=self.out_specs, check_vma=True)
+        return smap(*arrays)
+
+    def _args(self, arrays, explicit: bool):
+        leaves = [NamedArray(a, i.dims, is_param=i.is_param, placement=Placement(i.axes) if explicit else None)
+                  if i.named else a for a, i in zip(arrays, self.infos)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _body(self, *arrays):
+        owner = self.owner
+        ctx = ExplicitContext(owner.mesh, owner.layout, param_gather=owner.param_gather)
+        self.last_ctx = ctx
+        ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
+        with using(ctx):
+            out = owner.fn(*self._args(arrays, True))
+            leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_named)
+            results, specs, self.out_templates = [], [], []
+            ctx.op = ("output", "return value")
+            for k, leaf in enumerate(leaves):
+                if _is_named(leaf):
+                    axes = owner.layout.tensor_axes(leaf.dims, owner.mesh, storage=leaf.is_param,
+                                                    what=f"output {k}")
+                    results.append(_finalize(ctx, leaf, axes))
+                    specs.append(to_spec(axes))
+                    self.out_templates.append((leaf.dims, leaf.is_param))
+                else:
+                    arr = jnp.asarray(leaf)
+                    if varying_axes(arr):
+                        raise LayoutError(
+                            f"output {k} is a plain jax array that differs between devices (it varies over "
+                            f"{sorted(varying_axes(arr))}); return NamedArrays so the layout can place them")
+                    results.append(arr)
+                    specs.append(PartitionSpec())
+                    self.out_templates.append(None)
+            ctx.op = None
+            _check_unused_rules(owner.layout, ctx.dims_seen)
+        ctx.tracing = False
+        self.out_specs[:] = specs
+        return results
+
+    def _run_gspmd(self, arrays):
+        owner = self.owner
+        ctx = GspmdContext(owner.mesh, owner.layout)
+        with using(ctx):
+            out = owner.fn(*self._args(arrays, False))
+            leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_named)
+            results, self.out_templates = [], []
+            for k, leaf in enumerate(leaves):
+                if _is_named(leaf):
+                    spec = owner.layout.spec(leaf.dims, owner.mesh, storage=leaf.is_param)
+                    results.append(jax.lax.with_sharding_constraint(
+                        leaf.array, NamedSharding(owner.mesh.jax_mesh, spec)))
+                    self.out_templates.append((leaf.dims, leaf.is_param))
+                else:
+                    results.append(jnp.asarray(leaf))
+                    self.out_templates.append(None)
+        return results
+
+    def rebuild(self, arrays):
+        leaves = [a if t is None else NamedArray(a, t[0], is_param=t[1]) for a, t in zip(arrays, self.out_templates)]
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
+
+def _finalize(ctx, leaf, axes):
+    """Bring an output to the layout's placement, typed invariant wherever it is replicated."""
+    target = dict(zip(leaf.names, axes))
+    split = frozenset(a for ax in axes for a in ax)
+    arr = ctx.local(leaf, target, split)
+    extra = tuple(a for a in ctx.mesh.axis_names if a in varying_axes(arr) - split)
+    if extra:  # replicated by value but typed varying: make the type say so (one small all-reduce)
+        arr = C.replicate(ctx, arr, extra, f"[{leaf.dims}] output typed varying over {list(extra)}")
+    return arr
+
+
+def _check_unused_rules(layout: Layout, seen: set) -> None:
+    """A rule for a dim the program never has is fine (a shared layout), unless it looks like a
+    typo of a dim the program does have: then it would be silently ignored."""
+    for dim in sorted(layout.dim_names() - seen):
+        hint = suggest(dim, seen)
+        if hint:
+            raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
+                              f"fix the dim name in the layout")
+
+
+class LoweredFunction:
+    """A named program compiled for a mesh and a layout (see :func:`lower`)."""
+
+    def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep"):
+        if not isinstance(mesh, Mesh):
+            raise MeshDSLError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}")
+        if not isinstance(layout, Layout):
+            raise MeshDSLError(f"md.lower: layout must be an md.Layout, got {type(layout).__name__}")
+        if backend not in BACKENDS:
+            raise MeshDSLError(f"md.lower: backend must be one of {BACKENDS}, got {backend!r}")
+        if param_gather not in PARAM_GATHER:
+            raise MeshDSLError(f"md.lower: param_gather must be one of {PARAM_GATHER}, got {param_gather!r}")
+        layout.check_mesh(mesh)
+        self.fn, self.mesh, self.layout = fn, mesh, layout
+        self.backend, self.param_gather = backend, param_gather
+        self._entries: dict = {}
+
+    def _entry(self, args):
+        leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_named)
+        sig = []
+        for leaf in leaves:
+            if _is_named(leaf):
+                sig.append((leaf.dims, leaf.is_param, tuple(leaf.array.shape), str(leaf.array.dtype)))
+            else:
+                a = leaf if hasattr(leaf, "shape") else jnp.asarray(leaf)
+                sig.append((tuple(a.shape), str(a.dtype)))
+        key = (treedef, tuple(sig))
+        entry = self._entries.get(key)
+        if entry is None:
+            for leaf in leaves:
+                if _is_named(leaf) and tuple(leaf.array.shape) != leaf.dims.sizes:
+                    raise MeshDSLError(f"md.lower: argument [{leaf.dims}] holds an array of shape "
+                                       f"{tuple(leaf.array.shape)}; pass global arrays")
+            entry = self._entries[key] = _Entry(self, treedef, leaves)
+        return entry, leaves
+
+    def _arrays(self, entry, leaves, place: bool):
+        arrays = [leaf.array if _is_named(leaf) else leaf for leaf in leaves]
+        if not place:
+            return arrays
+        return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else jax.device_put(a, s)
+                for a, s in zip(arrays, entry.shardings)]
+
+    def __call__(self, *args):
+        if self.mesh.is_abstract:
+            raise MeshDSLError(f"{self.mesh!r} has no devices: it can be explained (md.explain), not run")
+        entry, leaves = self._entry(args)
+        return entry.rebuild(entry.jitted(*self._arrays(entry, leaves, True)))
+
+    def lower(self, *args):
+        """The jax ``Lowered`` for these arguments (``.compile().as_text()`` is the HLO)."""
+        entry, leaves = self._entry(args)
+        return entry.jitted.lower(*self._arrays(entry, leaves, False))
+
+    def trace(self, *args):
+        """Trace without compiling: ``(closed jaxpr, explicit context, entry)``."""
+        entry, leaves = self._entry(args)
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._arrays(entry, leaves, False)]
+        jaxpr = jax.make_jaxpr(entry.run)(*avals)
+        return jaxpr, entry.last_ctx, entry
+
+    def __repr__(self) -> str:
+        return f"md.lower({getattr(self.fn, '__name__', self.fn)!r}, {self.mesh!r}, {self.layout!r}, backend={self.backend!r})"
+
+
+def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep") -> LoweredFunction:
+    """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
+
+    ``param_gather``: ``"keep"`` keeps parameters gathered inside ``md.scan`` for the backward pass
+    (fewest bytes, more memory); ``"regather"`` gathers them again there (ZeRO-3's memory saving).
+    """
+    return LoweredFunction(fn, mesh, layout, backend, param_gather)

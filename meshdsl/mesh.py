@@ -1,0 +1,140 @@
+"""The logical mesh: named axes over the devices of all processes.
+
+``md.Mesh({"data": 2, "model": 4})`` arranges ``jax.devices()`` (every process's devices) into a
+2 x 4 grid with named axes. A layout maps dim names onto these axes. ``Mesh.abstract(...)`` makes
+a mesh of any size without devices: it can be explained (``md.explain``) but not run, which is how
+a 512-device layout is costed on a laptop.
+
+Axes are jax ``AxisType.Auto``: the explicit backend makes every axis manual inside ``shard_map``
+and the ``gspmd`` backend leaves the choice to the compiler, over the same mesh object.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+from jax.sharding import AxisType
+
+from .errors import MeshError, suggest
+
+__all__ = ["Mesh"]
+
+
+def _check_axes(axes) -> dict[str, int]:
+    if not isinstance(axes, dict) or not axes:
+        raise MeshError(f"a mesh is a non-empty dict of axis name -> size, got {axes!r}")
+    out = {}
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise MeshError(f"mesh axis name {name!r} is not an identifier")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise MeshError(f"mesh axis {name!r} has size {size!r}: sizes are integers >= 1")
+        out[name] = size
+    return out
+
+
+class Mesh:
+    """Named mesh axes over devices. ``Mesh({"data": 2, "model": 4})`` or ``Mesh.parse("data:2;model:4")``."""
+
+    def __init__(self, axes, devices=None, *, _abstract: bool = False, platform: str | None = None):
+        if isinstance(axes, str):
+            axes = _parse_axes(axes, None if _abstract else _device_count(devices))
+        self._axes = _check_axes(dict(axes))
+        self._abstract = _abstract
+        names, sizes = tuple(self._axes), tuple(self._axes.values())
+        if _abstract:
+            self.jax_mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+            self.platform = platform or jax.default_backend()
+            return
+        devs = list(jax.devices() if devices is None else devices)
+        if math.prod(sizes) != len(devs):
+            raise MeshError(
+                f"mesh {self} has {math.prod(sizes)} devices but {len(devs)} are available "
+                f"({'jax.devices()' if devices is None else 'devices='}); choose axis sizes whose "
+                f"product is {len(devs)}, or use md.Mesh.abstract(...) to explain a larger mesh")
+        self.jax_mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devs)
+        self.platform = platform or devs[0].platform
+
+    @classmethod
+    def parse(cls, spec: str, devices=None) -> Mesh:
+        """``"data:2;model:4"`` (``,`` also separates). One size may be ``-1``: the rest of the devices."""
+        return cls(_parse_axes(spec, _device_count(devices)), devices)
+
+    @classmethod
+    def abstract(cls, axes, platform: str | None = None) -> Mesh:
+        """A mesh without devices, for ``md.explain`` at any scale (``platform`` picks byte rules)."""
+        if isinstance(axes, str):
+            axes = _parse_axes(axes, None)
+        return cls(axes, _abstract=True, platform=platform)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self._axes)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self._axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._axes.values())
+
+    @property
+    def is_abstract(self) -> bool:
+        return self._abstract
+
+    def axis_size(self, axis: str) -> int:
+        if axis not in self._axes:
+            raise MeshError(f"mesh {self} has no axis {axis!r}{suggest(axis, self._axes)}")
+        return self._axes[axis]
+
+    def axes_size(self, axes) -> int:
+        return math.prod(self.axis_size(a) for a in axes)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mesh) and self.jax_mesh == other.jax_mesh
+
+    def __hash__(self) -> int:
+        return hash(self.jax_mesh)
+
+    def __str__(self) -> str:
+        return " x ".join(f"{k}:{v}" for k, v in self._axes.items())
+
+    def __repr__(self) -> str:
+        kind = "Mesh.abstract" if self._abstract else "Mesh"
+        return f"{kind}({', '.join(f'{k}:{v}' for k, v in self._axes.items())})"
+
+
+def _device_count(devices) -> int:
+    return len(jax.devices()) if devices is None else len(list(devices))
+
+
+def _parse_axes(spec: str, n_devices: int | None) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    for token in re.split(r"[\s,;]+", spec.strip()):
+        if not token:
+            continue
+        name, sep, size = token.partition(":")
+        if not sep or not name.isidentifier():
+            raise MeshError(f"bad mesh entry {token!r} in {spec!r}: write axis:size, e.g. 'data:2;model:4'")
+        if name in axes:
+            raise MeshError(f"mesh axis {name!r} appears twice in {spec!r}")
+        try:
+            axes[name] = int(size)
+        except ValueError:
+            raise MeshError(f"size {size!r} of mesh axis {name!r} in {spec!r} is not an integer") from None
+    wild = [k for k, v in axes.items() if v == -1]
+    if len(wild) > 1:
+        raise MeshError(f"only one mesh axis may have size -1 in {spec!r}")
+    if wild:
+        if n_devices is None:
+            raise MeshError(f"an abstract mesh needs every size written, got {spec!r}")
+        rest = math.prod(v for v in axes.values() if v != -1)
+        if n_devices % rest:
+            raise MeshError(f"cannot fill {wild[0]!r}: {n_devices} devices are not divisible by {rest}")
+        axes[wild[0]] = n_devices // rest
+    if not axes:
+        raise MeshError(f"empty mesh spec {spec!r}")
+    return axes

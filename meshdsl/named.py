@@ -1,0 +1,232 @@
+"""NamedArray: a jax array whose axes are named dims.
+
+``md.named(array, "batch seq d_model")`` pairs an array with global :class:`Dim` s. Outside
+``md.lower`` the array is the whole (global) value; inside, ``x.array`` is this device's block and
+``x.placement`` says how the global value is spread over the mesh (which axes split which dim,
+and which axes hold pending partial sums). ``md.param`` marks parameters: the mark is static pytree
+data, so ``jax.grad`` and optax updates carry it, and the storage layout follows it.
+
+NamedArray is a jax pytree: its only child is the array; dims, the parameter mark and the placement
+are static. Operators (``+``, ``*``, ``-x``, comparisons) broadcast by name through :mod:`meshdsl.ops`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .dims import Dim, Shape, parse_dims
+from .errors import ShapeError, user_line
+
+__all__ = ["NamedArray", "Placement", "named", "param"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How a tensor's global value sits on the mesh (inside ``md.lower`` only).
+
+    ``axes[i]``: mesh axes splitting dim ``i`` (major first; ``()`` = whole on every device).
+    ``pending``: mesh axes over which the local blocks are partial sums still to be added.
+    """
+
+    axes: tuple[tuple[str, ...], ...]
+    pending: frozenset = frozenset()
+
+    def split_axes(self) -> frozenset:
+        return frozenset(a for axes in self.axes for a in axes)
+
+    def used_axes(self) -> frozenset:
+        return self.split_axes() | self.pending
+
+    def of(self, dims, name: str) -> tuple[str, ...]:
+        for d, axes in zip(dims, self.axes):
+            if d.name == name:
+                return axes
+        return ()
+
+    def describe(self, dims) -> str:
+        parts = [f"{d.name}:{'+'.join(a)}" for d, a in zip(dims, self.axes) if a]
+        if self.pending:
+            parts.append("pending sum over " + "+".join(sorted(self.pending)))
+        return ", ".join(parts) or "replicated"
+
+
+class NamedArray:
+    """A jax array with named dims. Build one with :func:`named`; ops match dims by name."""
+
+    __slots__ = ("array", "dims", "is_param", "placement")
+    __array_priority__ = 1000  # numpy scalars defer to our operators
+
+    def __init__(self, array, dims, *, is_param: bool = False, placement: Placement | None = None):
+        # No validation here: jax and optax rebuild NamedArrays from children of other shapes.
+        self.array = array
+        self.dims = dims if isinstance(dims, Shape) else Shape(dims)
+        self.is_param = is_param
+        self.placement = placement
+
+    # -- descriptive properties ------------------------------------------------------------------
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.dims.names
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Global sizes by name."""
+        return {d.name: d.size for d in self.dims}
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([d.size for d in self.dims], dtype=np.int64))
+
+    def dim(self, name: str) -> Dim:
+        return self.dims[name]
+
+    def astype(self, dtype) -> NamedArray:
+        from . import ops
+        return ops.astype(self, dtype)
+
+    def __repr__(self) -> str:
+        dt = getattr(self.array, "dtype", "?")
+        mark = ", param" if self.is_param else ""
+        where = f", {self.placement.describe(self.dims)}" if self.placement is not None else ""
+        return f"NamedArray({dt}[{self.dims}]{mark}{where})"
+
+    def _repr_html_(self) -> str:
+        from . import display
+        return display.named_array_html(self)
+
+    # -- operators (broadcast by name) -----------------------------------------------------------
+
+    def __add__(self, other):
+        from . import ops
+        return ops.add(self, other)
+
+    def __radd__(self, other):
+        from . import ops
+        return ops.add(other, self)
+
+    def __sub__(self, other):
+        from . import ops
+        return ops.subtract(self, other)
+
+    def __rsub__(self, other):
+        from . import ops
+        return ops.subtract(other, self)
+
+    def __mul__(self, other):
+        from . import ops
+        return ops.multiply(self, other)
+
+    def __rmul__(self, other):
+        from . import ops
+        return ops.multiply(other, self)
+
+    def __truediv__(self, other):
+        from . import ops
+        return ops.divide(self, other)
+
+    def __rtruediv__(self, other):
+        from . import ops
+        return ops.divide(other, self)
+
+    def __pow__(self, other):
+        from . import ops
+        return ops.power(self, other)
+
+    def __neg__(self):
+        from . import ops
+        return ops.negative(self)
+
+    def __lt__(self, other):
+        from . import ops
+        return ops.less(self, other)
+
+    def __le__(self, other):
+        from . import ops
+        return ops.less_equal(self, other)
+
+    def __gt__(self, other):
+        from . import ops
+        return ops.greater(self, other)
+
+    def __ge__(self, other):
+        from . import ops
+        return ops.greater_equal(self, other)
+
+    def __and__(self, other):
+        from . import ops
+        return ops.logical_and(self, other)
+
+    def __or__(self, other):
+        from . import ops
+        return ops.logical_or(self, other)
+
+    def __invert__(self):
+        from . import ops
+        return ops.logical_not(self)
+
+    __hash__ = object.__hash__  # identity: == is not overloaded (use md.equal)
+
+
+def _flatten(x: NamedArray):
+    return (x.array,), (x.dims, x.is_param, x.placement)
+
+
+def _flatten_with_keys(x: NamedArray):
+    return ((jax.tree_util.GetAttrKey("array"), x.array),), (x.dims, x.is_param, x.placement)
+
+
+def _unflatten(aux, children):
+    dims, is_param, placement = aux
+    return NamedArray(children[0], dims, is_param=is_param, placement=placement)
+
+
+jax.tree_util.register_pytree_with_keys(NamedArray, _flatten_with_keys, _unflatten, _flatten)
+
+
+def named(array, dims, *, is_param: bool = False) -> NamedArray:
+    """Name the axes of ``array``: ``md.named(x, "batch seq d_model")``.
+
+    Sizes come from the array; sizes written in ``dims`` (``"batch:8"``, Dims) must agree. Inside
+    ``md.lower`` the array is taken as a whole value replicated on every device.
+    """
+    if isinstance(array, NamedArray):
+        raise ShapeError(f"md.named at {user_line()}: the value already has dims [{array.dims}]; "
+                         "use md.rename or md.reshape to change them")
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        array = jnp.asarray(array)
+    specs = parse_dims(dims, what="md.named")
+    shape = tuple(array.shape)
+    if len(specs) != len(shape):
+        raise ShapeError(
+            f"md.named at {user_line()}: {len(specs)} names {[n for n, _ in specs]} for an array of rank "
+            f"{len(shape)} and shape {shape}; give one name per axis")
+    out_dims = []
+    for (name, size), n in zip(specs, shape):
+        if size is not None and size != n:
+            raise ShapeError(f"md.named at {user_line()}: dim {name!r} is written with size {size} but the "
+                             f"array has size {n} on that axis (shape {shape})")
+        out_dims.append(Dim(name, int(n)))
+    dims_ = Shape(out_dims)
+    from .context import current
+    ctx = current()
+    return NamedArray(array, dims_, is_param=is_param, placement=ctx.whole_placement(dims_))
+
+
+def param(x: NamedArray) -> NamedArray:
+    """Mark ``x`` as a parameter: stored by the layout's ``params=`` rules, gathered at use."""
+    if not isinstance(x, NamedArray):
+        raise ShapeError(f"md.param at {user_line()}: expected a NamedArray (md.named(...)), got {type(x).__name__}")
+    return NamedArray(x.array, x.dims, is_param=True, placement=x.placement)

@@ -1,0 +1,15 @@
+"""Named ops: one lowering rule per op, registered in :mod:`meshdsl.ops.registry`."""
+
+from .creation import arange, bernoulli, full, normal, ones, uniform, zeros
+from .einsum import einsum
+from .elementwise import (
+    abs, add, astype, clip, cos, divide, equal, erf, exp, expm1, floor, gelu, greater, greater_equal,
+    isfinite, less, less_equal, log, log1p, logical_and, logical_not, logical_or, maximum, minimum,
+    multiply, negative, not_equal, power, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt,
+    square, stop_gradient, subtract, tanh, where,
+)
+from .indexing import argmax, cumsum, one_hot, shift, take, top_k
+from .reductions import logsumexp, max, mean, min, softmax, sum
+from .registry import RULES, op
+from .scan import scan
+from .shaping import concat, pad, rename, reshape, slice, transpose

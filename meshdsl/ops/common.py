@@ -1,0 +1,93 @@
+"""Helpers shared by the lowering rules: operand checks, dim unions, local axis alignment."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..dims import Dim, Shape, parse_dims
+from ..errors import ShapeError, suggest
+from ..named import NamedArray
+
+__all__ = ["where_", "as_named", "union_dims", "names_in", "align", "new_dims", "axis_of"]
+
+
+def where_(ctx) -> str:
+    return f"{ctx.op[0]} at {ctx.op[1]}" if ctx.op else "op"
+
+
+def as_named(ctx, x, role: str = "operand") -> NamedArray:
+    """NamedArrays pass; scalars (Python numbers, 0-d arrays) become 0-dim NamedArrays."""
+    if isinstance(x, NamedArray):
+        return x
+    if isinstance(x, (bool, int, float, complex, np.number)) or getattr(x, "ndim", None) == 0:
+        arr = jnp.asarray(x)
+        return NamedArray(arr, Shape(()), placement=ctx.whole_placement(()))
+    shape = getattr(x, "shape", None)
+    raise ShapeError(f"{where_(ctx)}: {role} is a {type(x).__name__}"
+                     f"{'' if shape is None else f' of shape {tuple(shape)}'}, not a NamedArray; "
+                     "wrap arrays with md.named(array, 'dim names') so dims are matched by name")
+
+
+def union_dims(ctx, xs) -> Shape:
+    """Ordered union of the operands' dims; one name must have one size within an op."""
+    seen: dict[str, tuple[Dim, int]] = {}
+    for i, x in enumerate(xs):
+        for d in x.dims:
+            if d.name in seen and seen[d.name][0].size != d.size:
+                j = seen[d.name][1]
+                raise ShapeError(
+                    f"{where_(ctx)}: dim {d.name!r} has size {seen[d.name][0].size} in operand {j + 1} "
+                    f"[{xs[j].dims}] but {d.size} in operand {i + 1} [{x.dims}]; a name means one size "
+                    "within an op: rename one of them or fix the sizes")
+            seen.setdefault(d.name, (d, i))
+    return Shape(v[0] for v in seen.values())
+
+
+def names_in(ctx, x: NamedArray, spec, what: str = "dims") -> tuple[str, ...]:
+    """Names in ``spec`` that must all be dims of ``x`` (sizes, if written, must agree)."""
+    out = []
+    for name, size in parse_dims(spec, what=f"{where_(ctx)}: {what}"):
+        if name not in x.names:
+            raise ShapeError(f"{where_(ctx)}: {what} names {name!r}, which is not a dim of "
+                             f"[{x.dims}]{suggest(name, x.names)}")
+        if size is not None and size != x.dims[name].size:
+            raise ShapeError(f"{where_(ctx)}: {what} writes {name}:{size} but the tensor has "
+                             f"{name}:{x.dims[name].size}")
+        if name in out:
+            raise ShapeError(f"{where_(ctx)}: {what} names {name!r} twice")
+        out.append(name)
+    return tuple(out)
+
+
+def new_dims(ctx, spec, what: str) -> Shape:
+    """Dims whose sizes must all be written (``Dim`` s or ``name:size``)."""
+    dims = []
+    for name, size in parse_dims(spec, what=f"{where_(ctx)}: {what}"):
+        if size is None:
+            raise ShapeError(f"{where_(ctx)}: {what} needs the size of {name!r}: write {name}:<size> "
+                             "or pass md.Dim(name, size)")
+        dims.append(Dim(name, size))
+    return Shape(dims)
+
+
+def axis_of(x: NamedArray, name: str) -> int:
+    return x.names.index(name)
+
+
+def align(local, from_dims, to_dims):
+    """Transpose a local block from ``from_dims`` order to ``to_dims`` order, with size-1 axes for
+    dims it lacks, so that it broadcasts against the result."""
+    src = [d.name for d in from_dims]
+    dst = [d.name for d in to_dims]
+    present = [n for n in dst if n in src]
+    if present != src:
+        local = jnp.transpose(local, [src.index(n) for n in present])
+    if len(present) != len(dst):
+        shape = list(local.shape)
+        full = []
+        it = iter(shape)
+        for n in dst:
+            full.append(next(it) if n in src else 1)
+        local = jnp.reshape(local, full)
+    return local

@@ -1,0 +1,133 @@
+"""Elementwise ops, broadcasting by name.
+
+The result has the union of the operands' dims (first appearance order). It is computed where the
+operands already are (see :mod:`meshdsl.placement`): ``x * scale`` of a split ``x`` is local.
+
+Pending partial sums stay pending through linear ops, so they are reduced once, late:
+
+* ``a + b`` / ``a - b`` of two partial sums over the same axes is a partial sum (one psum for
+  the two einsums that produced them, not two);
+* ``a * c``, ``c * a`` and ``a / c`` with only ``a`` pending scale each partial sum;
+* ``-a``, ``astype`` between float types and ``stop_gradient`` keep it.
+
+Every other elementwise op needs whole values: pending sums are reduced first (psum, or a
+reduce-scatter when the result is split over the same axis).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .common import align, as_named, union_dims
+from .registry import op
+
+__all__ = [
+    "add", "subtract", "multiply", "divide", "power", "negative", "maximum", "minimum",
+    "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "square", "abs", "sign", "tanh", "sigmoid",
+    "relu", "gelu", "silu", "softplus", "erf", "sin", "cos", "floor", "round", "isfinite",
+    "less", "less_equal", "greater", "greater_equal", "equal", "not_equal",
+    "logical_and", "logical_or", "logical_not", "where", "astype", "stop_gradient", "clip",
+]
+
+
+def _apply(ctx, fn, args, pending_rule: str = "resolve"):
+    xs = [as_named(ctx, a, f"operand {i + 1}") for i, a in enumerate(args)]
+    dims = union_dims(ctx, xs)
+    axes = ctx.plan(dims, xs)
+    planned = {a for ax in axes.values() for a in ax}
+    pend = [ctx.pending(x) for x in xs]
+    keep = frozenset()
+    if pending_rule == "additive" and pend[0] and all(p == pend[0] for p in pend):
+        keep = pend[0] - planned
+    elif pending_rule in ("scale", "product"):
+        holders = [i for i, p in enumerate(pend) if p]
+        if len(holders) == 1 and (pending_rule == "product" or holders == [0]):
+            keep = pend[holders[0]] - planned
+    vary = ctx.vary(axes.values(), xs, keep)
+    local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]
+    return ctx.out(fn(*local), dims, axes, keep)
+
+
+def _unary(name, fn, pending_rule="resolve"):
+    @op(name)
+    def rule(ctx, x):
+        return _apply(ctx, fn, (x,), pending_rule)
+
+    rule.__doc__ = f"Elementwise ``{name}``."
+    return rule
+
+
+def _binary(name, fn, pending_rule="resolve"):
+    @op(name)
+    def rule(ctx, x, y):
+        return _apply(ctx, fn, (x, y), pending_rule)
+
+    rule.__doc__ = f"Elementwise ``{name}``, broadcasting by dim name."
+    return rule
+
+
+add = _binary("add", jnp.add, "additive")
+subtract = _binary("subtract", jnp.subtract, "additive")
+multiply = _binary("multiply", jnp.multiply, "product")
+divide = _binary("divide", jnp.divide, "scale")
+power = _binary("power", jnp.power)
+maximum = _binary("maximum", jnp.maximum)
+minimum = _binary("minimum", jnp.minimum)
+less = _binary("less", jnp.less)
+less_equal = _binary("less_equal", jnp.less_equal)
+greater = _binary("greater", jnp.greater)
+greater_equal = _binary("greater_equal", jnp.greater_equal)
+equal = _binary("equal", jnp.equal)
+not_equal = _binary("not_equal", jnp.not_equal)
+logical_and = _binary("logical_and", jnp.logical_and)
+logical_or = _binary("logical_or", jnp.logical_or)
+
+negative = _unary("negative", jnp.negative, "scale")
+stop_gradient = _unary("stop_gradient", jax.lax.stop_gradient, "scale")
+exp = _unary("exp", jnp.exp)
+log = _unary("log", jnp.log)
+log1p = _unary("log1p", jnp.log1p)
+expm1 = _unary("expm1", jnp.expm1)
+sqrt = _unary("sqrt", jnp.sqrt)
+rsqrt = _unary("rsqrt", jax.lax.rsqrt)
+square = _unary("square", jnp.square)
+abs = _unary("abs", jnp.abs)  # noqa: A001 - the op's name
+sign = _unary("sign", jnp.sign)
+tanh = _unary("tanh", jnp.tanh)
+sigmoid = _unary("sigmoid", jax.nn.sigmoid)
+relu = _unary("relu", jax.nn.relu)
+silu = _unary("silu", jax.nn.silu)
+softplus = _unary("softplus", jax.nn.softplus)
+erf = _unary("erf", jax.scipy.special.erf)
+sin = _unary("sin", jnp.sin)
+cos = _unary("cos", jnp.cos)
+floor = _unary("floor", jnp.floor)
+round = _unary("round", jnp.round)  # noqa: A001 - the op's name
+isfinite = _unary("isfinite", jnp.isfinite)
+logical_not = _unary("logical_not", jnp.logical_not)
+
+
+@op("gelu")
+def gelu(ctx, x, approximate: bool = True):
+    """GELU; ``approximate=True`` is the tanh form (T5's ``gelu_new``)."""
+    return _apply(ctx, lambda v: jax.nn.gelu(v, approximate=approximate), (x,))
+
+
+@op("where")
+def where(ctx, cond, x, y):
+    """``x`` where ``cond`` else ``y``, broadcasting by name."""
+    return _apply(ctx, jnp.where, (cond, x, y))
+
+
+@op("clip")
+def clip(ctx, x, lo=None, hi=None):
+    return _apply(ctx, lambda v: jnp.clip(v, lo, hi), (x,))
+
+
+@op("astype")
+def astype(ctx, x, dtype):
+    """Cast to ``dtype``; a pending sum stays pending between floating types."""
+    x = as_named(ctx, x)
+    linear = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    return _apply(ctx, lambda v: v.astype(dtype), (x,), "scale" if linear else "resolve")

@@ -1,0 +1,207 @@
+"""Ops that index along a dim: one_hot, take, top_k, argmax, cumsum, shift.
+
+Over a dim split on mesh axis ``a``:
+
+* ``one_hot``: each device builds its block of the new dim from the ids (no communication);
+* ``take`` (embedding lookup): each device looks up the rows it holds, zeros elsewhere: a pending
+  partial sum over ``a`` (Megatron's vocab-parallel embedding);
+* ``top_k``: local top-k, all-gather of the k candidates per device only, final top-k;
+* ``cumsum``: local cumsum plus the sum of the previous blocks' totals (an all-gather of one
+  value per row and device);
+* ``shift``: ``ppermute`` of the boundary slice only (two slices when the offset is not a multiple
+  of the block, one full block when it is).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import collectives as C
+from ..dims import Dim, Shape
+from ..errors import ShapeError
+from .common import align, as_named, names_in, new_dims, where_
+from .registry import op
+
+__all__ = ["one_hot", "take", "top_k", "argmax", "cumsum", "shift"]
+
+
+def _offset(ctx, axes, block):
+    """Global index of this device's first element of a dim split over ``axes``."""
+    return C.axis_index(axes) * block if axes else 0
+
+
+def _one(ctx, x, dim, what) -> str:
+    names = names_in(ctx, x, dim, what)
+    if len(names) != 1:
+        raise ShapeError(f"{where_(ctx)}: {what} must be exactly one dim, got {list(names)}")
+    return names[0]
+
+
+@op("one_hot")
+def one_hot(ctx, ids, dim, dtype=jnp.float32):
+    """``out[..., v] = (ids[...] == v)`` with a new dim ``dim`` (a ``Dim`` or ``"name:size"``)."""
+    ids = as_named(ctx, ids, "ids")
+    (new,) = new_dims(ctx, dim, "one_hot dim")
+    if new.name in ids.names:
+        raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] already have a dim {new.name!r}")
+    dims = Shape((*ids.dims, new))
+    axes = ctx.plan(dims, [ids])
+    vary = ctx.vary(axes.values(), [ids])
+    local = ctx.local(ids, axes, vary)
+    split = axes[new.name]
+    block = new.size // ctx.axes_size(split)
+    iota = jnp.arange(block, dtype=local.dtype) + _offset(ctx, split, block).astype(local.dtype) \
+        if split else jnp.arange(block, dtype=local.dtype)
+    return ctx.out((local[..., None] == iota).astype(dtype), dims, axes)
+
+
+@op("take")
+def take(ctx, table, ids, dim):
+    """Rows of ``table`` along ``dim`` picked by integer ``ids``: dims are ids' dims, then the
+    table's other dims. Over a split ``dim`` the result is a pending partial sum."""
+    table = as_named(ctx, table, "table")
+    ids = as_named(ctx, ids, "ids")
+    name = _one(ctx, table, dim, "take dim")
+    rest = [d for d in table.dims if d.name != name]
+    clash = [d.name for d in rest if d.name in ids.names]
+    if clash:
+        raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] and table [{table.dims}] share dims {clash}; "
+                         "rename one side")
+    out = Shape((*ids.dims, *rest))
+    axes = ctx.plan(Shape((*out, table.dims[name])), [table, ids])
+    vary = ctx.vary(axes.values(), [table, ids])
+    t_local = ctx.local(table, axes, vary)
+    i_local = ctx.local(ids, axes, vary)
+    pos = table.names.index(name)
+    split = axes[name]
+    if split:
+        block = table.dims[name].size // ctx.axes_size(split)
+        rel = i_local - _offset(ctx, split, block).astype(i_local.dtype)
+        inside = (rel >= 0) & (rel < block)
+        rows = jnp.take(t_local, jnp.clip(rel, 0, block - 1), axis=pos)
+        mask = jnp.expand_dims(inside, tuple(range(pos)) + tuple(range(pos + ids.ndim, len(rest) + ids.ndim)))
+        rows = jnp.where(mask, rows, jnp.zeros((), rows.dtype))
+    else:
+        rows = jnp.take(t_local, i_local, axis=pos)
+    got = Shape((*table.dims[:pos], *ids.dims, *table.dims[pos + 1:]))
+    return ctx.out(align(rows, got, out), out, axes, frozenset(split))
+
+
+@op("top_k")
+def top_k(ctx, x, dim, k: int, out: str = "k"):
+    """The ``k`` largest entries along ``dim``: ``(values, indices)`` with dim ``out`` (size k)
+    in place of ``dim``; indices are global positions along ``dim`` (int32)."""
+    x = as_named(ctx, x)
+    name = _one(ctx, x, dim, "top_k dim")
+    n = x.dims[name].size
+    if not 0 < k <= n:
+        raise ShapeError(f"{where_(ctx)}: k={k} is not in 1..{n} (size of {name!r})")
+    if out in x.names and out != name:
+        raise ShapeError(f"{where_(ctx)}: out dim {out!r} already exists in [{x.dims}]")
+    axes = ctx.plan(x.dims, [x])
+    vary = ctx.vary(axes.values(), [x])
+    local = jnp.moveaxis(ctx.local(x, axes, vary), x.names.index(name), -1)
+    split = axes[name]
+    if not split:
+        values, idx = jax.lax.top_k(local, k)
+    else:
+        block = n // ctx.axes_size(split)
+        kk = min(k, block)
+        v1, i1 = jax.lax.top_k(local, kk)
+        i1 = i1 + _offset(ctx, split, block).astype(i1.dtype)
+        last = local.ndim - 1
+        v_all = C.all_gather(ctx, v1, split, last, invariant=True, tensor=f"[{x.dims}] top_k candidates")
+        i_all = C.all_gather(ctx, i1, split, last, invariant=True, tensor=f"[{x.dims}] top_k indices")
+        values, sel = jax.lax.top_k(v_all, k)
+        idx = jnp.take_along_axis(i_all, sel, axis=-1)
+    pos = x.names.index(name)
+    dims = Shape(Dim(out, k) if d.name == name else d for d in x.dims)
+    out_axes = {(out if n_ == name else n_): a for n_, a in axes.items()}
+    out_axes[out] = ()
+    return (ctx.out(jnp.moveaxis(values, -1, pos), dims, out_axes),
+            ctx.out(jnp.moveaxis(idx.astype(jnp.int32), -1, pos), dims, out_axes))
+
+
+def argmax(x, dim):
+    """Global position of the maximum along ``dim`` (int32), without the dim."""
+    from .shaping import reshape
+    _, idx = top_k(x, dim, 1, out="argmax_k_")
+    return reshape(idx, [d for d in idx.dims if d.name != "argmax_k_"])
+
+
+@op("cumsum")
+def cumsum(ctx, x, dim):
+    """Inclusive cumulative sum along ``dim``."""
+    x = as_named(ctx, x)
+    name = _one(ctx, x, dim, "cumsum dim")
+    axes = ctx.plan(x.dims, [x])
+    keep = ctx.pending(x) - {a for a in axes[name]}
+    vary = ctx.vary(axes.values(), [x], keep)
+    local = ctx.local(x, axes, vary, keep_pending=keep)
+    pos = x.names.index(name)
+    y = jnp.cumsum(local, axis=pos)
+    split = axes[name]
+    if split:
+        n = ctx.axes_size(split)
+        last = jax.lax.slice_in_dim(y, y.shape[pos] - 1, y.shape[pos], axis=pos)
+        totals = C.all_gather(ctx, last, split, pos, invariant=False, tensor=f"[{x.dims}] block totals of {name}")
+        shape = [1] * y.ndim
+        shape[pos] = n
+        before = (jnp.arange(n) < C.axis_index(split)).reshape(shape)
+        y = y + jnp.sum(jnp.where(before, totals, jnp.zeros((), totals.dtype)), axis=pos, keepdims=True)
+    return ctx.out(y, x.dims, axes, keep)
+
+
+def _shift_local(v, pos, offset, wrap):
+    if wrap:
+        return jnp.roll(v, offset, axis=pos)
+    n = v.shape[pos]
+    if offset >= 0:
+        body = jax.lax.slice_in_dim(v, 0, n - offset, axis=pos)
+        widths = [(offset, 0) if i == pos else (0, 0) for i in range(v.ndim)]
+    else:
+        body = jax.lax.slice_in_dim(v, -offset, n, axis=pos)
+        widths = [(0, -offset) if i == pos else (0, 0) for i in range(v.ndim)]
+    return jnp.pad(body, widths)
+
+
+@op("shift")
+def shift(ctx, x, dim, offset: int, wrap: bool = False):
+    """``y[i] = x[i - offset]`` along ``dim``, zero-filled (cyclic with ``wrap=True``)."""
+    x = as_named(ctx, x)
+    name = _one(ctx, x, dim, "shift dim")
+    size = x.dims[name].size
+    if not isinstance(offset, int):
+        raise ShapeError(f"{where_(ctx)}: shift offset must be a Python int, got {offset!r}")
+    if wrap:
+        offset %= size
+    elif abs(offset) >= size:
+        raise ShapeError(f"{where_(ctx)}: shift by {offset} along {name}:{size} leaves nothing; "
+                         f"use |offset| < {size}, or wrap=True for a cyclic shift")
+    axes = ctx.plan(x.dims, [x])
+    keep = ctx.pending(x) - {a for a in axes[name]}
+    vary = ctx.vary(axes.values(), [x], keep)
+    local = ctx.local(x, axes, vary, keep_pending=keep)
+    pos = x.names.index(name)
+    split = axes[name]
+    if not split or offset == 0:
+        return ctx.out(_shift_local(local, pos, offset, wrap), x.dims, axes, keep)
+    n = ctx.axes_size(split)
+    block = size // n
+    q, r = divmod(offset, block)
+
+    def moved(v, distance, tensor):
+        pairs = [(s, (s + distance) % n if wrap else s + distance) for s in range(n)
+                 if wrap or 0 <= s + distance < n]
+        pairs = [(s, t) for s, t in pairs if s != t]
+        if not pairs:  # every device keeps its own block
+            return v if distance % n == 0 else jnp.zeros_like(v)
+        return C.ppermute(ctx, v, split, pairs, tensor)
+
+    head = jax.lax.slice_in_dim(local, 0, block - r, axis=pos)       # goes to [r:block]
+    y = moved(head, q, f"[{x.dims}] shift {name} by {offset}")
+    if r:
+        tail = jax.lax.slice_in_dim(local, block - r, block, axis=pos)  # goes to [0:r]
+        y = jnp.concatenate([moved(tail, q + 1, f"[{x.dims}] shift {name} boundary"), y], axis=pos)
+    return ctx.out(y, x.dims, axes, keep)

@@ -1,0 +1,149 @@
+"""Reductions over named dims: sum, mean, max, min, softmax, logsumexp.
+
+Over a dim split on mesh axis ``a``:
+
+* ``sum`` / ``mean``: local sum, the result is a pending partial sum over ``a`` (reduced once,
+  by whichever op first needs whole values);
+* ``max`` / ``min``: local reduction, then an all-reduce (max/min) of the small result;
+* ``softmax`` / ``logsumexp``: local part plus ``pmax`` of the row maxima and ``psum`` of the row
+  sums: small statistics, never a gather of the dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import collectives as C
+from ..dims import Shape
+from ..errors import ShapeError
+from .common import as_named, names_in, where_
+from .elementwise import divide
+from .registry import op
+
+__all__ = ["sum", "mean", "max", "min", "softmax", "logsumexp"]
+
+
+def _reduce_setup(ctx, x, dims, what):
+    x = as_named(ctx, x)
+    names = x.names if dims is None else names_in(ctx, x, dims, what)
+    axes = ctx.plan(x.dims, [x])
+    return x, names, axes
+
+
+@op("sum")
+def sum(ctx, x, dims=None):  # noqa: A001 - the op's name
+    """Sum over ``dims`` (all when None). Split dims leave a pending partial sum."""
+    x, names, axes = _reduce_setup(ctx, x, dims, "dims to sum")
+    planned = {a for ax in axes.values() for a in ax}
+    keep = ctx.pending(x) - planned
+    vary = ctx.vary(axes.values(), [x], keep)
+    local = ctx.local(x, axes, vary, keep_pending=keep)
+    y = jnp.sum(local, axis=tuple(x.names.index(n) for n in names))
+    out_dims = Shape(d for d in x.dims if d.name not in names)
+    reduced = frozenset(a for n in names for a in axes[n])
+    return ctx.out(y, out_dims, axes, keep | reduced)
+
+
+def mean(x, dims=None):
+    """Mean over ``dims`` (all when None): a sum, then a scale (a pending sum stays pending)."""
+    total = sum(x, dims)
+    return divide(total, x.size // total.size if total.size else 1)
+
+
+def _extreme(ctx, x, dims, what, is_max: bool):
+    x, names, axes = _reduce_setup(ctx, x, dims, what)
+    vary = ctx.vary(axes.values(), [x])
+    local = ctx.local(x, axes, vary)
+    pos = tuple(x.names.index(n) for n in names)
+    split = tuple(a for n in names for a in axes[n])
+    reducer = jnp.max if is_max else jnp.min
+    out_dims = Shape(d for d in x.dims if d.name not in names)
+    if not split:
+        return ctx.out(reducer(local, axis=pos), out_dims, axes)
+    split = tuple(a for a in ctx.mesh.axis_names if a in split)
+
+    def combine(v):
+        m = reducer(v, axis=pos)
+        return C.pmax(ctx, m, split) if is_max else -C.pmax(ctx, -m, split)
+
+    @jax.custom_vjp
+    def f(v):
+        return combine(v)
+
+    def f_fwd(v):
+        m = combine(v)
+        return m, (v, m)
+
+    op_, multiplier = ctx.op, ctx.multiplier
+
+    def f_bwd(res, ct):
+        v, m = res
+        with ctx.origin(op_, multiplier, "backward"):
+            ct, m = C.cast(ctx, ct, split), C.cast(ctx, m, split)
+            mask = v == jnp.expand_dims(m, pos)
+            count = C.psum(ctx, jnp.sum(mask, axis=pos).astype(v.dtype), split, f"[{x.dims}] tie count")
+            count = C.cast(ctx, count, split)  # ties share the gradient, as jnp.max's do
+        return (jnp.where(mask, jnp.expand_dims(ct / count, pos), 0).astype(v.dtype),)
+
+    f.defvjp(f_fwd, f_bwd)
+    y = f(local) if jnp.issubdtype(local.dtype, jnp.floating) else combine(local)
+    return ctx.out(y, out_dims, axes)
+
+
+@op("max")
+def max(ctx, x, dims=None):  # noqa: A001 - the op's name
+    """Maximum over ``dims``; over a split dim, local max then an all-reduce (max) of the result."""
+    return _extreme(ctx, x, dims, "dims of max", True)
+
+
+@op("min")
+def min(ctx, x, dims=None):  # noqa: A001 - the op's name
+    """Minimum over ``dims``; over a split dim, local min then an all-reduce (min) of the result."""
+    return _extreme(ctx, x, dims, "dims of min", False)
+
+
+def _one_dim(ctx, x, dim, what) -> str:
+    names = names_in(ctx, x, dim, what)
+    if len(names) != 1:
+        raise ShapeError(f"{where_(ctx)}: {what} must be one dim, got {names}")
+    return names[0]
+
+
+def _stats(ctx, x, dim, what):
+    """Local block, the row max over ``dim`` (no gradient; typed invariant) and the split axes."""
+    x = as_named(ctx, x)
+    name = _one_dim(ctx, x, dim, what)
+    axes = ctx.plan(x.dims, [x])
+    vary = ctx.vary(axes.values(), [x])
+    local = ctx.local(x, axes, vary)
+    pos = x.names.index(name)
+    split = axes[name]
+    m = jax.lax.stop_gradient(jnp.max(local, axis=pos, keepdims=True))
+    if split:
+        m = C.pmax(ctx, m, split, f"[{x.dims}] max over {name}")
+    return x, name, axes, local, pos, split, m
+
+
+def _row_sum(ctx, e, pos, split, text):
+    """Row sums over the (possibly split) dim at ``pos``: a psum of the local sums."""
+    s = jnp.sum(e, axis=pos, keepdims=True)
+    return C.psum(ctx, s, split, text) if split else s
+
+
+@op("softmax")
+def softmax(ctx, x, dim):
+    """``exp(x) / sum(exp(x))`` over ``dim``; a split dim costs two all-reduces of row statistics."""
+    x, name, axes, local, pos, split, m = _stats(ctx, x, dim, "softmax dim")
+    e = jnp.exp(local - C.cast(ctx, m, split))
+    s = _row_sum(ctx, e, pos, split, f"[{x.dims}] row sums over {name}")
+    return ctx.out(e / C.cast(ctx, s, split), x.dims, axes)
+
+
+@op("logsumexp")
+def logsumexp(ctx, x, dim):
+    """``log(sum(exp(x)))`` over ``dim``, without gathering a split dim."""
+    x, name, axes, local, pos, split, m = _stats(ctx, x, dim, "logsumexp dim")
+    s = _row_sum(ctx, jnp.exp(local - C.cast(ctx, m, split)), pos, split, f"[{x.dims}] row sums over {name}")
+    y = jnp.squeeze(jnp.log(s) + m, axis=pos)
+    return ctx.out(y, Shape(d for d in x.dims if d.name != name), axes)

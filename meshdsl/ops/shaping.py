@@ -1,0 +1,197 @@
+"""Ops that change dims rather than values: rename, transpose, reshape, concat, slice, pad.
+
+``rename`` and the name-keeping parts of ``reshape`` move no data: a split travels with its dim to
+the new name. If the layout places the new name elsewhere, the next op that needs it there moves
+it: a split moving from one dim to another is one ``all_to_all`` (MoE dispatch), a split that must
+go is an ``all_gather`` (sequence parallel entering attention), and a pending sum meeting a split
+name is a reduce-scatter (sequence parallel leaving the MLP).
+
+``reshape`` merges and splits dims in row-major order (Mesh-TF semantics). A merged or split group
+stays local when only its major dim is split and the new major dim is divisible by the same mesh
+axes; otherwise the group is gathered first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..dims import Dim, Shape, parse_dims
+from ..errors import ShapeError, suggest
+from .common import align, as_named, names_in, where_
+from .registry import op
+
+__all__ = ["rename", "transpose", "reshape", "concat", "slice", "pad"]
+
+
+def _renamed_axes(ctx, x, mapping):
+    pl = ctx.placement(x)
+    if pl is None:
+        return None, frozenset()
+    return {mapping.get(d.name, d.name): a for d, a in zip(x.dims, pl.axes)}, pl.pending
+
+
+@op("rename")
+def rename(ctx, x, mapping, new=None):
+    """Rename dims: ``md.rename(x, {"seq": "kv_seq", ...})`` (or ``md.rename(x, "seq", "kv_seq")``)."""
+    x = as_named(ctx, x)
+    if isinstance(mapping, str) and new is not None:
+        mapping = {mapping: new}
+    if not isinstance(mapping, dict):
+        raise ShapeError(f"{where_(ctx)}: expected a dict {{old: new}}, got {mapping!r}")
+    for old, new_name in mapping.items():
+        if old not in x.names:
+            raise ShapeError(f"{where_(ctx)}: cannot rename {old!r}: not a dim of [{x.dims}]{suggest(old, x.names)}")
+        if not isinstance(new_name, str) or not new_name.isidentifier():
+            raise ShapeError(f"{where_(ctx)}: new name {new_name!r} for {old!r} is not an identifier")
+    names = [mapping.get(n, n) for n in x.names]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ShapeError(f"{where_(ctx)}: renaming [{x.dims}] with {mapping} gives two dims named {dupes[0]!r}")
+    dims = Shape(Dim(mapping.get(d.name, d.name), d.size) for d in x.dims)
+    axes, pending = _renamed_axes(ctx, x, mapping)
+    return ctx.out(x.array, dims, axes, pending, is_param=x.is_param)
+
+
+@op("transpose")
+def transpose(ctx, x, dims):
+    """Reorder the dims of ``x`` (every dim listed once); no data moves between devices."""
+    x = as_named(ctx, x)
+    order = names_in(ctx, x, dims, "new dim order")
+    if set(order) != set(x.names):
+        missing = [n for n in x.names if n not in order]
+        raise ShapeError(f"{where_(ctx)}: new dim order {list(order)} misses {missing} of [{x.dims}]")
+    new = Shape(x.dims[n] for n in order)
+    axes, pending = _renamed_axes(ctx, x, {})
+    return ctx.out(align(x.array, x.dims, new), new, axes, pending, is_param=x.is_param)
+
+
+def _groups(old, new):
+    """Pair runs of old and new dims whose sizes multiply to the same total (row-major)."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        gi, gj, po, pn = [], [], 1, 1
+        if i < len(old):
+            gi.append(old[i])
+            po, i = po * old[i].size, i + 1
+        if j < len(new):
+            gj.append(new[j])
+            pn, j = pn * new[j].size, j + 1
+        while po != pn:
+            if po < pn and i < len(old):
+                gi.append(old[i])
+                po, i = po * old[i].size, i + 1
+            elif pn < po and j < len(new):
+                gj.append(new[j])
+                pn, j = pn * new[j].size, j + 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+@op("reshape")
+def reshape(ctx, x, dims):
+    """Merge/split dims in row-major order: ``md.reshape(x, "batch seq heads:8 d_kv")``.
+
+    A name already in ``x`` keeps its size unless written; at most one size may be left to infer.
+    """
+    x = as_named(ctx, x)
+    specs = parse_dims(dims, what=f"{where_(ctx)}: new dims")
+    sizes = [s if s is not None else (x.dims[n].size if n in x.names else None) for n, s in specs]
+    unknown = [n for (n, _), s in zip(specs, sizes) if s is None]
+    known = math.prod(s for s in sizes if s is not None)
+    if len(unknown) > 1:
+        raise ShapeError(f"{where_(ctx)}: cannot infer the sizes of {unknown}; write all but one as name:size")
+    if unknown:
+        if known == 0 or x.size % known:
+            raise ShapeError(f"{where_(ctx)}: cannot infer {unknown[0]!r}: {x.size} elements of [{x.dims}] are "
+                             f"not a multiple of {known}")
+        sizes = [s if s is not None else x.size // known for s in sizes]
+    new = Shape(Dim(n, s) for (n, _), s in zip(specs, sizes))
+    if math.prod(sizes) != x.size:
+        raise ShapeError(f"{where_(ctx)}: cannot reshape [{x.dims}] ({x.size} elements) to [{new}] "
+                         f"({math.prod(sizes)} elements)")
+    groups = _groups(list(x.dims), list(new))
+    pl = ctx.placement(x)
+    if pl is None:
+        return ctx.out(jnp.reshape(x.array, new.sizes), new)
+    current = dict(zip(x.names, pl.axes))
+    src_target, out_axes = {}, {}
+    for old_g, new_g in groups:
+        if len(old_g) == 1 and len(new_g) == 1:
+            src_target[old_g[0].name] = out_axes[new_g[0].name] = current[old_g[0].name]
+            continue
+        major = current[old_g[0].name] if old_g else ()
+        if major and new_g and new_g[0].size % ctx.axes_size(major):
+            major = ()
+        for k, d in enumerate(old_g):
+            src_target[d.name] = major if k == 0 else ()
+        for k, d in enumerate(new_g):
+            out_axes[d.name] = major if k == 0 else ()
+    vary = ctx.vary(src_target.values(), [x], pl.pending)
+    local = ctx.local(x, src_target, vary, keep_pending=pl.pending)
+    local_shape = [d.size // ctx.axes_size(out_axes[d.name]) for d in new]
+    return ctx.out(jnp.reshape(local, local_shape), new, out_axes, pl.pending, is_param=x.is_param)
+
+
+def _whole_along(ctx, x, name, keep_pending):
+    """Plan for ``x`` with dim ``name`` whole (other dims stay where they are)."""
+    axes = ctx.plan(x.dims, [x])
+    axes[name] = ()
+    return axes, ctx.vary(axes.values(), [x], keep_pending)
+
+
+@op("concat")
+def concat(ctx, xs, dim):
+    """Concatenate along ``dim`` (same name in every operand; other dims must agree)."""
+    xs = [as_named(ctx, x, f"operand {i + 1}") for i, x in enumerate(xs)]
+    if not xs:
+        raise ShapeError(f"{where_(ctx)}: nothing to concatenate")
+    (name,) = names_in(ctx, xs[0], dim, "concat dim")
+    first = xs[0]
+    for i, x in enumerate(xs[1:], 2):
+        if name not in x.names or {d for d in x.dims if d.name != name} != {d for d in first.dims if d.name != name}:
+            raise ShapeError(f"{where_(ctx)}: operand {i} [{x.dims}] does not match operand 1 [{first.dims}] "
+                             f"apart from {name!r}")
+    out = Shape(Dim(name, sum(x.dims[name].size for x in xs)) if d.name == name else d for d in first.dims)
+    pend = {ctx.pending(x) for x in xs}
+    keep = pend.pop() if len(pend) == 1 else frozenset()
+    axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs)
+    axes[name] = ()
+    vary = ctx.vary(axes.values(), xs, keep)
+    local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
+    return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
+
+
+@op("slice")
+def slice(ctx, x, dim, start: int, size: int):  # noqa: A001 - the op's name
+    """``size`` entries of ``dim`` from ``start``; the dim keeps its name (a new size)."""
+    x = as_named(ctx, x)
+    (name,) = names_in(ctx, x, dim, "slice dim")
+    n = x.dims[name].size
+    if not (0 <= start and size >= 0 and start + size <= n):
+        raise ShapeError(f"{where_(ctx)}: slice [{start}:{start + size}] is outside {name}:{n}")
+    keep = ctx.pending(x)
+    axes, vary = _whole_along(ctx, x, name, keep)
+    local = ctx.local(x, axes, vary, keep_pending=keep)
+    out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
+    y = jax.lax.slice_in_dim(local, start, start + size, axis=x.names.index(name))
+    return ctx.out(y, out, axes, keep)
+
+
+@op("pad")
+def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0):
+    """Pad ``dim`` with ``before``/``after`` entries of ``value``; the dim keeps its name."""
+    x = as_named(ctx, x)
+    (name,) = names_in(ctx, x, dim, "pad dim")
+    if before < 0 or after < 0:
+        raise ShapeError(f"{where_(ctx)}: pad widths must be >= 0, got {before}, {after}")
+    keep = ctx.pending(x) if value == 0 else frozenset()
+    axes, vary = _whole_along(ctx, x, name, keep)
+    local = ctx.local(x, axes, vary, keep_pending=keep)
+    widths = [(before, after) if d.name == name else (0, 0) for d in x.dims]
+    out = Shape(Dim(name, d.size + before + after) if d.name == name else d for d in x.dims)
+    return ctx.out(jnp.pad(local, widths, constant_values=value), out, axes, keep)

@@ -1,0 +1,54 @@
+"""Where an op computes: the iteration-space placement.
+
+Rule of thumb, applied by every op the same way so that communication is predictable:
+
+1. A dim keeps the split its operands already agree on (no data moves).
+2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``).
+3. Where two dims claim one mesh axis, dims not placed by the layout give way first; if two dims
+   the layout places both claim it (only possible inside an op, e.g. a contracted and a kept dim
+   of an einsum), the op's ``prefer`` order decides and the others are left whole on that axis.
+
+Operands are then relaid (:mod:`meshdsl.relayout`) to the chosen placement. A value keeps its
+current placement as long as no op needs it elsewhere; at the end of ``md.lower`` every output is
+brought to the layout's placement.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+__all__ = ["plan"]
+
+
+def plan(ctx, dims, operands, *, prefer=()) -> dict[str, tuple]:
+    """Mesh axes per dim name of the iteration space ``dims`` for an op over ``operands``."""
+    canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
+    proposal = {}
+    for d in dims:
+        held = {ctx.placement(x).of(x.dims, d.name) for x in operands if d.name in x.names}
+        proposal[d.name] = held.pop() if len(held) == 1 else canonical[d.name]
+    order = {d.name: i for i, d in enumerate(dims)}
+    while True:
+        owners = defaultdict(list)
+        for name, axes in proposal.items():
+            for a in axes:
+                owners[a].append(name)
+        clashes = [names for names in owners.values() if len(names) > 1]
+        if not clashes:
+            return proposal
+        changed = False
+        for names in clashes:
+            for n in names:
+                if proposal[n] != canonical[n]:
+                    proposal[n] = canonical[n]
+                    changed = True
+        if changed:
+            continue
+        for axis, names in owners.items():
+            if len(names) < 2:
+                continue
+            ranked = sorted(names, key=lambda n: (n not in prefer, order[n]))
+            for n in ranked[1:]:
+                axes = proposal[n]
+                if axis in axes:
+                    proposal[n] = axes[:axes.index(axis)]

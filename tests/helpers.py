@@ -1,0 +1,60 @@
+"""Shared test helpers: compare NamedArrays by name, count collectives in compiled HLO."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import meshdsl as md
+from meshdsl import hlo_comm
+
+
+def is_named(x) -> bool:
+    return isinstance(x, md.NamedArray)
+
+
+def to_numpy(x: md.NamedArray, names=None) -> np.ndarray:
+    """The global value of ``x`` with axes in ``names`` order."""
+    arr = np.asarray(x.array)
+    if names is not None and tuple(names) != x.names:
+        arr = np.transpose(arr, [x.names.index(n) for n in names])
+    return arr
+
+
+def assert_same(actual, expected, rtol=1e-5, atol=1e-5):
+    """Pytrees of NamedArrays (or arrays) equal by name: same dims, same values."""
+    a_leaves, a_tree = jax.tree_util.tree_flatten(actual, is_leaf=is_named)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected, is_leaf=is_named)
+    assert a_tree == e_tree or len(a_leaves) == len(e_leaves), (a_tree, e_tree)
+    for a, e in zip(a_leaves, e_leaves):
+        if is_named(e):
+            assert is_named(a), a
+            assert set(a.names) == set(e.names), (a.dims, e.dims)
+            assert a.shape == e.shape
+            assert a.is_param == e.is_param
+            np.testing.assert_allclose(to_numpy(a, e.names).astype(np.float64),
+                                       to_numpy(e).astype(np.float64), rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=rtol, atol=atol)
+
+
+def check_layout(fn, mesh, layout, *args, rtol=1e-5, atol=1e-5, backend="explicit"):
+    """Run ``fn`` unsharded and lowered; assert equal; return the lowered function."""
+    expected = fn(*args)
+    f = md.lower(fn, mesh, layout, backend=backend)
+    assert_same(f(*args), expected, rtol, atol)
+    return f
+
+
+def hlo_summary(f, *args) -> dict:
+    """kind -> (count, bytes moved per device) in the compiled program."""
+    rep = hlo_comm.analyze(f.lower(*args).compile())
+    return {k: (v["count"], v["moved_bytes"]) for k, v in rep.summary().items()}
+
+
+def explain_summary(report) -> dict:
+    return {k: (v["count"], v["bytes"]) for k, v in report.summary().items()}
+
+
+def bytes_by_kind(summary: dict) -> dict:
+    return {k: v[1] for k, v in summary.items()}

@@ -56,6 +56,16 @@ def _linear(ctx, x, forward, transpose):
     return f(x)
 
 
+def _emit(ctx, kind, axes, v, primitive, tensor):
+    """Run one collective under a unique name scope (so explain can match it to the compiled
+    program and drop it if dead) and record it."""
+    tag = ctx.tag()
+    with jax.named_scope(tag):
+        out = primitive(v)
+    ctx.record(kind, axes, v, out, tensor, tag)
+    return out
+
+
 def axis_index(axes) -> jax.Array:
     """Linear index of this device along ``axes`` (major first)."""
     return jax.lax.axis_index(tuple(axes)) if len(axes) > 1 else jax.lax.axis_index(axes[0])
@@ -83,9 +93,7 @@ def psum(ctx, x, axes, tensor: str = ""):
     x = cast(ctx, x, axes, tensor)
 
     def forward(v):
-        out = jax.lax.psum(v, axes)
-        ctx.record("all-reduce", axes, v, out, tensor)
-        return out
+        return _emit(ctx, "all-reduce", axes, v, lambda u: jax.lax.psum(u, axes), tensor)
 
     def transpose(ct):
         varying = tuple(a for a in axes if a in varying_axes(ct))
@@ -100,9 +108,7 @@ def pmax(ctx, x, axes, tensor: str = ""):
     """Maximum over ``axes`` of a statistic (no gradient: callers stop it)."""
     axes = tuple(axes)
     x = jax.lax.stop_gradient(_raw_vary(x, axes))
-    out = jax.lax.pmax(x, axes)
-    ctx.record("all-reduce", axes, x, out, tensor)
-    return out
+    return _emit(ctx, "all-reduce", axes, x, lambda u: jax.lax.pmax(u, axes), tensor)
 
 
 def psum_scatter(ctx, x, axes, dim: int, tensor: str = ""):
@@ -111,9 +117,8 @@ def psum_scatter(ctx, x, axes, dim: int, tensor: str = ""):
     x = cast(ctx, x, axes, tensor)
 
     def forward(v):
-        out = jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
-        ctx.record("reduce-scatter", axes, v, out, tensor)
-        return out
+        return _emit(ctx, "reduce-scatter", axes, v,
+                     lambda u: jax.lax.psum_scatter(u, axes, scatter_dimension=dim, tiled=True), tensor)
 
     return _linear(ctx, x, forward, lambda ct: all_gather(ctx, ct, axes, dim, invariant=False, tensor=tensor))
 
@@ -125,10 +130,11 @@ def all_gather(ctx, x, axes, dim: int, *, invariant: bool, tensor: str = ""):
     axes = tuple(axes)
     x = cast(ctx, x, axes, tensor)
 
+    to = "invarying" if invariant else "varying"
+
     def forward(v):
-        out = jax.lax.all_gather(v, axes, axis=dim, tiled=True, to="invarying" if invariant else "varying")
-        ctx.record("all-gather", axes, v, out, tensor)
-        return out
+        return _emit(ctx, "all-gather", axes, v,
+                     lambda u: jax.lax.all_gather(u, axes, axis=dim, tiled=True, to=to), tensor)
 
     if invariant:
         return _linear(ctx, x, forward, lambda ct: take_block(ctx, ct, axes, dim, tensor))
@@ -158,9 +164,8 @@ def all_to_all(ctx, x, axes, split_dim: int, concat_dim: int, tensor: str = ""):
     x = cast(ctx, x, axes, tensor)
 
     def forward(v):
-        out = jax.lax.all_to_all(v, axes, split_dim, concat_dim, tiled=True)
-        ctx.record("all-to-all", axes, v, out, tensor)
-        return out
+        return _emit(ctx, "all-to-all", axes, v,
+                     lambda u: jax.lax.all_to_all(u, axes, split_dim, concat_dim, tiled=True), tensor)
 
     return _linear(ctx, x, forward, lambda ct: all_to_all(ctx, ct, axes, concat_dim, split_dim, tensor))
 
@@ -173,9 +178,7 @@ def ppermute(ctx, x, axes, perm, tensor: str = ""):
     name = axes if len(axes) > 1 else axes[0]
 
     def forward(v):
-        out = jax.lax.ppermute(v, name, perm)
-        ctx.record("collective-permute", axes, v, out, tensor)
-        return out
+        return _emit(ctx, "collective-permute", axes, v, lambda u: jax.lax.ppermute(u, name, perm), tensor)
 
     inverse = tuple((t, s) for s, t in perm)
     return _linear(ctx, x, forward, lambda ct: ppermute(ctx, ct, axes, inverse, tensor))

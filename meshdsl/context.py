@@ -63,6 +63,7 @@ class CollectiveRecord:
     count: int = 1     # executions (scan trip counts)
     phase: str = "forward"
     tensor: str = ""   # what moved, e.g. "[batch:8 d_ff:64] gather d_ff"
+    tag: str = ""      # name scope of the collective in the traced program
 
     @property
     def total_bytes(self) -> float:
@@ -100,7 +101,7 @@ class GlobalContext:
         return frozenset()
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
-        return x.array
+        return x._array
 
     def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
         return NamedArray(array, dims, is_param=is_param)
@@ -131,7 +132,7 @@ class GspmdContext(GlobalContext):
         axes = _checked_canonical(self, x.dims)
         if any(axes):
             spec = to_spec(axes)
-            x.array = jax.lax.with_sharding_constraint(array, NamedSharding(self.mesh.jax_mesh, spec))
+            x._array = jax.lax.with_sharding_constraint(array, NamedSharding(self.mesh.jax_mesh, spec))
         return x
 
 
@@ -159,6 +160,7 @@ class ExplicitContext(GlobalContext):
         self.phase = "forward"
         self.tracing = True          # False once the trace is over: late backward rules record nothing
         self.dims_seen: set[str] = set()
+        self._tags = 0
         self._checked: dict = {}
         self._cache: dict = {}       # relayout / cast results, per jax trace
         self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
@@ -197,7 +199,7 @@ class ExplicitContext(GlobalContext):
             out.update(axes)
         for x in operands:
             pl = self.placement(x)
-            out |= varying_axes(x.array) - pl.used_axes()
+            out |= varying_axes(x._array) - pl.used_axes()
         return frozenset(out)
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
@@ -229,7 +231,11 @@ class ExplicitContext(GlobalContext):
 
     # -- recording -------------------------------------------------------------------------------
 
-    def record(self, kind, axes, operand, result, tensor: str = "") -> None:
+    def tag(self) -> str:
+        self._tags += 1
+        return f"mdc{self._tags}"
+
+    def record(self, kind, axes, operand, result, tensor: str = "", tag: str = "") -> None:
         if not self.tracing:
             return
         n = self.mesh.axes_size(axes)
@@ -242,7 +248,7 @@ class ExplicitContext(GlobalContext):
         self.records.append(CollectiveRecord(
             op=name, line=line, kind=kind, axes=tuple(axes), shape=tuple(operand.shape),
             dtype=str(operand.dtype), bytes=cost.moved_bytes(kind, op_b, res_b, n),
-            count=self.multiplier, phase=self.phase, tensor=tensor))
+            count=self.multiplier, phase=self.phase, tensor=tensor, tag=tag))
 
     @contextlib.contextmanager
     def origin(self, op, multiplier, phase):

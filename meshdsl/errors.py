@@ -60,7 +60,7 @@ def user_line(skip: int = 1) -> str:
     return "?"
 
 
-def suggest(name: str, candidates) -> str:
+def suggest(name: str, candidates, cutoff: float = 0.6) -> str:
     """`` (did you mean 'x'?)`` when ``name`` is close to one of ``candidates``, else ``''``."""
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -115,6 +115,8 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling."""
     f = lower(fn, mesh, layout, param_gather=param_gather)
     closed, ctx, _ = f.trace(*args)
-    body = jaxpr_stats.inner_body(closed)
-    return Report(mesh=str(mesh), layout=str(layout), collectives=list(ctx.records),
+    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+    scopes = jaxpr_stats.name_scopes(body)
+    kept = [r for r in ctx.records if r.tag in scopes]  # a collective whose result is unused is dropped
+    return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body))

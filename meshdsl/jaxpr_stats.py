@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["matmul_flops", "memory", "inner_body"]
+__all__ = ["matmul_flops", "memory", "inner_body", "live", "name_scopes"]
 
 
 def _sub_jaxprs(eqn):
@@ -104,3 +105,22 @@ def memory(jaxpr) -> dict:
     outs = sum(_nbytes(v.aval) for v in jaxpr.outvars if isinstance(v, jcore.Var))
     temps = _peak(jaxpr)
     return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + temps}
+
+
+def live(jaxpr):
+    """``jaxpr`` without the computations whose results are never used (as the compiler drops them)."""
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
+def name_scopes(jaxpr, pattern: str = r"mdc\d+") -> set[str]:
+    """Every name scope matching ``pattern`` in the equations' name stacks (sub-programs too;
+    transformations wrap scopes, e.g. ``transpose(jvp(mdc3))``)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.update(re.findall(pattern, str(eqn.source_info.name_stack)))
+        for sub in _sub_jaxprs(eqn):
+            out |= name_scopes(sub, pattern)
+    return out

@@ -134,7 +134,7 @@ class _Entry:
                 if _is_named(leaf):
                     spec = owner.layout.spec(leaf.dims, owner.mesh, storage=leaf.is_param)
                     results.append(jax.lax.with_sharding_constraint(
-                        leaf.array, NamedSharding(owner.mesh.jax_mesh, spec)))
+                        leaf._array, NamedSharding(owner.mesh.jax_mesh, spec)))
                     self.out_templates.append((leaf.dims, leaf.is_param))
                 else:
                     results.append(jnp.asarray(leaf))
@@ -159,9 +159,10 @@ def _finalize(ctx, leaf, axes):
 
 def _check_unused_rules(layout: Layout, seen: set) -> None:
     """A rule for a dim the program never has is fine (a shared layout), unless it looks like a
-    typo of a dim the program does have: then it would be silently ignored."""
+    typo of a dim the program has and the layout does not place: it would be silently ignored."""
+    unplaced = seen - layout.dim_names()
     for dim in sorted(layout.dim_names() - seen):
-        hint = suggest(dim, seen)
+        hint = suggest(dim, unplaced, cutoff=0.8)
         if hint:
             raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
                               f"fix the dim name in the layout")
@@ -189,7 +190,7 @@ class LoweredFunction:
         sig = []
         for leaf in leaves:
             if _is_named(leaf):
-                sig.append((leaf.dims, leaf.is_param, tuple(leaf.array.shape), str(leaf.array.dtype)))
+                sig.append((leaf.dims, leaf.is_param, tuple(leaf._array.shape), str(leaf._array.dtype)))
             else:
                 a = leaf if hasattr(leaf, "shape") else jnp.asarray(leaf)
                 sig.append((tuple(a.shape), str(a.dtype)))
@@ -197,14 +198,14 @@ class LoweredFunction:
         entry = self._entries.get(key)
         if entry is None:
             for leaf in leaves:
-                if _is_named(leaf) and tuple(leaf.array.shape) != leaf.dims.sizes:
+                if _is_named(leaf) and tuple(leaf._array.shape) != leaf.dims.sizes:
                     raise MeshDSLError(f"md.lower: argument [{leaf.dims}] holds an array of shape "
-                                       f"{tuple(leaf.array.shape)}; pass global arrays")
+                                       f"{tuple(leaf._array.shape)}; pass global arrays")
             entry = self._entries[key] = _Entry(self, treedef, leaves)
         return entry, leaves
 
     def _arrays(self, entry, leaves, place: bool):
-        arrays = [leaf.array if _is_named(leaf) else leaf for leaf in leaves]
+        arrays = [leaf._array if _is_named(leaf) else leaf for leaf in leaves]
         if not place:
             return arrays
         return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else jax.device_put(a, s)

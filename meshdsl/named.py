@@ -57,15 +57,33 @@ class Placement:
 class NamedArray:
     """A jax array with named dims. Build one with :func:`named`; ops match dims by name."""
 
-    __slots__ = ("array", "dims", "is_param", "placement")
+    __slots__ = ("_array", "dims", "is_param", "placement")
     __array_priority__ = 1000  # numpy scalars defer to our operators
 
     def __init__(self, array, dims, *, is_param: bool = False, placement: Placement | None = None):
         # No validation here: jax and optax rebuild NamedArrays from children of other shapes.
-        self.array = array
+        self._array = array
         self.dims = dims if isinstance(dims, Shape) else Shape(dims)
         self.is_param = is_param
         self.placement = placement
+
+    # -- the data ----------------------------------------------------------------------------------
+
+    @property
+    def array(self):
+        """The jax array: the global value outside ``md.lower``; inside, this device's block in its
+        current placement. A pending partial sum is reduced first, so a scalar loss is the loss."""
+        placement = self.placement
+        if placement is not None and placement.pending:
+            from .context import current
+            ctx = current()
+            if ctx.explicit:
+                return ctx.local(self, None, ctx.vary(placement.axes, [self]))
+        return self._array
+
+    @array.setter
+    def array(self, value):
+        self._array = value
 
     # -- descriptive properties ------------------------------------------------------------------
 
@@ -80,7 +98,7 @@ class NamedArray:
 
     @property
     def dtype(self):
-        return self.array.dtype
+        return self._array.dtype
 
     @property
     def ndim(self) -> int:
@@ -98,7 +116,7 @@ class NamedArray:
         return ops.astype(self, dtype)
 
     def __repr__(self) -> str:
-        dt = getattr(self.array, "dtype", "?")
+        dt = getattr(self._array, "dtype", "?")
         mark = ", param" if self.is_param else ""
         where = f", {self.placement.describe(self.dims)}" if self.placement is not None else ""
         return f"NamedArray({dt}[{self.dims}]{mark}{where})"
@@ -181,11 +199,11 @@ class NamedArray:
 
 
 def _flatten(x: NamedArray):
-    return (x.array,), (x.dims, x.is_param, x.placement)
+    return (x._array,), (x.dims, x.is_param, x.placement)
 
 
 def _flatten_with_keys(x: NamedArray):
-    return ((jax.tree_util.GetAttrKey("array"), x.array),), (x.dims, x.is_param, x.placement)
+    return ((jax.tree_util.GetAttrKey("array"), x._array),), (x.dims, x.is_param, x.placement)
 
 
 def _unflatten(aux, children):
@@ -229,4 +247,4 @@ def param(x: NamedArray) -> NamedArray:
     """Mark ``x`` as a parameter: stored by the layout's ``params=`` rules, gathered at use."""
     if not isinstance(x, NamedArray):
         raise ShapeError(f"md.param at {user_line()}: expected a NamedArray (md.named(...)), got {type(x).__name__}")
-    return NamedArray(x.array, x.dims, is_param=True, placement=x.placement)
+    return NamedArray(x._array, x.dims, is_param=True, placement=x.placement)

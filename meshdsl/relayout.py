@@ -34,18 +34,18 @@ def relayout(ctx, x, target, vary, keep_pending):
     outside ``keep_pending`` resolved, and typed varying over ``vary``."""
     src = ctx.placement(x)
     vary = vary | {a for axes in target for a in axes} | (src.pending & keep_pending)
-    if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x.array):
-        return x.array
+    if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x._array):
+        return x._array
     key = ("relayout", src, tuple(target), vary, keep_pending)
-    return ctx.cached(x.array, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
+    return ctx.cached(x._array, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
 
 
 def _relayout(ctx, x, src, target, vary, keep_pending):
-    arr = x.array
+    arr = x._array
     cur = [list(axes) for axes in src.axes]
     pend = set(src.pending) - set(keep_pending)
     names = x.names
-    source = ctx.made_by(x.array)
+    source = ctx.made_by(x._array)
     shape_txt = f"[{x.dims}]" + (f" from {source}" if source else "")
 
     def owner(a):

@@ -94,7 +94,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
                 arr = ctx.local(leaf, dict(zip(leaf.names, axes)), vary)
                 c_templates.append((leaf.dims, leaf.is_param, Placement(axes)))
             else:
-                arr = leaf.array
+                arr = leaf._array
                 c_templates.append((leaf.dims, leaf.is_param, None))
         else:
             arr = jnp.asarray(leaf)
@@ -117,7 +117,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             arr = ctx.local(leaf, axes, vary, keep_pending=pl.pending)
             inner_pl = Placement(tuple(a for d, a in zip(leaf.dims, pl.axes) if d.name != dim), pl.pending)
         else:
-            arr, inner_pl = leaf.array, None
+            arr, inner_pl = leaf._array, None
         x_arrays.append(jnp.moveaxis(arr, pos, 0))
         x_templates.append((inner, leaf.is_param, inner_pl))
 
@@ -143,7 +143,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
             y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
             y_templates.append(y_tree)
-            return out_c, [y.array if _is_named(y) else y for y in y_leaves]
+            return out_c, [y._array if _is_named(y) else y for y in y_leaves]
         finally:
             if ctx.explicit:
                 ctx.multiplier = saved
@@ -186,7 +186,7 @@ def _carry_out(ctx, i, leaf, old, template, where):
             raise ShapeError(f"{where}: carry entry {i} [{dims}] entered as {old.dtype} and left as "
                              f"{leaf.dtype}; cast it back (x.astype(...)) before returning it")
         if not ctx.explicit:
-            return leaf.array
+            return leaf._array
         arr = ctx.local(leaf, dict(zip(leaf.names, pl.axes)), varying_axes(old))
     if ctx.explicit:
         extra = varying_axes(arr) - varying_axes(old)

@@ -39,14 +39,15 @@ def _linear(ctx, x, forward, transpose):
     """Apply the linear map ``forward`` with backward ``transpose``, attributed to the current op."""
     if not _differentiable(x):
         return forward(x)
-    op, multiplier = ctx.op, ctx.multiplier
+    op, multiplier, phase = ctx.op, ctx.multiplier, ctx.phase
 
     @jax.custom_vjp
     def f(v):
         return forward(v)
 
-    def f_fwd(v):
-        return forward(v), None
+    def f_fwd(v):  # jax may run this later (e.g. differentiating a scan body): same attribution
+        with ctx.origin(op, multiplier, phase):
+            return forward(v), None
 
     def f_bwd(_, ct):
         with ctx.origin(op, multiplier, "backward"):

@@ -116,7 +116,13 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
     f = lower(fn, mesh, layout, param_gather=param_gather)
     closed, ctx, _ = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
-    scopes = jaxpr_stats.name_scopes(body)
-    kept = [r for r in ctx.records if r.tag in scopes]  # a collective whose result is unused is dropped
+    runs = jaxpr_stats.name_scopes(body)
+    kept = []
+    for r in ctx.records:  # a collective whose result is unused is dropped; a replayed one counts twice
+        if runs[r.tag] == 1:
+            kept.append(r)
+        elif runs[r.tag] > 1:
+            kept.append(dataclasses.replace(r, count=r.count * runs[r.tag],
+                                            tensor=f"{r.tensor} (runs again in the backward pass)"))
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body))

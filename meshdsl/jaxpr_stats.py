@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 
 import numpy as np
 from jax.extend import core as jcore
@@ -114,13 +115,15 @@ def live(jaxpr):
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
-def name_scopes(jaxpr, pattern: str = r"mdc\d+") -> set[str]:
-    """Every name scope matching ``pattern`` in the equations' name stacks (sub-programs too;
-    transformations wrap scopes, e.g. ``transpose(jvp(mdc3))``)."""
+def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter:
+    """How often each name scope matching ``pattern`` runs: equations carrying it, times the trip
+    counts of the loops around them divided by ``multiplier`` (sub-programs included; jax wraps
+    scopes, e.g. ``transpose(jvp(mdc3))``, and a rematerialized equation appears twice)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    out = set()
+    out = Counter()
     for eqn in jaxpr.eqns:
-        out.update(re.findall(pattern, str(eqn.source_info.name_stack)))
+        for tag in set(re.findall(pattern, str(eqn.source_info.name_stack))):
+            out[tag] += 1
         for sub in _sub_jaxprs(eqn):
-            out |= name_scopes(sub, pattern)
+            out.update(name_scopes(sub, pattern))
     return out

@@ -123,3 +123,9 @@ def _relayout(ctx, x, src, target, vary, keep_pending):
 
     # 5. Type the block as varying over every axis the consuming op varies over.
     return C.cast(ctx, arr, tuple(a for a in ctx.mesh.axis_names if a in vary), f"{shape_txt}")
+
+
+def needs_gather(ctx, x, axes_by_name) -> bool:
+    """Would relaying ``x`` to ``axes_by_name`` gather some dim (a split it has that the target lacks)?"""
+    pl = ctx.placement(x)
+    return any(tuple(axes_by_name.get(d.name, ()))[:len(a)] != a for d, a in zip(x.dims, pl.axes))

@@ -12,14 +12,23 @@ Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.placement`):
   split (the result is pending), so the sum is later reduce-scattered onto the kept dim.
 
 Pending sums of the operands are reduced before the contraction.
+
+Parameters stored split (``params=`` rules) are all-gathered for the contraction; the backward
+pass reduce-scatters their gradients. With ``md.lower(..., param_gather="regather")`` the gathered
+parameter is not kept for the backward pass: it is gathered again there (ZeRO-3's memory saving,
+and the choice GSPMD does not offer inside a scan).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+import jax
+
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
+from ..named import NamedArray
+from ..relayout import needs_gather
 from .common import as_named, union_dims, where_
 from .registry import op
 
@@ -51,9 +60,39 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
 
     axes = ctx.plan(dims, xs, prefer=contracted)
     vary = ctx.vary(axes.values(), xs)
-    local = [ctx.local(x, axes, vary) for x in xs]
     letter = {d.name: _LETTERS[i] for i, d in enumerate(dims)}
     spec = ",".join("".join(letter[n] for n in x.names) for x in xs) + "->" + "".join(letter[n] for n in out_names)
-    result = jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
+
+    def contract(*arrays):
+        local = [ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary)
+                 for a, x in zip(arrays, xs)]
+        return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
+
+    regather = ctx.explicit and ctx.param_gather == "regather" and any(
+        x.is_param and needs_gather(ctx, x, axes) for x in xs)
+    raw = [x._array for x in xs]
+    result = _regathered(ctx, contract, raw) if regather else contract(*raw)
     pending = frozenset(a for n in contracted for a in axes[n])
     return ctx.out(result, out_dims, axes, pending)
+
+
+def _regathered(ctx, contract, arrays):
+    """``contract(*arrays)`` whose backward pass runs ``contract`` again (gathering the parameters
+    again) instead of keeping the gathered parameters as residuals."""
+    op, multiplier = ctx.op, ctx.multiplier
+
+    @jax.custom_vjp
+    def f(*a):
+        return contract(*a)
+
+    def f_fwd(*a):
+        with ctx.origin(op, multiplier, "forward"):
+            return contract(*a), a
+
+    def f_bwd(saved, ct):
+        with ctx.origin(op, multiplier, "backward"):
+            _, vjp = jax.vjp(contract, *saved)
+            return vjp(ct)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(*arrays)

@@ -71,11 +71,12 @@ def _extreme(ctx, x, dims, what, is_max: bool):
     def f(v):
         return combine(v)
 
-    def f_fwd(v):
-        m = combine(v)
-        return m, (v, m)
+    op_, multiplier, phase = ctx.op, ctx.multiplier, ctx.phase
 
-    op_, multiplier = ctx.op, ctx.multiplier
+    def f_fwd(v):
+        with ctx.origin(op_, multiplier, phase):
+            m = combine(v)
+        return m, (v, m)
 
     def f_bwd(res, ct):
         v, m = res

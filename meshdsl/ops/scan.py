@@ -11,8 +11,6 @@ stacked along ``dim`` (first). Inside ``md.lower``:
 * The stacked ``xs`` are cast, once and before the loop, to vary over the axes the carry varies
   over (casting per step inside the loop would make jax keep every layer's weights as residuals).
 * Collectives traced in the body are recorded with the trip count as their count.
-* ``param_gather="regather"`` (an option of ``md.lower``) wraps the step in ``jax.checkpoint``
-  so parameters gathered inside it are gathered again in the backward pass instead of kept.
 """
 
 from __future__ import annotations
@@ -26,9 +24,7 @@ from ..dims import Dim, Shape
 from ..errors import LayoutError, ShapeError, user_line
 from ..named import NamedArray, Placement
 
-__all__ = ["scan", "PARAM_GATHER_NAME"]
-
-PARAM_GATHER_NAME = "meshdsl_param_gather"
+__all__ = ["scan"]
 
 
 def _is_named(x) -> bool:
@@ -148,11 +144,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             if ctx.explicit:
                 ctx.multiplier = saved
 
-    run = body
-    if ctx.explicit and ctx.param_gather == "regather":
-        policy = jax.checkpoint_policies.save_anything_except_these_names(PARAM_GATHER_NAME)
-        run = jax.checkpoint(body, policy=policy)
-    c_out, y_arrays = jax.lax.scan(run, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
+    c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
 
     carry = jax.tree_util.tree_unflatten(
         c_tree, [a if t is None else NamedArray(a, t[0], is_param=t[1], placement=t[2])

@@ -1,0 +1,141 @@
+"""``md.scan`` over stacked layers: layout invariance, gradients, and counted communication."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshdsl as md
+from helpers import assert_same, bytes_by_kind, check_layout, explain_summary, hlo_summary
+
+L, B, S, D, F = 4, 8, 8, 16, 32
+
+
+@pytest.fixture(scope="module")
+def stack():
+    k = jax.random.split(jax.random.key(5), 4)
+    params = {
+        "w1": md.param(md.named(jax.random.normal(k[0], (L, D, F)) * 0.3, "layers d_model d_ff")),
+        "w2": md.param(md.named(jax.random.normal(k[1], (L, F, D)) * 0.3, "layers d_ff d_model")),
+        "scale": md.param(md.named(1 + 0.1 * jax.random.normal(k[2], (L, D)), "layers d_model")),
+    }
+    x = md.named(jax.random.normal(k[3], (B, S, D)), "batch seq d_model")
+    return params, x
+
+
+def layer(x, p):
+    h = x * md.rsqrt(md.mean(md.square(x), "d_model") + 1e-6) * p["scale"]
+    h = md.relu(md.einsum(h, p["w1"], out="batch seq d_ff"))
+    return x + md.einsum(h, p["w2"], out="batch seq d_model"), md.mean(h, "d_ff seq")
+
+
+def net(params, x):
+    return md.scan(layer, x, params, dim="layers")
+
+
+def loss(params, x):
+    y, aux = net(params, x)
+    return md.mean(md.square(y)) + md.mean(aux)
+
+
+MESH = {"data": 2, "model": 4}
+CASES = {
+    "data": {"batch": "data"},
+    "megatron": {"batch": "data", "d_ff": "model"},
+    "sequence": {"batch": "data", "seq": "model"},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_scan_forward_and_stacked_outputs(name, stack):
+    params, x = stack
+    check_layout(net, md.Mesh(MESH), md.Layout(CASES[name]), params, x, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, params_rule", [("megatron", None), ("data", {"d_model": "data"}),
+                                                ("sequence", {"layers": "model"})])
+def test_scan_gradients_inside_and_around(name, params_rule, stack):
+    params, x = stack
+    mesh, layout = md.Mesh(MESH), md.Layout(CASES[name], params=params_rule)
+    expected = jax.grad(lambda p: loss(p, x).array)(params)
+    inside = md.lower(lambda p, x: jax.grad(lambda p: loss(p, x).array)(p), mesh, layout)(params, x)
+    assert_same(inside, expected, rtol=1e-4, atol=1e-4)
+    f = md.lower(loss, mesh, layout)
+    around = jax.grad(lambda p: f(p, x).array)(params)
+    assert_same(around, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_collectives_in_the_body_count_once_per_layer(stack):
+    params, x = stack
+    mesh, layout = md.Mesh(MESH), md.Layout(CASES["megatron"])
+    f = md.lower(net, mesh, layout)
+    hlo = hlo_summary(f, params, x)
+    report = md.explain(net, mesh, layout, params, x)
+    per_layer = 2 * 3 / 4 * (B // 2 * S * D * 4)  # one all-reduce of the layer output over model
+    aux = 2 * 3 / 4 * (L * B // 2 * 4)  # the stacked per-layer means over d_ff: pending until the end
+    assert hlo["all-reduce"] == (L + 1, pytest.approx(L * per_layer + aux))
+    assert explain_summary(report)["all-reduce"] == (L + 1, pytest.approx(L * per_layer + aux))
+
+
+def fsdp_report(policy, matrix_gathers, stack):
+    """ZeRO-3 inside a scan: gather once and keep for the backward pass (fewest bytes), or gather
+    the einsum weights again in the backward pass (less memory). GSPMD gives no choice; md.explain
+    shows both, bytes and memory."""
+    params, x = stack
+    mesh = md.Mesh(MESH)
+    layout = md.Layout({"batch": "data"}, params={"d_model": "data"})
+
+    def grads(p, x):
+        return jax.grad(lambda p: loss(p, x).array)(p)
+
+    f = md.lower(grads, mesh, layout, param_gather=policy)
+    assert_same(f(params, x), grads(params, x), rtol=1e-4, atol=1e-4)
+    hlo = hlo_summary(f, params, x)
+    matrices, scale = 1 / 2 * (D * F * 4) * 2, 1 / 2 * (D * 4)  # w1 + w2, and the norm scale, per layer
+    assert hlo["all-gather"][1] == pytest.approx(L * (matrix_gathers * matrices + scale))
+    assert hlo["reduce-scatter"][1] == pytest.approx(L * (matrices + scale))
+    report = md.explain(grads, mesh, layout, params, x, param_gather=policy)
+    assert bytes_by_kind(explain_summary(report)) == pytest.approx(bytes_by_kind(hlo))
+    return report
+
+
+@pytest.mark.parametrize("policy, matrix_gathers", [("keep", 1), ("regather", 2)])
+def test_fsdp_in_scan_keeps_or_regathers_the_weights(policy, matrix_gathers, stack):
+    fsdp_report(policy, matrix_gathers, stack)
+
+
+def test_regather_trades_bytes_for_memory(stack):
+    reports = {p: fsdp_report(p, g, stack) for p, g in [("keep", 1), ("regather", 2)]}
+    assert reports["regather"].total_bytes > reports["keep"].total_bytes
+    assert reports["regather"].memory["temporaries"] < reports["keep"].memory["temporaries"]
+
+
+def test_scan_keeps_carry_dims_and_type(stack):
+    _, x = stack
+
+    def bad(x):
+        return md.scan(lambda c, p: (md.sum(c, "seq"), None), x, md.zeros("layers:2 d_model:16"))
+
+    with pytest.raises(md.ShapeError, match="carry entry 0 entered as"):
+        bad(x)
+    with pytest.raises(md.ShapeError, match="no dim 'layers'"):
+        md.scan(lambda c, p: (c, None), x, md.zeros("d_model:16"))
+
+
+def test_scan_over_a_split_dim_is_refused(stack):
+    params, x = stack
+    f = md.lower(net, md.Mesh(MESH), md.Layout({"layers": "model"}))
+    with pytest.raises(md.LayoutError, match="splits 'layers'"):
+        f(params, x)
+
+
+def test_plain_array_carry_and_reverse(stack):
+    params, x = stack
+
+    def count(params, x):
+        def step(c, p):
+            y, n = c
+            y, _ = layer(y, p)
+            return (y, n + 1), md.sum(p["scale"])
+        return md.scan(step, (x, jnp.zeros((), jnp.int32)), params, dim="layers", reverse=True)
+
+    check_layout(count, md.Mesh(MESH), md.Layout(CASES["megatron"]), params, x, rtol=1e-4, atol=1e-4)

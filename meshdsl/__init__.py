@@ -10,7 +10,7 @@ from .dims import Dim, Shape, shape
 from .errors import LayoutError, MeshDSLError, MeshError, ShapeError
 from .explain import Report, explain
 from .layout import Layout
-from .lower import LoweredFunction, lower
+from .lower import LoweredFunction, lower, place
 from .mesh import Mesh
 from .named import NamedArray, Placement, named, param
 from .ops import (

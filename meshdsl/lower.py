@@ -32,7 +32,7 @@ from .layout import Layout, to_spec
 from .mesh import Mesh
 from .named import NamedArray, Placement
 
-__all__ = ["lower", "LoweredFunction"]
+__all__ = ["lower", "LoweredFunction", "place"]
 
 BACKENDS = ("explicit", "gspmd")
 PARAM_GATHER = ("keep", "regather")
@@ -240,3 +240,18 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     (fewest bytes, more memory); ``"regather"`` gathers them again there (ZeRO-3's memory saving).
     """
     return LoweredFunction(fn, mesh, layout, backend, param_gather)
+
+
+def place(tree, mesh: Mesh, layout: Layout):
+    """Put every NamedArray of ``tree`` on ``mesh`` as ``layout`` places it (parameters by the
+    storage rules); other leaves are replicated. Already-placed arrays are not copied."""
+    layout.check_mesh(mesh)
+
+    def put(leaf):
+        if _is_named(leaf):
+            spec = layout.spec(leaf.dims, mesh, storage=leaf.is_param)
+            return NamedArray(jax.device_put(leaf._array, NamedSharding(mesh.jax_mesh, spec)), leaf.dims,
+                              is_param=leaf.is_param)
+        return jax.device_put(leaf, NamedSharding(mesh.jax_mesh, PartitionSpec()))
+
+    return jax.tree_util.tree_map(put, tree, is_leaf=_is_named)

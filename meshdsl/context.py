@@ -94,7 +94,7 @@ class GlobalContext:
     def pending(self, x: NamedArray) -> frozenset:
         return frozenset()
 
-    def plan(self, dims, operands, *, prefer=()):
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset()):
         return {d.name: () for d in dims}
 
     def vary(self, planned, operands=(), keep_pending=frozenset()):
@@ -122,6 +122,7 @@ class GspmdContext(GlobalContext):
     def __init__(self, mesh, layout):
         super().__init__()
         self.mesh, self.layout = mesh, layout
+        self.dims_seen: set[str] = set()
         self._checked: dict = {}
 
     def layout_axes(self, name: str) -> tuple:
@@ -129,6 +130,7 @@ class GspmdContext(GlobalContext):
 
     def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
         x = NamedArray(array, dims, is_param=is_param)
+        self.dims_seen.update(x.names)
         axes = _checked_canonical(self, x.dims)
         if any(axes):
             spec = to_spec(axes)
@@ -186,9 +188,9 @@ class ExplicitContext(GlobalContext):
     def axes_size(self, axes) -> int:
         return self.mesh.axes_size(axes)
 
-    def plan(self, dims, operands, *, prefer=()):
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset()):
         from .placement import plan
-        return plan(self, dims, operands, prefer=prefer)
+        return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending)
 
     def vary(self, planned, operands=(), keep_pending=frozenset()):
         """Mesh axes an op's local computation varies over: every axis the plan splits a dim on

@@ -107,8 +107,18 @@ class Layout:
 
     def tensor_axes(self, dims, mesh, *, storage: bool = False, what: str = "tensor") -> tuple[Axes, ...]:
         """Per dim of ``dims``, the mesh axes splitting it; LayoutError if that is impossible."""
-        table = self.storage_axes if storage else self.axes
-        out = tuple(table(d.name) for d in dims)
+        if storage:
+            check_axes(dims, tuple(self.axes(d.name) for d in dims), mesh, what=what)
+            out = tuple(self.storage_axes(d.name) for d in dims)
+            try:
+                check_axes(dims, out, mesh, what=what)
+            except LayoutError as e:
+                rules = ", ".join(f"{d.name}:{'+'.join(self.param_rules[d.name])}" for d in dims
+                                  if d.name in self.param_rules)
+                raise LayoutError(f"{e} (as stored: the params rules {rules} add these splits; store the "
+                                  "parameter over other mesh axes)") from None
+            return out
+        out = tuple(self.axes(d.name) for d in dims)
         check_axes(dims, out, mesh, what=what)
         return out
 
@@ -198,9 +208,13 @@ def _parse_rules(spec: str, where: str) -> dict[str, Axes]:
         dim, value = m.group(1), m.group(2)
         if value.startswith("(") and value.endswith(")"):
             value = value[1:-1]
-        axes = [a.strip() for a in re.split(r"[+,\s]+", value) if a.strip()]
+        if ":" in value:
+            raise LayoutError(f"{where}: {entry!r} in {spec!r} does not name mesh axes; several axes are "
+                              f"written {dim}:{value.replace(':', '+')}")
+        axes = [a.strip() for a in re.split(r"[+,]", value)]
         if not axes or any(not a.isidentifier() for a in axes):
-            raise LayoutError(f"{where}: {entry!r} in {spec!r} does not name mesh axes; write dim:axis")
+            raise LayoutError(f"{where}: {entry!r} in {spec!r} does not name mesh axes (an empty or bad axis "
+                              f"name); write dim:axis, e.g. {dim}:data, or {dim}:axis1+axis2")
         if dim in rules:
             raise LayoutError(f"{where}: dim {dim!r} has two rules in {spec!r}; give it one (several axes: "
                               f"'{dim}:a+b')")

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import collectives as C
 from .context import ExplicitContext, GspmdContext, using, varying_axes
-from .errors import LayoutError, MeshDSLError, suggest
+from .errors import LayoutError, MeshDSLError, MeshError, ShapeError, suggest
 from .layout import Layout, to_spec
 from .mesh import Mesh
 from .named import NamedArray, Placement
@@ -126,6 +126,7 @@ class _Entry:
     def _run_gspmd(self, arrays):
         owner = self.owner
         ctx = GspmdContext(owner.mesh, owner.layout)
+        ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
         with using(ctx):
             out = owner.fn(*self._args(arrays, False))
             leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_named)
@@ -139,6 +140,7 @@ class _Entry:
                 else:
                     results.append(jnp.asarray(leaf))
                     self.out_templates.append(None)
+            _check_unused_rules(owner.layout, ctx.dims_seen)
         return results
 
     def rebuild(self, arrays):
@@ -173,13 +175,18 @@ class LoweredFunction:
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep"):
         if not isinstance(mesh, Mesh):
-            raise MeshDSLError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}")
+            raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
+                            "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
         if not isinstance(layout, Layout):
-            raise MeshDSLError(f"md.lower: layout must be an md.Layout, got {type(layout).__name__}")
+            hint = f"; use md.Layout.parse({layout!r})" if isinstance(layout, str) else \
+                "; use md.Layout({'batch': 'data'})"
+            raise LayoutError(f"md.lower: layout must be an md.Layout, got {type(layout).__name__}{hint}")
         if backend not in BACKENDS:
-            raise MeshDSLError(f"md.lower: backend must be one of {BACKENDS}, got {backend!r}")
+            raise MeshDSLError(f"md.lower: backend must be one of {BACKENDS}, got {backend!r}"
+                               f"{suggest(str(backend), BACKENDS)}")
         if param_gather not in PARAM_GATHER:
-            raise MeshDSLError(f"md.lower: param_gather must be one of {PARAM_GATHER}, got {param_gather!r}")
+            raise MeshDSLError(f"md.lower: param_gather must be one of {PARAM_GATHER}, got {param_gather!r}"
+                               f"{suggest(str(param_gather), PARAM_GATHER)}")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.backend, self.param_gather = backend, param_gather
@@ -197,10 +204,10 @@ class LoweredFunction:
         key = (treedef, tuple(sig))
         entry = self._entries.get(key)
         if entry is None:
-            for leaf in leaves:
+            for k, leaf in enumerate(leaves):
                 if _is_named(leaf) and tuple(leaf._array.shape) != leaf.dims.sizes:
-                    raise MeshDSLError(f"md.lower: argument [{leaf.dims}] holds an array of shape "
-                                       f"{tuple(leaf._array.shape)}; pass global arrays")
+                    raise ShapeError(f"md.lower: argument {k} [{leaf.dims}] holds an array of shape "
+                                     f"{tuple(leaf._array.shape)}; pass global arrays (the whole value)")
             entry = self._entries[key] = _Entry(self, treedef, leaves)
         return entry, leaves
 
@@ -211,14 +218,18 @@ class LoweredFunction:
         return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else jax.device_put(a, s)
                 for a, s in zip(arrays, entry.shardings)]
 
-    def __call__(self, *args):
+    def _check_concrete(self, what: str):
         if self.mesh.is_abstract:
-            raise MeshDSLError(f"{self.mesh!r} has no devices: it can be explained (md.explain), not run")
+            raise MeshError(f"{self.mesh!r} has no devices: it can be explained (md.explain), not {what}")
+
+    def __call__(self, *args):
+        self._check_concrete("run")
         entry, leaves = self._entry(args)
         return entry.rebuild(entry.jitted(*self._arrays(entry, leaves, True)))
 
     def lower(self, *args):
         """The jax ``Lowered`` for these arguments (``.compile().as_text()`` is the HLO)."""
+        self._check_concrete("lowered or run")
         entry, leaves = self._entry(args)
         return entry.jitted.lower(*self._arrays(entry, leaves, False))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import AxisType
@@ -23,7 +24,7 @@ __all__ = ["Mesh"]
 
 
 def _check_axes(axes) -> dict[str, int]:
-    if not isinstance(axes, dict) or not axes:
+    if not isinstance(axes, Mapping) or not axes:
         raise MeshError(f"a mesh is a non-empty dict of axis name -> size, got {axes!r}")
     out = {}
     for name, size in axes.items():
@@ -41,7 +42,7 @@ class Mesh:
     def __init__(self, axes, devices=None, *, _abstract: bool = False, platform: str | None = None):
         if isinstance(axes, str):
             axes = _parse_axes(axes, None if _abstract else _device_count(devices))
-        self._axes = _check_axes(dict(axes))
+        self._axes = _check_axes(axes)
         self._abstract = _abstract
         names, sizes = tuple(self._axes), tuple(self._axes.values())
         if _abstract:
@@ -112,6 +113,9 @@ def _device_count(devices) -> int:
 
 
 def _parse_axes(spec: str, n_devices: int | None) -> dict[str, int]:
+    if not isinstance(spec, str):
+        raise MeshError(f"Mesh.parse expects a string like 'data:2;model:4', got {spec!r}; "
+                        "pass a dict to md.Mesh(...)")
     axes: dict[str, int] = {}
     for token in re.split(r"[\s,;]+", spec.strip()):
         if not token:
@@ -125,6 +129,10 @@ def _parse_axes(spec: str, n_devices: int | None) -> dict[str, int]:
             axes[name] = int(size)
         except ValueError:
             raise MeshError(f"size {size!r} of mesh axis {name!r} in {spec!r} is not an integer") from None
+    for name, size in axes.items():
+        if size < 1 and size != -1:
+            raise MeshError(f"mesh axis {name!r} has size {size} in {spec!r}: sizes are integers >= 1 "
+                            "(or one -1 for the rest of the devices)")
     wild = [k for k, v in axes.items() if v == -1]
     if len(wild) > 1:
         raise MeshError(f"only one mesh axis may have size -1 in {spec!r}")

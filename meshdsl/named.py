@@ -225,7 +225,8 @@ def named(array, dims, *, is_param: bool = False) -> NamedArray:
                          "use md.rename or md.reshape to change them")
     if not hasattr(array, "shape") or not hasattr(array, "dtype"):
         array = jnp.asarray(array)
-    specs = parse_dims(dims, what="md.named")
+    where = f"md.named at {user_line()}"
+    specs = parse_dims(dims, what=where)
     shape = tuple(array.shape)
     if len(specs) != len(shape):
         raise ShapeError(
@@ -237,9 +238,15 @@ def named(array, dims, *, is_param: bool = False) -> NamedArray:
             raise ShapeError(f"md.named at {user_line()}: dim {name!r} is written with size {size} but the "
                              f"array has size {n} on that axis (shape {shape})")
         out_dims.append(Dim(name, int(n)))
-    dims_ = Shape(out_dims)
+    try:
+        dims_ = Shape(out_dims)
+    except ShapeError as e:
+        raise ShapeError(f"{where}: {e}") from None
     from .context import current
     ctx = current()
+    if ctx.explicit:  # a tensor made inside md.lower must fit the layout too
+        ctx.layout.tensor_axes(dims_, ctx.mesh, what=where)
+        ctx.dims_seen.update(dims_.names)
     return NamedArray(array, dims_, is_param=is_param, placement=ctx.whole_placement(dims_))
 
 

@@ -4,7 +4,9 @@ Rule of thumb, applied by every op the same way so that communication is predict
 
 1. A dim keeps the split its operands already agree on (no data moves).
 2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``).
-3. Where two dims claim one mesh axis, dims not placed by the layout give way first; if two dims
+3. A pending sum the op must reduce goes where the layout wants it: a dim the layout splits over
+   the pending axis takes the layout's placement, so the sum is reduce-scattered, not all-reduced.
+4. Where two dims claim one mesh axis, dims not placed by the layout give way first; if two dims
    the layout places both claim it (only possible inside an op, e.g. a contracted and a kept dim
    of an einsum), the op's ``prefer`` order decides and the others are left whole on that axis.
 
@@ -20,13 +22,17 @@ from collections import defaultdict
 __all__ = ["plan"]
 
 
-def plan(ctx, dims, operands, *, prefer=()) -> dict[str, tuple]:
-    """Mesh axes per dim name of the iteration space ``dims`` for an op over ``operands``."""
+def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset()) -> dict[str, tuple]:
+    """Mesh axes per dim name of the iteration space ``dims`` for an op over ``operands`` that
+    keeps the pending sums over ``keep_pending`` (linear ops) and reduces the others."""
     canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
+    resolving = set().union(*(ctx.pending(x) for x in operands)) - set(keep_pending)
     proposal = {}
     for d in dims:
         held = {ctx.placement(x).of(x.dims, d.name) for x in operands if d.name in x.names}
         proposal[d.name] = held.pop() if len(held) == 1 else canonical[d.name]
+        if resolving & set(canonical[d.name]):
+            proposal[d.name] = canonical[d.name]
     order = {d.name: i for i, d in enumerate(dims)}
     while True:
         owners = defaultdict(list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,7 +25,8 @@ def as_named(ctx, x, role: str = "operand") -> NamedArray:
         arr = jnp.asarray(x)
         return NamedArray(arr, Shape(()), placement=ctx.whole_placement(()))
     shape = getattr(x, "shape", None)
-    raise ShapeError(f"{where_(ctx)}: {role} is a {type(x).__name__}"
+    kind = "jax Array" if isinstance(x, jax.Array) else type(x).__name__
+    raise ShapeError(f"{where_(ctx)}: {role} is a {kind}"
                      f"{'' if shape is None else f' of shape {tuple(shape)}'}, not a NamedArray; "
                      "wrap arrays with md.named(array, 'dim names') so dims are matched by name")
 

@@ -83,6 +83,7 @@ def _key_words(ctx, key):
 def _bits(ctx, key, dims):
     """uint32 random bits of this device's block: threefry of the global linear index."""
     dims = new_dims(ctx, dims, "random dims")
+    k1, k2 = _key_words(ctx, key)
     axes, local, vary = _blocks(ctx, dims)
     sizes = [d.size for d in dims]
     # counter = (index over dims[:k], index over dims[k:]); k = 0 (jax's layout) unless > 2**32.
@@ -98,7 +99,6 @@ def _bits(ctx, key, dims):
             hi = hi + term
         else:
             lo = lo + term
-    k1, k2 = _key_words(ctx, key)
     if vary:
         k1, k2, hi, lo = (C.cast(ctx, v, vary) for v in (k1, k2, hi, lo))
     b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
@@ -133,5 +133,9 @@ def normal(ctx, key, dims, dtype=jnp.float32):
 @op("bernoulli")
 def bernoulli(ctx, key, p, dims):
     """True with probability ``p`` (a Python/0-d value), the same global mask under every layout."""
+    if getattr(p, "ndim", 0) != 0:
+        raise ShapeError(f"{where_(ctx)}: p must be a Python number or a 0-d array, got "
+                         f"{type(p).__name__}; for per-element probabilities write "
+                         "md.random.uniform(key, dims) < p")
     bits, dims, axes = _bits(ctx, key, dims)
     return ctx.out(_uniform01(bits) < p, dims, axes)

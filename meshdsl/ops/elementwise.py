@@ -34,16 +34,16 @@ __all__ = [
 def _apply(ctx, fn, args, pending_rule: str = "resolve"):
     xs = [as_named(ctx, a, f"operand {i + 1}") for i, a in enumerate(args)]
     dims = union_dims(ctx, xs)
-    axes = ctx.plan(dims, xs)
-    planned = {a for ax in axes.values() for a in ax}
     pend = [ctx.pending(x) for x in xs]
     keep = frozenset()
     if pending_rule == "additive" and pend[0] and all(p == pend[0] for p in pend):
-        keep = pend[0] - planned
+        keep = pend[0]
     elif pending_rule in ("scale", "product"):
         holders = [i for i, p in enumerate(pend) if p]
         if len(holders) == 1 and (pending_rule == "product" or holders == [0]):
-            keep = pend[holders[0]] - planned
+            keep = pend[holders[0]]
+    axes = ctx.plan(dims, xs, keep_pending=keep)
+    keep = keep - {a for ax in axes.values() for a in ax}
     vary = ctx.vary(axes.values(), xs, keep)
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]
     return ctx.out(fn(*local), dims, axes, keep)

@@ -62,6 +62,9 @@ def take(ctx, table, ids, dim):
     table's other dims. Over a split ``dim`` the result is a pending partial sum."""
     table = as_named(ctx, table, "table")
     ids = as_named(ctx, ids, "ids")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] are {ids.dtype}; take needs integer ids "
+                         "(ids.astype(jnp.int32))")
     name = _one(ctx, table, dim, "take dim")
     rest = [d for d in table.dims if d.name != name]
     clash = [d.name for d in rest if d.name in ids.names]
@@ -135,7 +138,7 @@ def cumsum(ctx, x, dim):
     """Inclusive cumulative sum along ``dim``."""
     x = as_named(ctx, x)
     name = _one(ctx, x, dim, "cumsum dim")
-    axes = ctx.plan(x.dims, [x])
+    axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep)
     local = ctx.local(x, axes, vary, keep_pending=keep)
@@ -179,7 +182,7 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False):
     elif abs(offset) >= size:
         raise ShapeError(f"{where_(ctx)}: shift by {offset} along {name}:{size} leaves nothing; "
                          f"use |offset| < {size}, or wrap=True for a cyclic shift")
-    axes = ctx.plan(x.dims, [x])
+    axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep)
     local = ctx.local(x, axes, vary, keep_pending=keep)

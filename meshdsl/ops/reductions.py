@@ -24,17 +24,17 @@ from .registry import op
 __all__ = ["sum", "mean", "max", "min", "softmax", "logsumexp"]
 
 
-def _reduce_setup(ctx, x, dims, what):
+def _reduce_setup(ctx, x, dims, what, linear=False):
     x = as_named(ctx, x)
     names = x.names if dims is None else names_in(ctx, x, dims, what)
-    axes = ctx.plan(x.dims, [x])
+    axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x) if linear else frozenset())
     return x, names, axes
 
 
 @op("sum")
 def sum(ctx, x, dims=None):  # noqa: A001 - the op's name
     """Sum over ``dims`` (all when None). Split dims leave a pending partial sum."""
-    x, names, axes = _reduce_setup(ctx, x, dims, "dims to sum")
+    x, names, axes = _reduce_setup(ctx, x, dims, "dims to sum", linear=True)
     planned = {a for ax in axes.values() for a in ax}
     keep = ctx.pending(x) - planned
     vary = ctx.vary(axes.values(), [x], keep)

@@ -139,7 +139,7 @@ def reshape(ctx, x, dims):
 
 def _whole_along(ctx, x, name, keep_pending):
     """Plan for ``x`` with dim ``name`` whole (other dims stay where they are)."""
-    axes = ctx.plan(x.dims, [x])
+    axes = ctx.plan(x.dims, [x], keep_pending=keep_pending)
     axes[name] = ()
     return axes, ctx.vary(axes.values(), [x], keep_pending)
 
@@ -159,7 +159,7 @@ def concat(ctx, xs, dim):
     out = Shape(Dim(name, sum(x.dims[name].size for x in xs)) if d.name == name else d for d in first.dims)
     pend = {ctx.pending(x) for x in xs}
     keep = pend.pop() if len(pend) == 1 else frozenset()
-    axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs)
+    axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs, keep_pending=keep)
     axes[name] = ()
     vary = ctx.vary(axes.values(), xs, keep)
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): communication, step time, compile time, memory. See bench/run.py."""

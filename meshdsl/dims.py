@@ -15,6 +15,8 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 
+import jax
+
 from .errors import ShapeError
 
 __all__ = ["Dim", "Shape", "shape", "parse_dims", "parse_names"]
@@ -86,6 +88,10 @@ class Shape(tuple):
     def __repr__(self) -> str:
         return f"Shape({str(self)!r})"
 
+
+# A Shape is static data: registered as a pytree node without children, so jax and flax NNX treat a
+# Shape held by a module or passed through a transformation as structure, never as an array leaf.
+jax.tree_util.register_pytree_node(Shape, lambda s: ((), tuple(s)), lambda dims, _: Shape(dims))
 
 _SPLIT = re.compile(r"[\s,;]+")
 

@@ -1,0 +1,24 @@
+"""meshdsl.layers: flax NNX layers over named dims (T5, Switch/GShard MoE).
+
+Parameters are ``nnx.Param(md.param(NamedArray))``: their dim names alone place them under a
+layout. Every parametrized layer takes ``stack=`` (e.g. ``md.Dim("layers", n)``) to prepend a stack
+dim to its parameters, run with :func:`scan_layers`. Dropout is functional: layers that drop take
+``key=`` (None: deterministic).
+"""
+
+from .attention import MASK_VALUE, Attention
+from .dense import Dense
+from .dropout import Dropout, dropout
+from .embedding import Embedding
+from .feedforward import ACTIVATIONS, FeedForward
+from .moe import MoE
+from .norm import RMSNorm
+from .position import RelativePositionBias, relative_position_bucket
+from .router import Router, Routing, expert_capacity, route
+from .stack import REMAT_POLICIES, layer_at, scan_layers, with_remat
+
+__all__ = [
+    "ACTIVATIONS", "Attention", "Dense", "Dropout", "Embedding", "FeedForward", "MASK_VALUE", "MoE",
+    "REMAT_POLICIES", "RMSNorm", "RelativePositionBias", "Router", "Routing", "dropout", "expert_capacity",
+    "layer_at", "relative_position_bucket", "route", "scan_layers", "with_remat",
+]

@@ -1,0 +1,95 @@
+"""Stacks of identical layers: one module whose parameters carry a ``layers`` dim, run by ``md.scan``.
+
+Build any layer with ``stack=md.Dim("layers", L)``: every parameter becomes ``[layers, ...]``.
+:func:`scan_layers` splits the module into its graph and state (``nnx.split``), scans ``md.scan``
+over the state's ``layers`` dim and rebuilds one layer per step (``nnx.merge``), so the program
+holds one copy of the layer's code whatever the depth: compile time does not grow with ``L``.
+
+    carry, ys = scan_layers(stack, carry, step)      step(layer, carry, key) -> (carry, y)
+
+``ys`` come back stacked along ``layers``. With a ``key``, step ``l`` gets
+``jax.random.fold_in(key, l)`` (the same keys :func:`layer_at` loops use), else ``None``.
+``remat`` trades compute for memory per step: ``"none"`` keeps the activations the backward pass
+needs, ``"full"`` recomputes the whole step (``jax.checkpoint``), ``"dots"`` keeps only matmul
+results without batch dims (``dots_with_no_batch_dims_saveable``).
+
+Communication is the layers' own, once per step (``md.explain`` counts it times ``L``); a layout
+must not split ``layers`` for computation, though a ``params=`` rule may store it split.
+Parameters stored split (ZeRO-3) are gathered in the step; ``md.lower(..., param_gather=...)``
+chooses whether the backward pass keeps or re-gathers them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import meshdsl as md
+
+__all__ = ["scan_layers", "layer_at", "with_remat", "REMAT_POLICIES"]
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def with_remat(fn, policy: str = "none"):
+    """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``"none"``: unchanged)."""
+    if policy not in REMAT_POLICIES:
+        raise md.MeshDSLError(f"remat policy must be one of {sorted(REMAT_POLICIES)}, got {policy!r}")
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy])
+
+
+def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=None, remat: str = "none",
+                reverse: bool = False, unroll: int = 1):
+    """Run ``step(layer, carry, key) -> (carry, y)`` for each layer of a stacked ``module``.
+
+    Every parameter of ``module`` must have ``dim``. Returns ``(carry, ys)`` with ``ys`` stacked
+    along ``dim``. ``key``: per-layer keys ``fold_in(key, l)`` (None: ``step`` gets None).
+    """
+    graphdef, state = nnx.split(module)
+    length = _stack_length(state, dim)
+
+    def one_layer(layer_state, c, layer_key):
+        return step(nnx.merge(graphdef, layer_state), c, layer_key)
+
+    run = with_remat(one_layer, remat)
+
+    if key is None:
+        return md.scan(lambda c, s: run(s, c, None), carry, state, dim=dim, reverse=reverse, unroll=unroll)
+
+    def keyed(c, s):
+        inner, index = c
+        inner, y = run(s, inner, jax.random.fold_in(key, index))
+        return (inner, index + (-1 if reverse else 1)), y
+
+    start = jnp.asarray(length - 1 if reverse else 0, jnp.int32)
+    (carry, _), ys = md.scan(keyed, (carry, start), state, dim=dim, reverse=reverse, unroll=unroll)
+    return carry, ys
+
+
+def layer_at(module: nnx.Module, index: int, dim: str = "layers") -> nnx.Module:
+    """Layer ``index`` of a stacked ``module`` (its parameters without ``dim``), for Python loops."""
+    graphdef, state = nnx.split(module)
+
+    def pick(x):
+        if not isinstance(x, md.NamedArray):
+            return x
+        row = md.take(x, index, dim)
+        return md.param(row) if x.is_param else row
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map(pick, state, is_leaf=lambda x: isinstance(x, md.NamedArray)))
+
+
+def _stack_length(state, dim: str) -> int:
+    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, md.NamedArray))
+    sizes = {leaf.dims[dim].size for leaf in leaves if isinstance(leaf, md.NamedArray) and dim in leaf.names}
+    if len(sizes) != 1 or any(dim not in leaf.names for leaf in leaves if isinstance(leaf, md.NamedArray)):
+        raise md.ShapeError(f"scan_layers: every parameter needs the stack dim {dim!r} with one size; "
+                            f"build the layers with stack=md.Dim({dim!r}, n)")
+    return sizes.pop()

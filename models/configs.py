@@ -1,0 +1,98 @@
+"""T5 and Switch/GShard MoE-T5 configurations.
+
+Published T5 sizes (Raffel et al. 2020 for v1.0; the v1.1 checkpoints' configs) plus ``t5-tiny``
+and ``moe-t5-tiny`` for CPU work. ``T5Config.replace(...)`` derives variants (vocabulary size,
+dropout, experts, ...). Parameter counts of the published configs equal the published ones
+(tests/test_models.py checks them against Hugging Face's own count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["T5Config", "CONFIGS", "get_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """Sizes and switches of an encoder-decoder T5 (dense, or MoE in every ``moe_every``-th FFN)."""
+
+    name: str
+    d_model: int
+    d_ff: int
+    heads: int
+    d_kv: int
+    encoder_layers: int
+    decoder_layers: int
+    vocab: int = 32128
+    activation: str = "gated-gelu"        # v1.1 "gated-gelu"; v1.0 "relu"
+    tie_embeddings: bool = False          # v1.0 ties the output layer to the input embedding
+    dropout_rate: float = 0.0
+    num_buckets: int = 32
+    max_distance: int = 128
+    eps: float = 1e-6
+    # Mixture of experts (num_experts = 0: dense)
+    num_experts: int = 0
+    moe_every: int = 2                    # layer i is sparse when i % moe_every == moe_every - 1
+    top_k: int = 1                        # 1: Switch, 2: GShard
+    expert_d_ff: int | None = None        # default: d_ff
+    expert_activation: str = "relu"
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    expert_capacity: int | None = None    # a fixed number of slots (Hugging Face's config) instead
+    group_size: int | None = None         # tokens per routing group (default: one sequence)
+    jitter_noise: float = 0.0
+    load_balancing_coef: float = 1e-2
+    router_z_loss_coef: float = 1e-3
+    # training objective
+    z_loss: float = 1e-4                  # T5X's auxiliary loss on the output logits' log-partition
+
+    def replace(self, **changes) -> T5Config:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def period(self) -> int:
+        """Layers per scanned step: 1 for a dense stack, ``moe_every`` when layers alternate."""
+        return self.moe_every if self.is_moe else 1
+
+
+def _v11(name, d_model, d_ff, heads, layers, d_kv=64):
+    return T5Config(name, d_model, d_ff, heads, d_kv, layers, layers)
+
+
+def _v10(name, d_model, d_ff, heads, layers, d_kv=64):
+    return T5Config(name, d_model, d_ff, heads, d_kv, layers, layers, activation="relu", tie_embeddings=True,
+                    dropout_rate=0.1)
+
+
+CONFIGS: dict[str, T5Config] = {c.name: c for c in [
+    T5Config("t5-tiny", d_model=128, d_ff=256, heads=4, d_kv=32, encoder_layers=2, decoder_layers=2, vocab=8192),
+    T5Config("moe-t5-tiny", d_model=128, d_ff=256, heads=4, d_kv=32, encoder_layers=2, decoder_layers=2,
+             vocab=8192, num_experts=8, expert_d_ff=256),
+    _v11("t5-v1_1-small", 512, 1024, 6, 8),
+    _v11("t5-v1_1-base", 768, 2048, 12, 12),
+    _v11("t5-v1_1-large", 1024, 2816, 16, 24),
+    _v11("t5-v1_1-xl", 2048, 5120, 32, 24),
+    _v11("t5-v1_1-xxl", 4096, 10240, 64, 24),
+    _v10("t5-small", 512, 2048, 8, 6),
+    _v10("t5-base", 768, 3072, 12, 12),
+    _v10("t5-large", 1024, 4096, 16, 24),
+    _v10("t5-3b", 1024, 16384, 32, 24, d_kv=128),
+    _v10("t5-11b", 1024, 65536, 128, 24, d_kv=128),
+    T5Config("switch-base-8", 768, 3072, 12, 64, 12, 12, activation="relu", tie_embeddings=True,
+             num_experts=8, expert_d_ff=3072,
+             expert_capacity=64, jitter_noise=0.01, dropout_rate=0.1),
+]}
+
+
+def get_config(name: str, **changes) -> T5Config:
+    if name not in CONFIGS:
+        import difflib
+        close = difflib.get_close_matches(name, CONFIGS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown model {name!r}{hint}; choose one of {sorted(CONFIGS)}")
+    return CONFIGS[name].replace(**changes) if changes else CONFIGS[name]

@@ -1,0 +1,218 @@
+"""T5 (v1.0, v1.1) and Switch/GShard MoE-T5, written entirely in meshdsl's named ops.
+
+    model(encoder_ids, decoder_ids) -> logits [batch, length, vocab]
+
+``encoder_ids`` and ``decoder_ids`` are integer NamedArrays ``[batch, <length>]`` (the length dims
+may differ and have any name; the logits use the decoder's names). The same call runs unsharded
+and inside ``md.lower(lambda m, e, d: m(e, d), mesh, layout)`` under any layout.
+
+Structure (Hugging Face's T5ForConditionalGeneration, so weights import 1:1):
+
+    x = dropout(shared[encoder_ids])
+    L x  x = x + dropout(SelfAttention(RMSNorm(x), bias=encoder_bias))      (bidirectional)
+         x = x + dropout(FFN(RMSNorm(x)))                                    (FFN or MoE)
+    encoded = dropout(RMSNorm(x))
+    y = dropout(shared[decoder_ids])
+    L x  y = y + dropout(SelfAttention(RMSNorm(y), bias=decoder_bias))      (causal)
+         y = y + dropout(CrossAttention(RMSNorm(y), encoded))
+         y = y + dropout(FFN(RMSNorm(y)))
+    logits = lm_head(dropout(RMSNorm(y)))      (v1.0: shared.attend(y * d_model**-0.5))
+
+Layers are stacked (parameters carry a ``layers`` dim) and run with ``md.scan``, one scanned step
+per ``config.period`` layers (MoE-T5 alternates dense and sparse FFNs), so compile time does not
+depend on depth. The relative position bias is computed once per stack (T5's first layer owns the
+table; the others reuse it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import meshdsl as md
+from meshdsl.layers import (
+    Attention, Dense, Embedding, FeedForward, MoE, RelativePositionBias, RMSNorm, dropout, scan_layers,
+)
+
+from .configs import T5Config
+
+__all__ = ["T5", "count_params"]
+
+
+class _Dims:
+    def __init__(self, c: T5Config):
+        self.d_model, self.d_ff = md.Dim("d_model", c.d_model), md.Dim("d_ff", c.d_ff)
+        self.heads, self.d_kv = md.Dim("heads", c.heads), md.Dim("d_kv", c.d_kv)
+        self.vocab = md.Dim("vocab", c.vocab)
+        self.experts = md.Dim("experts", max(c.num_experts, 1))
+        self.expert_d_ff = md.Dim("d_ff", c.expert_d_ff or c.d_ff)
+
+
+def _ffn(c: T5Config, dims: _Dims, sparse: bool, *, rngs, stack, dtype, param_dtype):
+    if sparse:
+        return MoE(dims.d_model, dims.expert_d_ff, dims.experts, rngs=rngs, top_k=c.top_k,
+                   capacity_factor=c.capacity_factor, eval_capacity_factor=c.eval_capacity_factor,
+                   expert_capacity=c.expert_capacity, group_size=c.group_size, jitter_noise=c.jitter_noise,
+                   activation=c.expert_activation, dropout_rate=c.dropout_rate, stack=stack, dtype=dtype,
+                   param_dtype=param_dtype)
+    return FeedForward(dims.d_model, dims.d_ff, rngs=rngs, activation=c.activation, dropout_rate=c.dropout_rate,
+                       stack=stack, dtype=dtype, param_dtype=param_dtype)
+
+
+def _keys(key, n):
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+class EncoderLayer(nnx.Module):
+    """Self-attention and feed-forward (or MoE) sub-layers, each pre-normed and residual."""
+
+    def __init__(self, c: T5Config, dims: _Dims, sparse: bool, *, rngs, stack, dtype, param_dtype):
+        kw = dict(stack=stack, param_dtype=param_dtype)
+        self.rate, self.sparse = c.dropout_rate, sparse
+        self.attention_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
+        self.attention = Attention(dims.d_model, dims.heads, dims.d_kv, rngs=rngs, relative_bias=False,
+                                   dropout_rate=c.dropout_rate, dtype=dtype, **kw)
+        self.ffn_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
+        self.ffn = _ffn(c, dims, sparse, rngs=rngs, stack=stack, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, x, bias, mask, key, train):
+        k = _keys(key, 5)
+        h, _ = self.attention(self.attention_norm(x), bias=bias, key_mask=mask, key=k[0])
+        x = x + dropout(h, self.rate, k[1])
+        h, metrics = _run_ffn(self.ffn, self.ffn_norm(x), k[2], train, self.sparse)
+        return x + dropout(h, self.rate, k[3]), metrics
+
+
+class DecoderLayer(nnx.Module):
+    """Causal self-attention, cross-attention to the encoder, feed-forward (or MoE)."""
+
+    def __init__(self, c: T5Config, dims: _Dims, sparse: bool, *, rngs, stack, dtype, param_dtype):
+        kw = dict(stack=stack, param_dtype=param_dtype)
+        self.rate, self.sparse = c.dropout_rate, sparse
+        self.self_attention_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
+        self.self_attention = Attention(dims.d_model, dims.heads, dims.d_kv, rngs=rngs, causal=True,
+                                        relative_bias=False, dropout_rate=c.dropout_rate, dtype=dtype, **kw)
+        self.cross_attention_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
+        self.cross_attention = Attention(dims.d_model, dims.heads, dims.d_kv, rngs=rngs, relative_bias=False,
+                                         dropout_rate=c.dropout_rate, dtype=dtype, **kw)
+        self.ffn_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
+        self.ffn = _ffn(c, dims, sparse, rngs=rngs, stack=stack, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, y, encoded, bias, mask, key, train):
+        k = _keys(key, 7)
+        h, _ = self.self_attention(self.self_attention_norm(y), bias=bias, key=k[0])
+        y = y + dropout(h, self.rate, k[1])
+        h, _ = self.cross_attention(self.cross_attention_norm(y), encoded, key_mask=mask, key=k[2])
+        y = y + dropout(h, self.rate, k[3])
+        h, metrics = _run_ffn(self.ffn, self.ffn_norm(y), k[4], train, self.sparse)
+        return y + dropout(h, self.rate, k[5]), metrics
+
+
+def _run_ffn(ffn, x, key, train, sparse):
+    if sparse:
+        return ffn(x, key=key, train=train)
+    return ffn(x, key=key), {}
+
+
+class Stack(nnx.Module):
+    """``layers / period`` scanned steps of ``period`` layers (dense, ..., sparse for MoE)."""
+
+    def __init__(self, layer_cls, c: T5Config, dims: _Dims, n_layers: int, *, rngs, dtype, param_dtype):
+        if n_layers % c.period:
+            raise ValueError(f"{c.name}: {n_layers} layers is not a multiple of the MoE period {c.period}")
+        stack = md.Dim("layers", n_layers // c.period)
+        self.layers = nnx.List([
+            layer_cls(c, dims, c.is_moe and i == c.period - 1, rngs=rngs, stack=stack, dtype=dtype,
+                      param_dtype=param_dtype)
+            for i in range(c.period)])
+
+    def __call__(self, x, *args, key=None, train=False, remat="none"):
+        def step(period, carry, layer_key):
+            keys = _keys(layer_key, len(period.layers))
+            metrics = []
+            for layer, k in zip(period.layers, keys):
+                carry, m = layer(carry, *args, k, train)
+                metrics.append(m)
+            return carry, metrics
+
+        return scan_layers(self, x, step, key=key, remat=remat)
+
+
+class T5(nnx.Module):
+    """Encoder-decoder T5 over named dims; see the module docstring."""
+
+    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        c = self.config = config
+        dims = self.dims = _Dims(c)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
+        self.shared = Embedding(dims.vocab, dims.d_model, **kw)
+        self.encoder_bias = RelativePositionBias(dims.heads, rngs=rngs, num_buckets=c.num_buckets,
+                                                 max_distance=c.max_distance, bidirectional=True,
+                                                 scale=c.d_model ** -0.5, param_dtype=param_dtype)
+        self.encoder = Stack(EncoderLayer, c, dims, c.encoder_layers, **kw)
+        self.encoder_norm = RMSNorm(dims.d_model, eps=c.eps, param_dtype=param_dtype)
+        self.decoder_bias = RelativePositionBias(dims.heads, rngs=rngs, num_buckets=c.num_buckets,
+                                                 max_distance=c.max_distance, bidirectional=False,
+                                                 scale=c.d_model ** -0.5, param_dtype=param_dtype)
+        self.decoder = Stack(DecoderLayer, c, dims, c.decoder_layers, **kw)
+        self.decoder_norm = RMSNorm(dims.d_model, eps=c.eps, param_dtype=param_dtype)
+        self.lm_head = None if c.tie_embeddings else Dense(dims.d_model, dims.vocab, scale=c.d_model ** -0.5, **kw)
+
+    def __call__(self, encoder_ids: md.NamedArray, decoder_ids: md.NamedArray, **kw) -> md.NamedArray:
+        """Logits ``[batch, <decoder length>, vocab]``; see :meth:`forward` for the options."""
+        return self.forward(encoder_ids, decoder_ids, **kw)[0]
+
+    def forward(self, encoder_ids, decoder_ids, *, key=None, train=False, encoder_mask=None, remat="none"):
+        """``(logits, metrics)``. ``key``: dropout / jitter (None: deterministic). ``train``: MoE
+        training capacity. ``encoder_mask``: ``[batch, <encoder length>]``, true for real tokens
+        (None: attend to all, as Hugging Face without an attention mask). ``metrics``: per sparse
+        layer ``(encoder, decoder)`` lists of the MoE metrics, each stacked along ``layers``."""
+        k = _keys(key, 4)
+        enc_ids, _ = _as_tokens(encoder_ids, "encoder_ids")
+        dec_ids, dec_len = _as_tokens(decoder_ids, "decoder_ids")
+        mask = None if encoder_mask is None else md.rename(encoder_mask, {_length_name(encoder_mask): "seq"})
+        encoded, enc_metrics = self.encode(enc_ids, mask, key=k[0], train=train, remat=remat)
+        y = dropout(self.shared(dec_ids), self.config.dropout_rate, k[1])
+        bias = self.decoder_bias(y.dims["seq"], md.Dim("kv_seq", y.dims["seq"].size))
+        y, dec_metrics = self.decoder(y, encoded, bias, mask, key=k[2], train=train, remat=remat)
+        y = dropout(self.decoder_norm(y), self.config.dropout_rate, k[3])
+        logits = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
+        return md.rename(logits, {"seq": dec_len}), (enc_metrics, dec_metrics)
+
+    def encode(self, ids, mask=None, *, key=None, train=False, remat="none"):
+        """Encoder output ``[batch, seq, d_model]`` for token ids ``[batch, seq]``."""
+        k = _keys(key, 3)
+        x = dropout(self.shared(ids), self.config.dropout_rate, k[0])
+        bias = self.encoder_bias(x.dims["seq"], md.Dim("kv_seq", x.dims["seq"].size))
+        x, metrics = self.encoder(x, bias, mask, key=k[1], train=train, remat=remat)
+        return dropout(self.encoder_norm(x), self.config.dropout_rate, k[2]), metrics
+
+
+def _length_name(ids: md.NamedArray) -> str:
+    others = [n for n in ids.names if n != "batch"]
+    if len(ids.names) != 2 or "batch" not in ids.names:
+        raise md.ShapeError(f"T5 expects token ids [batch, <length>], got [{ids.dims}]")
+    return others[0]
+
+
+def _as_tokens(ids: md.NamedArray, what: str):
+    if not isinstance(ids, md.NamedArray):
+        raise md.ShapeError(f"T5: {what} must be a NamedArray [batch, length], got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise md.ShapeError(f"T5: {what} [{ids.dims}] must be integer token ids, got {ids.dtype}")
+    name = _length_name(ids)
+    ids = ids if name == "seq" else md.rename(ids, {name: "seq"})
+    return md.transpose(ids, "batch seq") if ids.names != ("batch", "seq") else ids, name
+
+
+def count_params(model_or_config) -> int:
+    """Number of parameters (without materializing them when given a config)."""
+    if isinstance(model_or_config, T5Config):
+        model = nnx.eval_shape(lambda: T5(model_or_config, rngs=nnx.Rngs(0)))
+    else:
+        model = model_or_config
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param),
+                                       is_leaf=lambda x: isinstance(x, md.NamedArray))
+    return sum(leaf.size if isinstance(leaf, md.NamedArray) else int(jnp.size(leaf)) for leaf in leaves)

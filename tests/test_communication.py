@@ -187,3 +187,18 @@ def test_megatron_attention_backward_reduces_the_input_gradient_once(mesh, array
                              {"all-reduce": 2 * ring_all_reduce(act, MODEL)}, rtol=1e-4)
     backward = [r for r in report.collectives if r.phase == "backward"]
     assert [(r.kind, r.axes) for r in backward] == [("all-reduce", ("model",))]
+
+
+def test_pending_sum_flows_through_an_einsum_linear_in_it(mesh):
+    """MoE combine after a d_ff-split expert FFN: reduce the small combined result, not the big one."""
+    k = jax.random.split(jax.random.key(2), 3)
+    h = md.named(jax.random.normal(k[0], (4, 8, F)), "experts capacity d_ff")
+    w = md.named(jax.random.normal(k[1], (4, F, D)) / 8, "experts d_ff d_model")
+    c = md.named(jax.random.normal(k[2], (4, 8, 2)), "experts capacity tokens")
+
+    def combine(h, w, c):
+        return md.einsum(md.einsum(h, w, out="experts capacity d_model"), c, out="tokens d_model")
+
+    hlo, _ = check_comm(combine, mesh, md.Layout({"d_ff": "model"}), (h, w, c),
+                        {"all-reduce": ring_all_reduce(2 * D * F32, MODEL)}, rtol=1e-4)
+    assert hlo["all-reduce"][0] == 1

@@ -11,7 +11,10 @@ Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.placement`):
 * a contracted and a kept dim both mapped to ``a`` by the layout: the contracted dim keeps the
   split (the result is pending), so the sum is later reduce-scattered onto the kept dim.
 
-Pending sums of the operands are reduced before the contraction.
+An einsum is linear in each operand: when only one operand holds a pending sum over an axis the
+contraction does not split, and the result is no larger than that operand, the sum stays pending
+through the einsum and is reduced later, on the smaller result (MoE's combine after a split-d_ff
+expert FFN). Other pending sums are reduced before the contraction.
 
 Parameters stored split (``params=`` rules) are all-gathered for the contraction; the backward
 pass reduce-scatters their gradients. With ``md.lower(..., param_gather="regather")`` the gathered
@@ -22,6 +25,8 @@ and the choice GSPMD does not offer inside a scan).
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+import math
 
 import jax
 
@@ -58,13 +63,16 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
     out_dims = Shape(dims[n] for n in out_names)
     contracted = tuple(d.name for d in dims if d.name not in out_names)
 
-    axes = ctx.plan(dims, xs, prefer=contracted)
-    vary = ctx.vary(axes.values(), xs)
+    keep = _linear_pending(ctx, xs, out_dims)
+    axes = ctx.plan(dims, xs, prefer=contracted, keep_pending=keep)
+    keep = keep - {a for ax in axes.values() for a in ax}
+    vary = ctx.vary(axes.values(), xs, keep)
     letter = {d.name: _LETTERS[i] for i, d in enumerate(dims)}
     spec = ",".join("".join(letter[n] for n in x.names) for x in xs) + "->" + "".join(letter[n] for n in out_names)
 
     def contract(*arrays):
-        local = [ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary)
+        local = [ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary,
+                           keep_pending=keep)
                  for a, x in zip(arrays, xs)]
         return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
 
@@ -72,8 +80,20 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
         x.is_param and needs_gather(ctx, x, axes) for x in xs)
     raw = [x._array for x in xs]
     result = _regathered(ctx, contract, raw) if regather else contract(*raw)
-    pending = frozenset(a for n in contracted for a in axes[n])
+    pending = frozenset(a for n in contracted for a in axes[n]) | keep
     return ctx.out(result, out_dims, axes, pending)
+
+
+def _linear_pending(ctx, xs, out_dims) -> frozenset:
+    """Pending axes that may stay pending: held by exactly one operand, whose size the result does
+    not exceed."""
+    pend = [ctx.pending(x) for x in xs]
+    keep = set()
+    for a in set().union(*pend):
+        holders = [x for x, p in zip(xs, pend) if a in p]
+        if len(holders) == 1 and math.prod(d.size for d in out_dims) <= holders[0].size:
+            keep.add(a)
+    return frozenset(keep)
 
 
 def _regathered(ctx, contract, arrays):

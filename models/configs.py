@@ -42,6 +42,7 @@ class T5Config:
     expert_capacity: int | None = None    # a fixed number of slots (Hugging Face's config) instead
     group_size: int | None = None         # tokens per routing group (default: one sequence)
     jitter_noise: float = 0.0
+    moe_dropped: str = "zero"             # a dropped token's output: "zero", or "hf" (gate * input)
     load_balancing_coef: float = 1e-2
     router_z_loss_coef: float = 1e-3
     # training objective

@@ -18,6 +18,11 @@ Structure (Hugging Face's T5ForConditionalGeneration, so weights import 1:1):
          y = y + dropout(FFN(RMSNorm(y)))
     logits = lm_head(dropout(RMSNorm(y)))      (v1.0: shared.attend(y * d_model**-0.5))
 
+The residual stream runs over ``[batch, length, d_model]``; each sub-layer renames ``length`` to
+``seq`` on the way in and back on the way out. With no layout rule for ``length`` the renames are
+free; ``length: model`` is Megatron sequence parallelism (norms and residuals split over the
+sequence; one all-gather into each sub-layer, one reduce-scatter out), with no change to the model.
+
 Layers are stacked (parameters carry a ``layers`` dim) and run with ``md.scan``, one scanned step
 per ``config.period`` layers (MoE-T5 alternates dense and sparse FFNs), so compile time does not
 depend on depth. The relative position bias is computed once per stack (T5's first layer owns the
@@ -54,7 +59,7 @@ def _ffn(c: T5Config, dims: _Dims, sparse: bool, *, rngs, stack, dtype, param_dt
         return MoE(dims.d_model, dims.expert_d_ff, dims.experts, rngs=rngs, top_k=c.top_k,
                    capacity_factor=c.capacity_factor, eval_capacity_factor=c.eval_capacity_factor,
                    expert_capacity=c.expert_capacity, group_size=c.group_size, jitter_noise=c.jitter_noise,
-                   activation=c.expert_activation, dropout_rate=c.dropout_rate, stack=stack, dtype=dtype,
+                   dropped=c.moe_dropped, activation=c.expert_activation, dropout_rate=c.dropout_rate, stack=stack, dtype=dtype,
                    param_dtype=param_dtype)
     return FeedForward(dims.d_model, dims.d_ff, rngs=rngs, activation=c.activation, dropout_rate=c.dropout_rate,
                        stack=stack, dtype=dtype, param_dtype=param_dtype)
@@ -78,10 +83,10 @@ class EncoderLayer(nnx.Module):
 
     def __call__(self, x, bias, mask, key, train):
         k = _keys(key, 5)
-        h, _ = self.attention(self.attention_norm(x), bias=bias, key_mask=mask, key=k[0])
-        x = x + dropout(h, self.rate, k[1])
-        h, metrics = _run_ffn(self.ffn, self.ffn_norm(x), k[2], train, self.sparse)
-        return x + dropout(h, self.rate, k[3]), metrics
+        h, _ = self.attention(_enter(self.attention_norm(x)), bias=bias, key_mask=mask, key=k[0])
+        x = x + dropout(_leave(h), self.rate, k[1])
+        h, metrics = _run_ffn(self.ffn, _enter(self.ffn_norm(x)), k[2], train, self.sparse)
+        return x + dropout(_leave(h), self.rate, k[3]), metrics
 
 
 class DecoderLayer(nnx.Module):
@@ -99,14 +104,25 @@ class DecoderLayer(nnx.Module):
         self.ffn_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
         self.ffn = _ffn(c, dims, sparse, rngs=rngs, stack=stack, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, y, encoded, bias, mask, key, train):
+    def __call__(self, y, context, bias, mask, key, train):
         k = _keys(key, 7)
-        h, _ = self.self_attention(self.self_attention_norm(y), bias=bias, key=k[0])
-        y = y + dropout(h, self.rate, k[1])
-        h, _ = self.cross_attention(self.cross_attention_norm(y), encoded, key_mask=mask, key=k[2])
-        y = y + dropout(h, self.rate, k[3])
-        h, metrics = _run_ffn(self.ffn, self.ffn_norm(y), k[4], train, self.sparse)
-        return y + dropout(h, self.rate, k[5]), metrics
+        h, _ = self.self_attention(_enter(self.self_attention_norm(y)), bias=bias, key=k[0])
+        y = y + dropout(_leave(h), self.rate, k[1])
+        h, _ = self.cross_attention(_enter(self.cross_attention_norm(y)), context, key_mask=mask, key=k[2])
+        y = y + dropout(_leave(h), self.rate, k[3])
+        h, metrics = _run_ffn(self.ffn, _enter(self.ffn_norm(y)), k[4], train, self.sparse)
+        return y + dropout(_leave(h), self.rate, k[5]), metrics
+
+
+def _enter(x):
+    """Into a sub-layer: the residual stream's ``length`` becomes the whole sequence ``seq``.
+    Under a sequence-parallel layout (``length: model``) this is where ``length`` is gathered."""
+    return md.rename(x, {"length": "seq"})
+
+
+def _leave(h):
+    """Out of a sub-layer: back to ``length`` (a pending sum is reduce-scattered onto it)."""
+    return md.rename(h, {"seq": "length"})
 
 
 def _run_ffn(ffn, x, key, train, sparse):
@@ -172,20 +188,24 @@ class T5(nnx.Module):
         k = _keys(key, 4)
         enc_ids, _ = _as_tokens(encoder_ids, "encoder_ids")
         dec_ids, dec_len = _as_tokens(decoder_ids, "decoder_ids")
-        mask = None if encoder_mask is None else md.rename(encoder_mask, {_length_name(encoder_mask): "seq"})
+        mask = None if encoder_mask is None else md.rename(encoder_mask, {_length_name(encoder_mask): "kv_seq"})
         encoded, enc_metrics = self.encode(enc_ids, mask, key=k[0], train=train, remat=remat)
+        context = md.rename(encoded, {"length": "kv_seq"})
         y = dropout(self.shared(dec_ids), self.config.dropout_rate, k[1])
-        bias = self.decoder_bias(y.dims["seq"], md.Dim("kv_seq", y.dims["seq"].size))
-        y, dec_metrics = self.decoder(y, encoded, bias, mask, key=k[2], train=train, remat=remat)
+        n = y.dims["length"].size
+        bias = self.decoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
+        y, dec_metrics = self.decoder(y, context, bias, mask, key=k[2], train=train, remat=remat)
         y = dropout(self.decoder_norm(y), self.config.dropout_rate, k[3])
         logits = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
-        return md.rename(logits, {"seq": dec_len}), (enc_metrics, dec_metrics)
+        return md.rename(logits, {"length": dec_len}), (enc_metrics, dec_metrics)
 
     def encode(self, ids, mask=None, *, key=None, train=False, remat="none"):
-        """Encoder output ``[batch, seq, d_model]`` for token ids ``[batch, seq]``."""
+        """Encoder output ``[batch, length, d_model]`` for token ids ``[batch, length]``; ``mask``
+        ``[batch, kv_seq]`` marks the real tokens."""
         k = _keys(key, 3)
         x = dropout(self.shared(ids), self.config.dropout_rate, k[0])
-        bias = self.encoder_bias(x.dims["seq"], md.Dim("kv_seq", x.dims["seq"].size))
+        n = x.dims["length"].size
+        bias = self.encoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
         x, metrics = self.encoder(x, bias, mask, key=k[1], train=train, remat=remat)
         return dropout(self.encoder_norm(x), self.config.dropout_rate, k[2]), metrics
 
@@ -203,8 +223,8 @@ def _as_tokens(ids: md.NamedArray, what: str):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise md.ShapeError(f"T5: {what} [{ids.dims}] must be integer token ids, got {ids.dtype}")
     name = _length_name(ids)
-    ids = ids if name == "seq" else md.rename(ids, {name: "seq"})
-    return md.transpose(ids, "batch seq") if ids.names != ("batch", "seq") else ids, name
+    ids = ids if name == "length" else md.rename(ids, {name: "length"})
+    return md.transpose(ids, "batch length") if ids.names != ("batch", "length") else ids, name
 
 
 def count_params(model_or_config) -> int:

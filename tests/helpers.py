@@ -16,6 +16,8 @@ def is_named(x) -> bool:
 def to_numpy(x: md.NamedArray, names=None) -> np.ndarray:
     """The global value of ``x`` with axes in ``names`` order."""
     arr = np.asarray(x.array)
+    if isinstance(names, str):
+        names = names.split()
     if names is not None and tuple(names) != x.names:
         arr = np.transpose(arr, [x.names.index(n) for n in names])
     return arr

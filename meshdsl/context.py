@@ -166,6 +166,8 @@ class ExplicitContext(GlobalContext):
         self._checked: dict = {}
         self._cache: dict = {}       # relayout / cast results, per jax trace
         self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
+        self._cache_log: list = []   # cache keys in insertion order (for rollback)
+        self._multipliers: dict = {}  # id(loop body trace) -> executions
         self._keepalive: list = []
 
     # -- placements ------------------------------------------------------------------------------
@@ -265,17 +267,69 @@ class ExplicitContext(GlobalContext):
     # -- per-trace cache -------------------------------------------------------------------------
 
     def cached(self, source, key, make):
-        """``make()`` once per (``source`` array, key, current jax trace); later callers share the
-        result, so a value used by several ops is relaid / cast once and its cotangents are summed
-        once (one backward collective, not one per use)."""
+        """``make()`` once per (``source`` array, key); later callers share the result, so a value
+        used by several ops is relaid / cast once and its cotangents are summed once (one backward
+        collective, not one per use).
+
+        When ``source`` belongs to a jax trace enclosing the current one - a value captured by a
+        ``md.scan`` step - ``make()`` runs in that enclosing trace: the relayout is hoisted out of
+        the loop, done once instead of once per step, and its backward collective too."""
         trace = _current_trace()
-        full = (id(source), key, id(trace))
+        owner = _enclosing_owner(source, trace)
+        full = (id(source), key, id(owner))
         hit = self._cache.get(full)
         if hit is None:
-            hit = make()
+            if owner is trace:
+                hit = make()
+            else:
+                from jax._src import core
+                saved = self.multiplier
+                self.multiplier = self._multiplier_of(owner)
+                try:
+                    with core.set_current_trace(owner):
+                        hit = make()
+                finally:
+                    self.multiplier = saved
             self._cache[full] = hit
-            self._keepalive.append((source, trace))  # ids stay unique while the cache lives
+            self._cache_log.append(full)
+            self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit
+
+    def enter_loop(self, multiplier: int) -> None:
+        """Called at the start of a loop body's trace: what runs in it runs ``multiplier`` times."""
+        self._multipliers[id(_current_trace())] = multiplier
+        self._keepalive.append(_current_trace())
+
+    def _multiplier_of(self, trace) -> int:
+        while trace is not None:
+            if id(trace) in self._multipliers:
+                return self._multipliers[id(trace)]
+            trace = getattr(trace, "parent_trace", None)
+        return 1
+
+    def checkpoint(self):
+        """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
+        return len(self.records), len(self._cache_log)
+
+    def rollback(self, mark) -> None:
+        n_records, n_cache = mark
+        del self.records[n_records:]
+        for full in self._cache_log[n_cache:]:
+            self._cache.pop(full, None)
+        del self._cache_log[n_cache:]
+
+
+def _enclosing_owner(source, trace):
+    """The trace owning tracer ``source`` if it strictly encloses ``trace``, else ``trace``."""
+    owner = getattr(source, "_trace", None)
+    if owner is None or owner is trace:
+        return trace
+    t = getattr(trace, "parent_trace", None)
+    while t is not None:
+        if t is owner:
+            return owner
+        t = getattr(t, "parent_trace", None)
+    return trace
 
 
 def varying_axes(array) -> frozenset:

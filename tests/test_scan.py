@@ -139,3 +139,27 @@ def test_plain_array_carry_and_reverse(stack):
         return md.scan(step, (x, jnp.zeros((), jnp.int32)), params, dim="layers", reverse=True)
 
     check_layout(count, md.Mesh(MESH), md.Layout(CASES["megatron"]), params, x, rtol=1e-4, atol=1e-4)
+
+
+def test_values_captured_by_the_step_are_relaid_once_outside_the_loop(stack):
+    """A decoder stack reading the encoder output: its cast to 'varying over model' (for the
+    Megatron einsums) happens once before the loop, so the backward pass adds the L layers'
+    cotangents locally and all-reduces them once, not once per layer."""
+    params, x = stack
+    mesh, layout = md.Mesh(MESH), md.Layout(CASES["megatron"])
+    context = md.rename(x, {"seq": "kv_seq"})
+
+    def grad_of_context(params, context):
+        def loss(context):
+            def step(c, p):
+                h = md.relu(md.einsum(context, p["w1"], out="batch kv_seq d_ff"))
+                return c + md.sum(md.einsum(h, p["w2"], out="batch kv_seq d_model"), "kv_seq"), None
+            out, _ = md.scan(step, md.zeros("batch:8 d_model:16"), params, dim="layers")
+            return md.sum(md.square(out)).array
+        return jax.grad(loss)(context)
+
+    f = check_layout(grad_of_context, mesh, layout, params, context, rtol=1e-4, atol=1e-4)
+    report = md.explain(grad_of_context, mesh, layout, params, context)
+    backward = [r for r in report.collectives if r.phase == "backward" and r.axes == ("model",)]
+    assert [(r.kind, r.count) for r in backward] == [("all-reduce", 1)]
+    assert bytes_by_kind(explain_summary(report)) == pytest.approx(bytes_by_kind(hlo_summary(f, params, context)))

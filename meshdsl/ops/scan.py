@@ -11,6 +11,9 @@ stacked along ``dim`` (first). Inside ``md.lower``:
 * The stacked ``xs`` are cast, once and before the loop, to vary over the axes the carry varies
   over (casting per step inside the loop would make jax keep every layer's weights as residuals).
 * Collectives traced in the body are recorded with the trip count as their count.
+* Values the step captures from outside (the encoder output in a decoder stack, a position bias)
+  are relaid and cast outside the loop, once: their collectives, forward and backward, run once,
+  not once per step.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
 
     c_leaves, c_tree = jax.tree_util.tree_flatten(carry, is_leaf=_is_named)
     widen: dict[int, frozenset] = {}
-    mark = len(ctx.records) if ctx.explicit else 0
+    mark = ctx.checkpoint() if ctx.explicit else None
     while True:
         try:
             return _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen,
@@ -72,7 +75,7 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
         except _Widen as w:  # forget the aborted trace's records and try again
             widen[w.index] = widen.get(w.index, frozenset()) | w.axes
             if ctx.explicit:
-                del ctx.records[mark:]
+                ctx.rollback(mark)
 
 
 def _order(ctx, axes):
@@ -128,6 +131,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
         saved = ctx.multiplier if ctx.explicit else None
         if ctx.explicit:
             ctx.multiplier = saved * length
+            ctx.enter_loop(ctx.multiplier)
         try:
             new_carry, ys = step(carry, xs)
             new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)

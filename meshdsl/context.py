@@ -162,6 +162,7 @@ class ExplicitContext(GlobalContext):
         self.phase = "forward"
         self.tracing = True          # False once the trace is over: late backward rules record nothing
         self.dims_seen: set[str] = set()
+        self.param_axes: frozenset = frozenset()  # axes the program's (non-parameter) inputs are split over
         self._tags = 0
         self._checked: dict = {}
         self._cache: dict = {}       # relayout / cast results, per jax trace
@@ -197,13 +198,20 @@ class ExplicitContext(GlobalContext):
     def vary(self, planned, operands=(), keep_pending=frozenset()):
         """Mesh axes an op's local computation varies over: every axis the plan splits a dim on
         (``planned``: axes tuples), the pending sums it keeps, and any axis an operand already
-        varies over beyond its placement (a replicated value typed varying)."""
+        varies over beyond its placement (a replicated value typed varying).
+
+        An op reading a parameter also varies over the axes the program's inputs are split over
+        (``param_axes``, e.g. ``data``): a parameter's gradient is then summed over them where the
+        parameter is read - the smallest place - not on some larger value computed from it (a
+        position bias [heads, seq, kv_seq] from its table [buckets, heads])."""
         out = set(keep_pending)
         for axes in planned:
             out.update(axes)
         for x in operands:
             pl = self.placement(x)
             out |= varying_axes(x._array) - pl.used_axes()
+            if x.is_param:
+                out |= self.param_axes
         return frozenset(out)
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):

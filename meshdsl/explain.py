@@ -16,7 +16,6 @@ compared number for number. ``to_markdown()``, ``to_dict()`` and an HTML view fo
 from __future__ import annotations
 
 import dataclasses
-import html
 
 from . import jaxpr_stats
 from .cost import KINDS
@@ -93,19 +92,8 @@ class Report:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        head = (f"<div><b>mesh</b> {esc(self.mesh)} &middot; <b>layout</b> <code>{esc(self.layout)}</code><br>"
-                f"communication <b>{_fmt_bytes(self.total_bytes)}</b>/device &middot; matmul "
-                f"<b>{_fmt_flops(self.flops)}</b>/device &middot; memory <b>{_fmt_bytes(self.memory['peak'])}"
-                f"</b>/device</div>")
-        summary = "".join(f"<tr><td>{k}</td><td>{v['count']}</td><td>{_fmt_bytes(v['bytes'])}</td></tr>"
-                          for k, v in self.summary().items()) or "<tr><td colspan=3>no communication</td></tr>"
-        table = (f"<table><tr><th>kind</th><th>count</th><th>bytes/device</th></tr>{summary}</table>")
-        if self.collectives:
-            rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._rows())
-            table += ("<details><summary>every collective</summary><table><tr>"
-                      + "".join(f"<th>{h}</th>" for h in self._HEAD) + f"</tr>{rows}</table></details>")
-        return head + table
+        from . import display
+        return display.report_html(self)
 
     def __str__(self) -> str:
         return self.to_markdown()
@@ -118,11 +106,11 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
     kept = []
-    for r in ctx.records:  # a collective whose result is unused is dropped; a replayed one counts twice
-        if runs[r.tag] == 1:
+    for r in ctx.records:  # as often as the program runs it: dead ones dropped, replays counted
+        if runs[r.tag] == r.count:
             kept.append(r)
-        elif runs[r.tag] > 1:
-            kept.append(dataclasses.replace(r, count=r.count * runs[r.tag],
-                                            tensor=f"{r.tensor} (runs again in the backward pass)"))
+        elif runs[r.tag]:
+            note = " (runs again in the backward pass)" if runs[r.tag] > r.count else " (hoisted out of the loop)"
+            kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body))

@@ -116,14 +116,38 @@ def live(jaxpr):
 
 
 def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter:
-    """How often each name scope matching ``pattern`` runs: equations carrying it, times the trip
-    counts of the loops around them divided by ``multiplier`` (sub-programs included; jax wraps
-    scopes, e.g. ``transpose(jvp(mdc3))``, and a rematerialized equation appears twice)."""
+    """How many times each name scope matching ``pattern`` runs: every equation carrying it, times
+    the trip counts of the loops around it (sub-programs included; jax wraps scopes, e.g.
+    ``transpose(jvp(mdc3))``, and a rematerialized equation appears twice). An equation in a scan
+    body that depends on neither the carry nor the scanned inputs runs once: XLA hoists it."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     out = Counter()
     for eqn in jaxpr.eqns:
         for tag in set(re.findall(pattern, str(eqn.source_info.name_stack))):
-            out[tag] += 1
+            out[tag] += multiplier
+        if eqn.primitive.name == "scan":
+            out.update(_scan_body_scopes(eqn, pattern, multiplier))
+            continue
         for sub in _sub_jaxprs(eqn):
-            out.update(name_scopes(sub, pattern))
+            out.update(name_scopes(sub, pattern, multiplier))
+    return out
+
+
+def _scan_body_scopes(eqn, pattern, multiplier) -> Counter:
+    body = eqn.params["jaxpr"].jaxpr
+    length, n_consts = int(eqn.params["length"]), int(eqn.params["num_consts"])
+    variant = set(body.invars[n_consts:])
+    out = Counter()
+    for inner in body.eqns:
+        loop_variant = any(isinstance(v, jcore.Var) and v in variant for v in inner.invars)
+        if loop_variant:
+            variant.update(inner.outvars)
+        m = multiplier * length if loop_variant else multiplier
+        for tag in set(re.findall(pattern, str(inner.source_info.name_stack))):
+            out[tag] += m
+        if inner.primitive.name == "scan":
+            out.update(_scan_body_scopes(inner, pattern, m))
+        else:
+            for sub in _sub_jaxprs(inner):
+                out.update(name_scopes(sub, pattern, m))
     return out

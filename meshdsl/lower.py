@@ -70,6 +70,7 @@ class _Entry:
         self.out_templates: list = []
         self.last_ctx = None
         self.traces = 0
+        self.compiled = None
         if not mesh.is_abstract:
             self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
             self.jitted = jax.jit(self.run, in_shardings=self.shardings)
@@ -96,6 +97,7 @@ class _Entry:
         ctx = ExplicitContext(owner.mesh, owner.layout, param_gather=owner.param_gather)
         self.last_ctx = ctx
         ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
+        ctx.param_axes = frozenset(a for i in self.infos if i.named and not i.is_param for ax in i.axes for a in ax)
         with using(ctx):
             out = owner.fn(*self._args(arrays, True))
             leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_named)
@@ -105,7 +107,7 @@ class _Entry:
                 if _is_named(leaf):
                     axes = owner.layout.tensor_axes(leaf.dims, owner.mesh, storage=leaf.is_param,
                                                     what=f"output {k}")
-                    results.append(_finalize(ctx, leaf, axes))
+                    results.append(finalize(ctx, leaf, axes))
                     specs.append(to_spec(axes))
                     self.out_templates.append((leaf.dims, leaf.is_param))
                 else:
@@ -148,14 +150,17 @@ class _Entry:
         return jax.tree_util.tree_unflatten(self.out_tree, leaves)
 
 
-def _finalize(ctx, leaf, axes):
-    """Bring an output to the layout's placement, typed invariant wherever it is replicated."""
+def finalize(ctx, leaf, axes):
+    """``leaf``'s local block placed by ``axes``, pending sums reduced, and typed invariant
+    wherever it is replicated (a value equal on every device that jax types varying - computed from
+    parameters cast for a data-parallel op - is typed invariant with one all-reduce)."""
     target = dict(zip(leaf.names, axes))
     split = frozenset(a for ax in axes for a in ax)
     arr = ctx.local(leaf, target, split)
     extra = tuple(a for a in ctx.mesh.axis_names if a in varying_axes(arr) - split)
-    if extra:  # replicated by value but typed varying: make the type say so (one small all-reduce)
-        arr = C.replicate(ctx, arr, extra, f"[{leaf.dims}] output typed varying over {list(extra)}")
+    if extra:
+        arr = ctx.cached(arr, ("replicate", extra), lambda: C.replicate(
+            ctx, arr, extra, f"[{leaf.dims}] replicated value typed varying over {list(extra)}"))
     return arr
 
 
@@ -225,7 +230,19 @@ class LoweredFunction:
     def __call__(self, *args):
         self._check_concrete("run")
         entry, leaves = self._entry(args)
-        return entry.rebuild(entry.jitted(*self._arrays(entry, leaves, True)))
+        arrays = self._arrays(entry, leaves, True)
+        traced = any(isinstance(a, jax.core.Tracer) for a in arrays)
+        run = entry.jitted if traced or entry.compiled is None else entry.compiled
+        return entry.rebuild(run(*arrays))
+
+    def compile(self, *args):
+        """The compiled executable for these arguments; later calls with them reuse it (no second
+        compilation after inspecting the HLO)."""
+        self._check_concrete("compiled")
+        entry, leaves = self._entry(args)
+        if entry.compiled is None:
+            entry.compiled = entry.jitted.lower(*self._arrays(entry, leaves, False)).compile()
+        return entry.compiled
 
     def lower(self, *args):
         """The jax ``Lowered`` for these arguments (``.compile().as_text()`` is the HLO)."""

@@ -72,14 +72,23 @@ class NamedArray:
     @property
     def array(self):
         """The jax array: the global value outside ``md.lower``; inside, this device's block in its
-        current placement. A pending partial sum is reduced first, so a scalar loss is the loss."""
+        current placement, typed exactly: a pending partial sum is reduced first, and a value equal
+        on every device of an axis is typed invariant there - so ``jax.grad`` of a scalar loss's
+        ``.array`` counts the loss once, not once per device."""
         placement = self.placement
-        if placement is not None and placement.pending:
-            from .context import current
-            ctx = current()
-            if ctx.explicit:
-                return ctx.local(self, None, ctx.vary(placement.axes, [self]))
-        return self._array
+        if placement is None:
+            return self._array
+        from .context import current
+        ctx = current()
+        if not ctx.explicit:
+            return self._array
+        from .lower import finalize
+        saved = ctx.op
+        ctx.op = saved or ("array", "x.array")
+        try:
+            return finalize(ctx, self, placement.axes)
+        finally:
+            ctx.op = saved
 
     @array.setter
     def array(self, value):

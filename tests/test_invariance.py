@@ -182,3 +182,19 @@ def test_random_matches_jax_random_on_the_global_shape():
     assert jnp.array_equal(got, jax.random.uniform(key, (4, 6)))
     got = md.random.bernoulli(key, 0.25, "a:40").array
     assert jnp.array_equal(got, jax.random.bernoulli(key, 0.25, (40,)))
+
+
+@pytest.mark.parametrize("name", ["data", "zero3", "megatron"])
+def test_loss_with_a_term_of_parameters_only(name, data):
+    """An L2 penalty is computed identically on every data-parallel device: its gradient must be
+    counted once, not once per device (values replicated but typed varying are made invariant)."""
+    params, x, ids = data
+    mesh, layout = layout_case(name)
+
+    def grads(p, x, ids):
+        def loss(p):
+            penalty = md.sum(md.square(p["w1"])) + md.sum(md.square(p["emb"]))
+            return (lm_loss(p, x, ids) + 0.01 * penalty).array
+        return jax.grad(loss)(p)
+
+    assert_same(md.lower(grads, mesh, layout)(params, x, ids), grads(params, x, ids), rtol=2e-4, atol=2e-4)

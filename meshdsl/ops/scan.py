@@ -66,6 +66,16 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
             f"order on every device; remove the rule for {dim!r} (a params= rule may still store it split)")
 
     c_leaves, c_tree = jax.tree_util.tree_flatten(carry, is_leaf=_is_named)
+    if ctx.explicit and ctx.op is None:  # relayouts of the carry and xs are the scan's own
+        ctx.op = ("scan", line)
+        try:
+            return _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
+        finally:
+            ctx.op = None
+    return _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
+
+
+def _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where):
     widen: dict[int, frozenset] = {}
     mark = ctx.checkpoint() if ctx.explicit else None
     while True:
@@ -128,9 +138,9 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
                      for a, t in zip(c_arrs, c_templates)])
         xs = jax.tree_util.tree_unflatten(
             x_tree, [NamedArray(a, t[0], is_param=t[1], placement=t[2]) for a, t in zip(x_arrs, x_templates)])
-        saved = ctx.multiplier if ctx.explicit else None
+        saved = (ctx.multiplier, ctx.op) if ctx.explicit else None
         if ctx.explicit:
-            ctx.multiplier = saved * length
+            ctx.multiplier, ctx.op = saved[0] * length, None
             ctx.enter_loop(ctx.multiplier)
         try:
             new_carry, ys = step(carry, xs)
@@ -146,7 +156,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             return out_c, [y._array if _is_named(y) else y for y in y_leaves]
         finally:
             if ctx.explicit:
-                ctx.multiplier = saved
+                ctx.multiplier, ctx.op = saved
 
     c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
 

@@ -7,6 +7,7 @@ and :func:`explain` reports what they cost before compiling. See DESIGN.md for t
 
 from . import random
 from .dims import Dim, Shape, shape
+from .display import register_treescope, report_html, reports_table
 from .errors import LayoutError, MeshDSLError, MeshError, ShapeError
 from .explain import Report, explain
 from .layout import Layout
@@ -21,5 +22,6 @@ from .ops import (
     slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
     where, zeros,
 )
+from .plots import device_blocks, plot_placement, plot_reports
 
 __version__ = "0.1.0"

@@ -16,7 +16,8 @@ import meshdsl as md
 
 __all__ = ["cross_entropy", "t5_loss", "batch_arrays"]
 
-TOKENS = "batch length"
+ENCODER_TOKENS = "batch inputs"
+DECODER_TOKENS = "batch targets"
 
 
 def cross_entropy(logits: md.NamedArray, targets: md.NamedArray, weights: md.NamedArray | None = None,
@@ -71,5 +72,8 @@ def t5_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "n
 
 
 def batch_arrays(batch: dict) -> dict:
-    """The data pipeline's numpy batch as NamedArrays ``[batch, length]``."""
-    return {k: md.named(jnp.asarray(v), TOKENS) for k, v in batch.items()}
+    """The data pipeline's numpy batch as NamedArrays: ``[batch, inputs]`` for the encoder's
+    tokens, ``[batch, targets]`` for the decoder's (distinct from the model's own ``length``,
+    which a sequence-parallel layout splits)."""
+    return {k: md.named(jnp.asarray(v), ENCODER_TOKENS if k.startswith("encoder") else DECODER_TOKENS)
+            for k, v in batch.items()}

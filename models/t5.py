@@ -22,6 +22,9 @@ The residual stream runs over ``[batch, length, d_model]``; each sub-layer renam
 ``seq`` on the way in and back on the way out. With no layout rule for ``length`` the renames are
 free; ``length: model`` is Megatron sequence parallelism (norms and residuals split over the
 sequence; one all-gather into each sub-layer, one reduce-scatter out), with no change to the model.
+The embedding lookups and the logits work on the whole sequence too, so a split ``vocab`` and a
+split ``length`` never meet in one tensor. Name the token dims of your data anything but
+``length`` (the loss uses ``inputs`` and ``targets``).
 
 Layers are stacked (parameters carry a ``layers`` dim) and run with ``md.scan``, one scanned step
 per ``config.period`` layers (MoE-T5 alternates dense and sparse FFNs), so compile time does not
@@ -115,8 +118,9 @@ class DecoderLayer(nnx.Module):
 
 
 def _enter(x):
-    """Into a sub-layer: the residual stream's ``length`` becomes the whole sequence ``seq``.
-    Under a sequence-parallel layout (``length: model``) this is where ``length`` is gathered."""
+    """Into a sub-layer (and the embedding lookups and the logits): the residual stream's
+    ``length`` becomes the whole sequence ``seq``. Under a sequence-parallel layout
+    (``length: model``) this is where ``length`` is gathered."""
     return md.rename(x, {"length": "seq"})
 
 
@@ -191,19 +195,19 @@ class T5(nnx.Module):
         mask = None if encoder_mask is None else md.rename(encoder_mask, {_length_name(encoder_mask): "kv_seq"})
         encoded, enc_metrics = self.encode(enc_ids, mask, key=k[0], train=train, remat=remat)
         context = md.rename(encoded, {"length": "kv_seq"})
-        y = dropout(self.shared(dec_ids), self.config.dropout_rate, k[1])
+        y = dropout(_leave(self.shared(_enter(dec_ids))), self.config.dropout_rate, k[1])
         n = y.dims["length"].size
         bias = self.decoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
         y, dec_metrics = self.decoder(y, context, bias, mask, key=k[2], train=train, remat=remat)
-        y = dropout(self.decoder_norm(y), self.config.dropout_rate, k[3])
+        y = _enter(dropout(self.decoder_norm(y), self.config.dropout_rate, k[3]))
         logits = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
-        return md.rename(logits, {"length": dec_len}), (enc_metrics, dec_metrics)
+        return md.rename(logits, {"seq": dec_len}), (enc_metrics, dec_metrics)
 
     def encode(self, ids, mask=None, *, key=None, train=False, remat="none"):
         """Encoder output ``[batch, length, d_model]`` for token ids ``[batch, length]``; ``mask``
         ``[batch, kv_seq]`` marks the real tokens."""
         k = _keys(key, 3)
-        x = dropout(self.shared(ids), self.config.dropout_rate, k[0])
+        x = dropout(_leave(self.shared(_enter(ids))), self.config.dropout_rate, k[0])
         n = x.dims["length"].size
         bias = self.encoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
         x, metrics = self.encoder(x, bias, mask, key=k[1], train=train, remat=remat)

@@ -35,7 +35,7 @@ DENSE_LAYOUTS = {
     "2-D": ({"d_model": "data", "d_ff": "model", "heads": "model"}, None),
     "ZeRO-3": ({"batch": "data"}, {"d_model": "data"}),
     "Megatron + ZeRO-3": (MEGATRON, {"d_model": "data"}),
-    "Megatron sequence parallel": ({"batch": "data", "length": "model", "heads": "model", "d_ff": "model"}, None),
+    "Megatron sequence parallel": ({**MEGATRON, "length": "model"}, None),
 }
 MOE_LAYOUTS = {
     "data": ({"batch": "data", "group": "data"}, None),
@@ -59,7 +59,8 @@ def batch():
     b = {"encoder_input_tokens": r.randint(1, 64, (8, 16)), "decoder_input_tokens": r.randint(1, 64, (8, 8)),
          "decoder_target_tokens": r.randint(1, 64, (8, 8)), "decoder_loss_weights": np.ones((8, 8), np.float32)}
     b["decoder_loss_weights"][:, -2:] = 0
-    return {k: md.named(jnp.asarray(v), "batch length") for k, v in b.items()}
+    return {k: md.named(jnp.asarray(v), "batch inputs" if k.startswith("encoder") else "batch targets")
+            for k, v in b.items()}
 
 
 def step(model, batch, key):

@@ -94,7 +94,7 @@ class GlobalContext:
     def pending(self, x: NamedArray) -> frozenset:
         return frozenset()
 
-    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset()):
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
         return {d.name: () for d in dims}
 
     def vary(self, planned, operands=(), keep_pending=frozenset()):
@@ -191,9 +191,9 @@ class ExplicitContext(GlobalContext):
     def axes_size(self, axes) -> int:
         return self.mesh.axes_size(axes)
 
-    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset()):
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
         from .placement import plan
-        return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending)
+        return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending, cheapest=cheapest)
 
     def vary(self, planned, operands=(), keep_pending=frozenset()):
         """Mesh axes an op's local computation varies over: every axis the plan splits a dim on

@@ -150,6 +150,16 @@ class _Entry:
         return jax.tree_util.tree_unflatten(self.out_tree, leaves)
 
 
+def _put(a, sharding):
+    """device_put, also for PRNG key arrays onto a sharding spanning other processes' devices
+    (which jax refuses for keys: move the key data and wrap it again)."""
+    if (isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+            and not sharding.is_fully_addressable):
+        return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(a), sharding),
+                                        impl=jax.random.key_impl(a))
+    return jax.device_put(a, sharding)
+
+
 def finalize(ctx, leaf, axes):
     """``leaf``'s local block placed by ``axes``, pending sums reduced, and typed invariant
     wherever it is replicated (a value equal on every device that jax types varying - computed from
@@ -220,7 +230,7 @@ class LoweredFunction:
         arrays = [leaf._array if _is_named(leaf) else leaf for leaf in leaves]
         if not place:
             return arrays
-        return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else jax.device_put(a, s)
+        return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else _put(a, s)
                 for a, s in zip(arrays, entry.shardings)]
 
     def _check_concrete(self, what: str):

@@ -3,7 +3,10 @@
 Rule of thumb, applied by every op the same way so that communication is predictable:
 
 1. A dim keeps the split its operands already agree on (no data moves).
-2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``).
+2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``);
+   elementwise ops (``cheapest=True``) instead take the operands' placement that moves the fewest
+   bytes (a replicated gradient meeting optimizer state stored split is sliced, not the state
+   gathered: ZeRO-1/2 updates stay in the storage layout).
 3. A pending sum the op must reduce goes where the layout wants it: a dim the layout splits over
    the pending axis takes the layout's placement, so the sum is reduce-scattered, not all-reduced.
 4. Where two dims claim one mesh axis, dims not placed by the layout give way first; if two dims
@@ -22,15 +25,22 @@ from collections import defaultdict
 __all__ = ["plan"]
 
 
-def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset()) -> dict[str, tuple]:
+def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False) -> dict[str, tuple]:
     """Mesh axes per dim name of the iteration space ``dims`` for an op over ``operands`` that
     keeps the pending sums over ``keep_pending`` (linear ops) and reduces the others."""
     canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
     resolving = set().union(*(ctx.pending(x) for x in operands)) - set(keep_pending)
     proposal = {}
     for d in dims:
-        held = {ctx.placement(x).of(x.dims, d.name) for x in operands if d.name in x.names}
-        proposal[d.name] = held.pop() if len(held) == 1 else canonical[d.name]
+        holders = [x for x in operands if d.name in x.names]
+        held = {ctx.placement(x).of(x.dims, d.name) for x in holders}
+        if len(held) == 1:
+            proposal[d.name] = held.pop()
+        elif cheapest and held:
+            options = [canonical[d.name], *sorted(held - {canonical[d.name]})]
+            proposal[d.name] = min(options, key=lambda c: sum(_gather_bytes(ctx, x, d.name, c) for x in holders))
+        else:
+            proposal[d.name] = canonical[d.name]
         if resolving & set(canonical[d.name]):
             proposal[d.name] = canonical[d.name]
     order = {d.name: i for i, d in enumerate(dims)}
@@ -58,3 +68,13 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset()) -> dict[st
                 axes = proposal[n]
                 if axis in axes:
                     proposal[n] = axes[:axes.index(axis)]
+
+
+def _gather_bytes(ctx, x, name, target) -> float:
+    """Bytes ``x`` would all-gather to hold dim ``name`` split over ``target`` (0 if it only slices)."""
+    have = ctx.placement(x).of(x.dims, name)
+    if tuple(target[:len(have)]) == have:
+        return 0.0
+    lost = [a for a in have if a not in target]
+    local = x.size * x.dtype.itemsize / max(1, ctx.axes_size(ctx.placement(x).split_axes()))
+    return (ctx.axes_size(lost) - 1) * local

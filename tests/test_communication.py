@@ -7,6 +7,7 @@ Mesh: data=2 x model=4, float32 (4 bytes).
 """
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import meshdsl as md
@@ -202,3 +203,24 @@ def test_pending_sum_flows_through_an_einsum_linear_in_it(mesh):
     hlo, _ = check_comm(combine, mesh, md.Layout({"d_ff": "model"}), (h, w, c),
                         {"all-reduce": ring_all_reduce(2 * D * F32, MODEL)}, rtol=1e-4)
     assert hlo["all-reduce"][0] == 1
+
+
+def test_zero1_optimizer_update_stays_in_the_storage_layout():
+    """Optimizer state marked md.param is stored split over data; the replicated gradient is sliced
+    to it (no gather of the state), and only the new weights are gathered: ZeRO-1's bytes."""
+    mesh = md.Mesh({"data": 8})
+    k = jax.random.split(jax.random.key(3), 2)
+    x = md.named(jax.random.normal(k[0], (16, D)), "batch d_model")
+    w = md.named(jax.random.normal(k[1], (D, F)) * 0.1, "d_model d_ff")
+    m, v = md.param(md.named(jnp.zeros((D, F)), "d_model d_ff")), md.param(md.named(jnp.ones((D, F)), "d_model d_ff"))
+
+    def step(w, m, v, x):
+        g = jax.grad(lambda w: md.sum(md.square(md.einsum(x, w, out="batch d_ff"))).array)(w)
+        m, v = md.param(0.9 * m + 0.1 * g), md.param(0.99 * v + 0.01 * g * g)
+        return w - 1e-3 * m / (md.sqrt(v) + 1e-8), m, v
+
+    layout = md.Layout({"batch": "data"}, params={"d_model": "data"})
+    weight = D * F * F32
+    hlo, _ = check_comm(step, mesh, layout, (w, m, v, x),
+                        {"all-reduce": ring_all_reduce(weight, 8), "all-gather": ring_gather(weight, 8)}, rtol=1e-4)
+    assert hlo["all-gather"][0] == 1

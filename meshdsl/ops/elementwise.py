@@ -42,7 +42,7 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve"):
         holders = [i for i, p in enumerate(pend) if p]
         if len(holders) == 1 and (pending_rule == "product" or holders == [0]):
             keep = pend[holders[0]]
-    axes = ctx.plan(dims, xs, keep_pending=keep)
+    axes = ctx.plan(dims, xs, keep_pending=keep, cheapest=True)
     keep = keep - {a for ax in axes.values() for a in ax}
     vary = ctx.vary(axes.values(), xs, keep)
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]

@@ -5,8 +5,10 @@
 * **FLOPs**: ``2 * prod(result) * prod(contracted)`` per ``dot_general``, times loop trip counts
   (``scan`` lengths); the backward pass is included when ``fn`` takes gradients.
 * **memory**: bytes of the arguments and outputs of one device, and the peak of temporaries from a
-  liveness walk over the program (values live from definition to last use; a sub-program adds its
-  own peak while it runs). It is an estimate of what XLA will allocate, made before compiling.
+  liveness walk over the program (values live from definition to last use; elementwise chains that
+  XLA fuses are not counted; a sub-program adds its own peak while it runs). It is an estimate of
+  what XLA will allocate, made before compiling; ``bench/memory.py`` compares it with
+  ``memory_analysis()``.
 """
 
 from __future__ import annotations
@@ -62,22 +64,49 @@ def matmul_flops(jaxpr) -> float:
     return total
 
 
+_FUSIBLE = frozenset("""
+    add sub mul div max min neg abs sign floor ceil round exp exp2 log log1p expm1 tanh logistic sqrt
+    rsqrt cbrt pow integer_pow square erf erf_inv sin cos select_n convert_element_type eq ne lt le gt ge
+    and or not xor shift_left shift_right_logical shift_right_arithmetic broadcast_in_dim reshape squeeze
+    expand_dims iota pvary stop_gradient copy copy_p clamp nextafter is_finite threefry2x32 random_bits
+    """.split())
+
+
+def _materialized(jaxpr) -> set:
+    """Values XLA keeps in memory: everything except the inside of elementwise chains it fuses
+    (an elementwise result read once, by another elementwise op)."""
+    consumers: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                consumers.setdefault(v, []).append(eqn)
+    outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    kept = set()
+    for eqn in jaxpr.eqns:
+        fusible = eqn.primitive.name in _FUSIBLE
+        for v in eqn.outvars:
+            users = consumers.get(v, [])
+            if v in outs or not fusible or len(users) != 1 or users[0].primitive.name not in _FUSIBLE:
+                kept.add(v)
+    return kept
+
+
 def _peak(jaxpr) -> int:
-    """Peak bytes of values created inside ``jaxpr`` (its inputs not counted)."""
+    """Peak bytes of the values ``jaxpr`` keeps in memory at once (its inputs and outputs not
+    counted; fused elementwise intermediates not counted; a sub-program adds its own peak)."""
+    kept = _materialized(jaxpr)
+    outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     last_use: dict = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
                 last_use[v] = k
-    for v in jaxpr.outvars:
-        if isinstance(v, jcore.Var):
-            last_use[v] = len(jaxpr.eqns)
     live, peak, size = {}, 0, 0
     for k, eqn in enumerate(jaxpr.eqns):
         inner = max((_peak(j) for j in _sub_jaxprs(eqn)), default=0)
         peak = max(peak, size + inner)
         for v in eqn.outvars:
-            if isinstance(v, jcore.Var) and v in last_use:
+            if isinstance(v, jcore.Var) and v in kept and v not in outs and v in last_use:
                 live[v] = _nbytes(v.aval)
                 size += live[v]
         peak = max(peak, size)
@@ -100,12 +129,13 @@ def inner_body(closed):
 
 
 def memory(jaxpr) -> dict:
-    """Per-device bytes: arguments, outputs, peak temporaries, and their total."""
+    """Per-device bytes: arguments, outputs, peak temporaries (as ``memory_analysis`` splits them),
+    and their sum."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     args = sum(_nbytes(v.aval) for v in jaxpr.invars)
     outs = sum(_nbytes(v.aval) for v in jaxpr.outvars if isinstance(v, jcore.Var))
     temps = _peak(jaxpr)
-    return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + temps}
+    return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + outs + temps}
 
 
 def live(jaxpr):

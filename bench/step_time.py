@@ -40,8 +40,8 @@ def matmul_peak_flops(n: int = 4096, repeats: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
-def compare(fn, mesh, layout, args, pairs: int) -> dict:
-    runs = {"explicit": md.lower(fn, mesh, layout), "gspmd": md.lower(fn, mesh, layout, backend="gspmd")}
+def compare(fn, mesh, layout, args, pairs: int, **lower_kw) -> dict:
+    runs = {"explicit": md.lower(fn, mesh, layout, **lower_kw), "gspmd": md.lower(fn, mesh, layout, backend="gspmd")}
     placed = md.place(args, mesh, layout)
     for f in runs.values():
         f.compile(*placed)
@@ -64,15 +64,19 @@ def run(quick: bool = False, pairs: int = 5) -> str:
         for name, mesh, layout, fn, args, _, _ in models.cases(kind, quick):
             if quick and name not in QUICK[kind]:
                 continue
-            r = compare(fn, mesh, layout, args, pairs)
-            row = {"model": "t5-small x2 layers" if kind == "dense" else "MoE-T5 (8 experts) x2",
-                   "layout": name, "mesh": str(mesh), **r}
-            if gpu:
-                flops = md.explain(fn, mesh, layout, *args).flops
-                row["mfu"] = flops / r["explicit_s"] / peak
-            rows.append(row)
-            print(f"{row['model']:22s} {name:32s} explicit {r['explicit_s'] * 1e3:8.1f} ms  "
-                  f"gspmd {r['gspmd_s'] * 1e3:8.1f} ms  ratio {r['ratio']:.3f}", flush=True)
+            variants = [(name, {})]
+            if "ZeRO-3" in name:  # the FSDP trade: keep the gathered weights, or gather them again
+                variants = [(f"{name} (keep)", {}), (f"{name} (re-gather)", {"param_gather": "regather"})]
+            for label, kw in variants:
+                r = compare(fn, mesh, layout, args, pairs, **kw)
+                row = {"model": "t5-small x2 layers" if kind == "dense" else "MoE-T5 (8 experts) x2",
+                       "layout": label, "mesh": str(mesh), **r}
+                if gpu:
+                    flops = md.explain(fn, mesh, layout, *args).flops
+                    row["mfu"] = flops / r["explicit_s"] / peak
+                rows.append(row)
+                print(f"{row['model']:22s} {label:32s} explicit {r['explicit_s'] * 1e3:8.1f} ms  "
+                      f"gspmd {r['gspmd_s'] * 1e3:8.1f} ms  ratio {r['ratio']:.3f}", flush=True)
     columns = [("model", lambda r: r["model"]), ("layout", lambda r: r["layout"]), ("mesh", lambda r: r["mesh"]),
                ("explicit ms (median)", lambda r: f"{r['explicit_s'] * 1e3:.1f}"),
                ("gspmd ms (median)", lambda r: f"{r['gspmd_s'] * 1e3:.1f}"),

@@ -131,7 +131,8 @@ def report_html(report, top: int = 8) -> str:
     head = (f"<div><b>mesh</b> {_esc(report.mesh)} &middot; <b>layout</b> <code>{_esc(report.layout)}</code></div>"
             f"<div>communication <b>{_fmt_bytes(total)}</b>/device &middot; matmul <b>{_fmt_flops(report.flops)}"
             f"</b>/device &middot; memory <b>{_fmt_bytes(mem['peak'])}</b>/device (arguments "
-            f"{_fmt_bytes(mem['arguments'])}, temporaries {_fmt_bytes(mem['temporaries'])})</div>")
+            f"{_fmt_bytes(mem['arguments'])}, outputs {_fmt_bytes(mem.get('outputs', 0))}, temporaries "
+            f"{_fmt_bytes(mem['temporaries'])})</div>")
     summary = report.summary()
     rows = "".join(
         f"<tr><td style='{_CELL}'><span style='color:{KIND_COLORS.get(k, '#888')}'>&#9632;</span> {k}</td>"

@@ -80,7 +80,8 @@ class Report:
         lines = [f"**mesh** {self.mesh} · **layout** `{self.layout}`", "",
                  f"communication {_fmt_bytes(self.total_bytes)} per device · matmul {_fmt_flops(self.flops)} "
                  f"per device · memory {_fmt_bytes(self.memory['peak'])} per device (arguments "
-                 f"{_fmt_bytes(self.memory['arguments'])}, temporaries {_fmt_bytes(self.memory['temporaries'])})", ""]
+                 f"{_fmt_bytes(self.memory['arguments'])}, outputs {_fmt_bytes(self.memory.get('outputs', 0))}, "
+                 f"temporaries {_fmt_bytes(self.memory['temporaries'])})", ""]
         lines += ["| kind | count | bytes/device |", "| --- | ---: | ---: |"]
         for kind, row in self.summary().items():
             lines.append(f"| {kind} | {row['count']} | {_fmt_bytes(row['bytes'])} |")

@@ -338,7 +338,7 @@ def plot_reports(reports, *, measured=None, log: bool = False, title: str | None
 
         mem_unit, mem_scale = _unit([reps[n].memory["peak"] for n in names], "bytes")
         args = np.array([reps[n].memory["arguments"] for n in names]) / mem_scale
-        temps = np.array([reps[n].memory["temporaries"] for n in names]) / mem_scale
+        temps = np.array([reps[n].memory["temporaries"] + reps[n].memory.get("outputs", 0) for n in names]) / mem_scale
         row[1].bar(x, args, color="#9d9d9d")
         row[1].bar(x, temps, bottom=args, color="#72b7b2")
         _annotate(row[1], x, args + temps)

@@ -134,7 +134,7 @@ def run(quick: bool = False) -> str:
     from bench import models
     for kind, label in (("dense", "t5-small x2 layers, train step"), ("moe", "MoE-T5 8 experts x2, train step")):
         for name, mmesh, layout, fn, args, minimum, formula in models.cases(kind, quick):
-            m = measure(fn, mmesh, layout, *args)
+            m = measure(fn, mmesh, layout, *args, **models.lower_kwargs(name))
             rows.append(_row(f"{label}: {name}", mmesh, layout, minimum, formula, m))
             print(f"{label}: {name:34s} explicit/gspmd {ratio(total(m['explicit']), total(m['gspmd']))}", flush=True)
     same = lambda a, b: {k: round(v["bytes"]) for k, v in a.items()} == {k: round(v["bytes"]) for k, v in b.items()}  # noqa: E731

@@ -22,12 +22,21 @@ from meshdsl.models.t5 import T5  # noqa: E402
 F32 = 4
 MEGATRON = {"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}
 
+AUTO = "param_gather=auto: "  # rows lowered with md.lower(..., param_gather="auto")
+
+
+def lower_kwargs(name: str) -> dict:
+    return {"param_gather": "auto"} if name.startswith(AUTO) else {}
+
+
 DENSE_CASES = {
     "data parallel": ("data:8", {"batch": "data"}, None),
     "Megatron": ("data:2;model:4", MEGATRON, None),
     "Megatron + sequence parallel": ("data:2;model:4", {**MEGATRON, "length": "model"}, None),
     "ZeRO-3": ("data:8", {"batch": "data"}, {"d_model": "data"}),
     "Megatron + ZeRO-3": ("data:2;model:4", MEGATRON, {"d_model": "data"}),
+    AUTO + "ZeRO-3": ("data:8", {"batch": "data"}, {"d_model": "data"}),
+    AUTO + "Megatron + ZeRO-3": ("data:2;model:4", MEGATRON, {"d_model": "data"}),
     "2-D weight-stationary": ("data:2;model:4", {"d_model": "data", "d_ff": "model", "heads": "model"}, None),
 }
 MOE_CASES = {

@@ -22,7 +22,7 @@ import meshdsl as md  # noqa: E402
 from bench import models  # noqa: E402
 from bench.common import write  # noqa: E402
 
-QUICK = {"dense": ["data parallel", "Megatron", "ZeRO-3"], "moe": ["expert parallel"]}
+QUICK = {"dense": ["data parallel", "Megatron", "ZeRO-3", models.AUTO + "ZeRO-3"], "moe": ["expert parallel"]}
 
 
 def _timed(f, args) -> float:
@@ -64,8 +64,8 @@ def run(quick: bool = False, pairs: int = 5) -> str:
         for name, mesh, layout, fn, args, _, _ in models.cases(kind, quick):
             if quick and name not in QUICK[kind]:
                 continue
-            variants = [(name, {})]
-            if "ZeRO-3" in name:  # the FSDP trade: keep the gathered weights, or gather them again
+            variants = [(name, models.lower_kwargs(name))]
+            if name == "ZeRO-3":  # the FSDP trade: keep the gathered weights, or gather them again
                 variants = [(f"{name} (keep)", {}), (f"{name} (re-gather)", {"param_gather": "regather"})]
             for label, kw in variants:
                 r = compare(fn, mesh, layout, args, pairs, **kw)

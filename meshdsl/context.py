@@ -157,6 +157,8 @@ class ExplicitContext(GlobalContext):
         super().__init__()
         self.mesh, self.layout = mesh, layout
         self.param_gather = param_gather
+        self.gather_plan: list | None = None  # param_gather="auto": gather (True) or stay, per decision
+        self.gather_probe: list = []           # (params, gather bytes, stay bytes) per decision
         self.records: list[CollectiveRecord] = []
         self.multiplier = 1          # executions of the code being traced (md.scan trip counts)
         self.phase = "forward"

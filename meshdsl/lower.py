@@ -20,6 +20,7 @@ baseline the explicit backend is measured against.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,12 @@ from .errors import LayoutError, MeshDSLError, MeshError, ShapeError, suggest
 from .layout import Layout, to_spec
 from .mesh import Mesh
 from .named import NamedArray, Placement
+from .placement import decide_gathers
 
 __all__ = ["lower", "LoweredFunction", "place"]
 
 BACKENDS = ("explicit", "gspmd")
-PARAM_GATHER = ("keep", "regather")
+PARAM_GATHER = ("keep", "regather", "auto")
 
 
 def _is_named(x) -> bool:
@@ -82,20 +84,34 @@ class _Entry:
         owner = self.owner
         if owner.backend == "gspmd":
             return self._run_gspmd(arrays)
-        smap = jax.shard_map(self._body, mesh=owner.mesh.jax_mesh,
+        plan = self._gather_plan(arrays) if owner.param_gather == "auto" else None
+        smap = jax.shard_map(functools.partial(self._body, gather_plan=plan), mesh=owner.mesh.jax_mesh,
                              in_specs=tuple(i.spec for i in self.infos),
                              out_specs=self.out_specs, check_vma=True)
         return smap(*arrays)
+
+    def _gather_plan(self, arrays) -> list:
+        """``param_gather="auto"``: trace once (shapes only) to collect what gathering or not
+        gathering each stored parameter costs, and decide per parameter."""
+        probe, specs = [], []
+        smap = jax.shard_map(functools.partial(self._body, probe=probe, out_specs=specs), mesh=self.owner.mesh.jax_mesh,
+                             in_specs=tuple(i.spec for i in self.infos), out_specs=specs, check_vma=True)
+        jax.eval_shape(smap, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+        return decide_gathers(probe)
 
     def _args(self, arrays, explicit: bool):
         leaves = [NamedArray(a, i.dims, is_param=i.is_param, placement=Placement(i.axes) if explicit else None)
                   if i.named else a for a, i in zip(arrays, self.infos)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
-    def _body(self, *arrays):
+    def _body(self, *arrays, gather_plan=None, probe=None, out_specs=None):
         owner = self.owner
         ctx = ExplicitContext(owner.mesh, owner.layout, param_gather=owner.param_gather)
-        self.last_ctx = ctx
+        if probe is None:
+            self.last_ctx = ctx
+            ctx.gather_plan = None if gather_plan is None else list(gather_plan)
+        else:
+            ctx.gather_probe = probe
         ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
         ctx.param_axes = frozenset(a for i in self.infos if i.named and not i.is_param for ax in i.axes for a in ax)
         with using(ctx):
@@ -122,7 +138,9 @@ class _Entry:
             ctx.op = None
             _check_unused_rules(owner.layout, ctx.dims_seen)
         ctx.tracing = False
-        self.out_specs[:] = specs
+        if ctx.gather_plan:
+            raise AssertionError(f"internal: {len(ctx.gather_plan)} parameter-gather decisions left unused")
+        (self.out_specs if probe is None else out_specs)[:] = specs
         return results
 
     def _run_gspmd(self, arrays):
@@ -274,8 +292,12 @@ class LoweredFunction:
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep") -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
-    ``param_gather``: ``"keep"`` keeps parameters gathered inside ``md.scan`` for the backward pass
-    (fewest bytes, more memory); ``"regather"`` gathers them again there (ZeRO-3's memory saving).
+    ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
+    needs them whole: ``"keep"`` (ZeRO-3 as written) all-gathers them and keeps the gathered value
+    inside ``md.scan`` for the backward pass; ``"regather"`` gathers them again there (ZeRO-3's
+    memory saving); ``"auto"`` gathers a parameter only where that moves fewer bytes than leaving
+    it as stored and moving the activations (an embedding table looked up or a logits projection
+    of a small batch stays put: its ids, rows and logits move instead).
     """
     return LoweredFunction(fn, mesh, layout, backend, param_gather)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from . import collectives as C
 from .context import varying_axes
 
-__all__ = ["relayout"]
+__all__ = ["relayout", "relayout_bytes"]
 
 
 def relayout(ctx, x, target, vary, keep_pending):
@@ -129,3 +129,27 @@ def needs_gather(ctx, x, axes_by_name) -> bool:
     """Would relaying ``x`` to ``axes_by_name`` gather some dim (a split it has that the target lacks)?"""
     pl = ctx.placement(x)
     return any(tuple(axes_by_name.get(d.name, ()))[:len(a)] != a for d, a in zip(x.dims, pl.axes))
+
+
+def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pending=frozenset()) -> float:
+    """Estimated bytes one device moves to relay a tensor of ``dims`` from ``src_axes`` (axes per
+    dim, with pending sums ``src_pending``) to ``target`` (axes per dim), keeping ``keep_pending``.
+    Used to choose between plans before emitting anything (ring formulas of :mod:`meshdsl.cost`)."""
+    from .cost import moved_bytes
+    total = itemsize
+    for d in dims:
+        total *= d.size
+    local = total / max(1, ctx.axes_size([a for axes in src_axes for a in axes]))
+    where_src = {a: i for i, axes in enumerate(src_axes) for a in axes}
+    where_tgt = {a: i for i, axes in enumerate(target) for a in axes}
+    moved = 0.0
+    for a in ctx.mesh.axis_names:
+        n = ctx.axes_size((a,))
+        if a in src_pending and a not in keep_pending:
+            moved += moved_bytes("reduce-scatter" if a in where_tgt else "all-reduce", local, local / n, n)
+        elif a in where_src and where_tgt.get(a) != where_src[a]:
+            if a in where_tgt:
+                moved += moved_bytes("all-to-all", local, local, n)
+            else:
+                moved += moved_bytes("all-gather", local, local * n, n)
+    return moved

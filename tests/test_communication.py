@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import meshdsl as md
-from helpers import bytes_by_kind, check_layout, explain_summary, hlo_summary
+from helpers import assert_same, bytes_by_kind, check_layout, explain_summary, hlo_summary
 
 B, S, D, F, H, K = 8, 16, 32, 64, 8, 4
 F32 = 4
@@ -125,6 +125,33 @@ def test_zero3_gathers_forward_and_reduce_scatters_gradients(mesh, arrays):
     out = md.lower(grads, mesh, layout)(arrays["x2"], w1, w2)
     assert all(g.is_param for g in out)  # gradients of parameters come back in the storage layout
     assert out[0].array.sharding.spec == layout.spec(w1.dims, mesh, storage=True)
+
+
+def test_zero3_auto_moves_activations_when_they_are_smaller_than_the_weights(mesh, arrays):
+    """param_gather="auto", batch of 8 rows, weights [32, 64] stored d_model:data: moving the
+    activations is cheaper than gathering the weights. w1: all-to-all of x onto d_model, local
+    product, reduce-scatter of h onto batch; w2: all-gather of h, local product, all-to-all of y
+    back onto batch. Backward: the duals (x needs no gradient: one all-to-all fewer); the weight
+    gradients are born in the storage layout, not reduce-scattered."""
+    layout = md.Layout({"batch": "data"}, params={"d_model": "data"})
+    w1, w2 = md.param(arrays["w1"]), md.param(arrays["w2"])
+
+    def grads(x, w1, w2):
+        return jax.grad(lambda w1, w2: md.sum(md.square(mlp(x, w1, w2))).array, argnums=(0, 1))(w1, w2)
+
+    args = (arrays["x2"], w1, w2)
+    f = md.lower(grads, mesh, layout, param_gather="auto")
+    assert_same(f(*args), grads(*args), 1e-4, 1e-4)
+    hlo = hlo_summary(f, *args)
+    h, x_block = B * F * F32, B // DATA * D * F32
+    expected = {"all-gather": 2 * ring_gather(h, DATA), "reduce-scatter": 2 * ring_gather(h, DATA),
+                "all-to-all": 3 * ring_gather(x_block, DATA)}
+    assert bytes_by_kind(hlo) == pytest.approx(expected), hlo
+    report = md.explain(grads, mesh, layout, *args, param_gather="auto")
+    assert bytes_by_kind(explain_summary(report)) == pytest.approx(bytes_by_kind(hlo))
+    keep = md.explain(grads, mesh, layout, *args)
+    assert report.total_bytes < 0.35 * keep.total_bytes
+    assert f(*args)[0].array.sharding.spec == layout.spec(w1.dims, mesh, storage=True)
 
 
 def test_zero3_forward_only_gathers(mesh, arrays):

@@ -946,7 +946,7 @@ def test_backend_typo():
 
 
 def test_param_gather_typo():
-    with raises(md.MeshDSLError, match="param_gather must be one of \\('keep', 'regather'\\), got 'regahter'",
+    with raises(md.MeshDSLError, match="param_gather must be one of \\('keep', 'regather', 'auto'\\), got 'regahter'",
                 exact=False) as e:
         md.lower(identity, MESH, md.Layout({}), param_gather="regahter")
     assert "did you mean 'regather'?" in str(e.value)

@@ -132,3 +132,32 @@ def test_token_ids_with_other_names_and_lengths(batch):
     assert logits.names == ("batch", "tgt", "vocab") and logits.shape == {"batch": 8, "tgt": 5, "vocab": 64}
     with pytest.raises(md.ShapeError, match="integer token ids"):
         model(enc.astype(jnp.float32), dec)
+
+
+def loss_and_grads(model, batch, key):
+    return nnx.value_and_grad(lambda m: t5_loss(m, batch, key=key, train=True)[0].array)(model)
+
+
+@pytest.mark.parametrize("rules, stays", [({"batch": "data"}, True), (MEGATRON, False)],
+                         ids=["ZeRO-3", "Megatron + ZeRO-3"])
+def test_param_gather_auto_gathers_a_parameter_only_where_cheaper(rules, stays, batch):
+    """A tied embedding [vocab:1024, d_model:128] stored d_model:data, read by two lookups and
+    the logits. Data parallel: gathering it costs more than moving ids, rows and logits, so
+    param_gather="auto" never gathers it. Megatron (vocab:model): a quarter of the table per
+    device, gathered once for all three ops, is cheaper: "auto" gathers it like "keep". Either
+    way the step equals the unsharded one, moves no more than "keep", and md.explain = HLO."""
+    from helpers import bytes_by_kind, explain_summary, hlo_summary
+    config = tiny(False).replace(vocab=1024, d_model=128, tie_embeddings=True)
+    model, key = T5(config, rngs=nnx.Rngs(0)), jax.random.key(1)
+    mesh, layout = md.Mesh(MESH), md.Layout(rules, params={"d_model": "data"})
+    f = md.lower(loss_and_grads, mesh, layout, param_gather="auto")
+    assert_same(f(model, batch, key), jax.jit(loss_and_grads)(model, batch, key), rtol=2e-4, atol=2e-5)
+    report = md.explain(loss_and_grads, mesh, layout, model, batch, key, param_gather="auto")
+    table = [r for r in report.collectives if r.tensor.startswith("[vocab:1024 d_model:128]")]
+    hlo = hlo_summary(f, model, batch, key)
+    assert bytes_by_kind(explain_summary(report)) == pytest.approx(bytes_by_kind(hlo))
+    keep = md.explain(loss_and_grads, mesh, layout, model, batch, key)
+    if stays:
+        assert not table and report.total_bytes < 0.8 * keep.total_bytes
+    else:
+        assert table and report.total_bytes == keep.total_bytes

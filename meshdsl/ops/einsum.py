@@ -17,7 +17,11 @@ through the einsum and is reduced later, on the smaller result (MoE's combine af
 expert FFN). Other pending sums are reduced before the contraction.
 
 Parameters stored split (``params=`` rules) are all-gathered for the contraction; the backward
-pass reduce-scatters their gradients. With ``md.lower(..., param_gather="regather")`` the gathered
+pass reduce-scatters their gradients. With ``param_gather="auto"``, where that moves more bytes than leaving the parameter as
+stored and moving the activations (:func:`meshdsl.placement.stationary`: the logits against a
+tied embedding stored ``d_model:data``), the contraction runs in the parameter's placement and
+its result is relaid to the planned placement (an all-to-all of the input, a reduce-scatter of
+the result; their duals backward), and the gradient is born where the parameter is stored. With ``md.lower(..., param_gather="regather")`` the gathered
 parameter is not kept for the backward pass: it is gathered again there (ZeRO-3's memory saving,
 and the choice GSPMD does not offer inside a scan).
 """
@@ -33,7 +37,8 @@ import jax
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..named import NamedArray
-from ..relayout import needs_gather
+from ..placement import stationary
+from ..relayout import needs_gather, relayout_bytes
 from .common import as_named, union_dims, where_
 from .registry import op
 
@@ -63,9 +68,22 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
     out_dims = Shape(dims[n] for n in out_names)
     contracted = tuple(d.name for d in dims if d.name not in out_names)
 
-    keep = _linear_pending(ctx, xs, out_dims)
-    axes = ctx.plan(dims, xs, prefer=contracted, keep_pending=keep)
-    keep = keep - {a for ax in axes.values() for a in ax}
+    linear = _linear_pending(ctx, xs, out_dims)
+
+    def kept(plan):
+        return linear - {a for ax in plan.values() for a in ax}
+
+    def pending_of(plan):
+        return frozenset(a for n in contracted for a in plan[n]) | kept(plan)
+
+    axes = target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
+    if ctx.explicit and ctx.param_gather == "auto":
+        itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
+        out_axes = [target[n] for n in out_names]
+        alt = stationary(ctx, dims, xs, target, lambda p: relayout_bytes(
+            ctx, out_dims, itemsize, [p[n] for n in out_names], pending_of(p), out_axes, pending_of(target)))
+        axes = alt or target
+    keep = kept(axes)
     vary = ctx.vary(axes.values(), xs, keep)
     letter = {d.name: _LETTERS[i] for i, d in enumerate(dims)}
     spec = ",".join("".join(letter[n] for n in x.names) for x in xs) + "->" + "".join(letter[n] for n in out_names)
@@ -80,8 +98,12 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
         x.is_param and needs_gather(ctx, x, axes) for x in xs)
     raw = [x._array for x in xs]
     result = _regathered(ctx, contract, raw) if regather else contract(*raw)
-    pending = frozenset(a for n in contracted for a in axes[n]) | keep
-    return ctx.out(result, out_dims, axes, pending)
+    result = ctx.out(result, out_dims, axes, pending_of(axes))
+    if axes is target:
+        return result
+    # Parameters stayed where they are stored: bring the result where the plan puts it.
+    local = ctx.local(result, target, vary, keep_pending=pending_of(target))
+    return ctx.out(local, out_dims, target, pending_of(target))
 
 
 def _linear_pending(ctx, xs, out_dims) -> frozenset:

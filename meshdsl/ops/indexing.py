@@ -4,7 +4,10 @@ Over a dim split on mesh axis ``a``:
 
 * ``one_hot``: each device builds its block of the new dim from the ids (no communication);
 * ``take`` (embedding lookup): each device looks up the rows it holds, zeros elsewhere: a pending
-  partial sum over ``a`` (Megatron's vocab-parallel embedding);
+  partial sum over ``a`` (Megatron's vocab-parallel embedding). With ``param_gather="auto"`` a
+  table stored split on its other dim (ZeRO-3's ``d_model:data``) is not gathered when moving the
+  ids and rows is cheaper: the ids are gathered, each device looks up its columns of every row,
+  and one all-to-all moves the rows where the plan wants them;
 * ``top_k``: local top-k, all-gather of the k candidates per device only, final top-k;
 * ``cumsum``: local cumsum plus the sum of the previous blocks' totals (an all-gather of one
   value per row and device);
@@ -20,6 +23,8 @@ import jax.numpy as jnp
 from .. import collectives as C
 from ..dims import Dim, Shape
 from ..errors import ShapeError
+from ..placement import stationary
+from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, new_dims, where_
 from .registry import op
 
@@ -72,7 +77,13 @@ def take(ctx, table, ids, dim):
         raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] and table [{table.dims}] share dims {clash}; "
                          "rename one side")
     out = Shape((*ids.dims, *rest))
-    axes = ctx.plan(Shape((*out, table.dims[name])), [table, ids])
+    axes = target = ctx.plan(Shape((*out, table.dims[name])), [table, ids])
+    if ctx.explicit and ctx.param_gather == "auto":  # a table stored split on a row dim: look up there, move the rows (not the table)
+        out_axes = [target[d.name] for d in out]
+        alt = stationary(ctx, Shape((*out, table.dims[name])), [table, ids], target, lambda p: relayout_bytes(
+            ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]), out_axes,
+            frozenset(target[name])))
+        axes = alt or target
     vary = ctx.vary(axes.values(), [table, ids])
     t_local = ctx.local(table, axes, vary)
     i_local = ctx.local(ids, axes, vary)
@@ -88,7 +99,11 @@ def take(ctx, table, ids, dim):
     else:
         rows = jnp.take(t_local, i_local, axis=pos)
     got = Shape((*table.dims[:pos], *ids.dims, *table.dims[pos + 1:]))
-    return ctx.out(align(rows, got, out), out, axes, frozenset(split))
+    result = ctx.out(align(rows, got, out), out, axes, frozenset(split))
+    if axes is target:
+        return result
+    pending = frozenset(target[name])
+    return ctx.out(ctx.local(result, target, vary, keep_pending=pending), out, target, pending)
 
 
 @op("top_k")

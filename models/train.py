@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--remat", default="none", choices=("none", "full", "dots"),
       help="recompute each layer in the backward pass: nothing saved (full) or all but matmuls (dots)")
     a("--param-dtype", default="float32", choices=("float32", "bfloat16"), help="parameter storage dtype")
-    a("--param-gather", default="keep", choices=("keep", "regather"),
-      help="ZeRO-3 weights in the backward pass of the layer scan: keep the gathered copy or gather again")
+    a("--param-gather", default="keep", choices=("keep", "regather", "auto"),
+      help="weights stored split (--params-layout): keep the gathered copy for the backward pass, gather again "
+           "there, or auto: gather only where that moves fewer bytes than moving the activations")
     a("--seed", type=int, default=0, help="parameters, data order, span noise and dropout")
     a("--out", default=None, help="output directory (default runs/<model>)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --out")

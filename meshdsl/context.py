@@ -310,6 +310,11 @@ class ExplicitContext(GlobalContext):
         self._multipliers[id(_current_trace())] = multiplier
         self._keepalive.append(_current_trace())
 
+    def executions_of(self, array) -> int:
+        """How often a relayout of ``array`` runs: hoisted to the trace that owns it (see
+        :meth:`cached`), so a value captured by a loop body is relaid once, not once per step."""
+        return self._multiplier_of(_enclosing_owner(array, _current_trace()))
+
     def _multiplier_of(self, trace) -> int:
         while trace is not None:
             if id(trace) in self._multipliers:

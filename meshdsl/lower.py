@@ -85,17 +85,18 @@ class _Entry:
         if owner.backend == "gspmd":
             return self._run_gspmd(arrays)
         plan = self._gather_plan(arrays) if owner.param_gather == "auto" else None
-        smap = jax.shard_map(functools.partial(self._body, gather_plan=plan), mesh=owner.mesh.jax_mesh,
-                             in_specs=tuple(i.spec for i in self.infos),
-                             out_specs=self.out_specs, check_vma=True)
-        return smap(*arrays)
+        return self._smap(functools.partial(self._body, gather_plan=plan), self.out_specs)(*arrays)
+
+    def _smap(self, body, out_specs):
+        """``body`` over local blocks; ``out_specs`` is a list the body fills while it is traced."""
+        return jax.shard_map(body, mesh=self.owner.mesh.jax_mesh, in_specs=tuple(i.spec for i in self.infos),
+                             out_specs=out_specs, check_vma=True)
 
     def _gather_plan(self, arrays) -> list:
         """``param_gather="auto"``: trace once (shapes only) to collect what gathering or not
         gathering each stored parameter costs, and decide per parameter."""
         probe, specs = [], []
-        smap = jax.shard_map(functools.partial(self._body, probe=probe, out_specs=specs), mesh=self.owner.mesh.jax_mesh,
-                             in_specs=tuple(i.spec for i in self.infos), out_specs=specs, check_vma=True)
+        smap = self._smap(functools.partial(self._body, probe=probe, out_specs=specs), specs)
         jax.eval_shape(smap, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
         return decide_gathers(probe)
 

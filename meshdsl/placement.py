@@ -102,7 +102,6 @@ def stationary(ctx, dims, operands, axes, result_bytes):
     such op, the bytes of gathering and of staying (``ctx.gather_probe``), then decides per
     parameter (:func:`decide_gathers`) and traces again following the decisions
     (``ctx.gather_plan``, consumed in program order)."""
-    from .context import _current_trace, _enclosing_owner
     from .relayout import needs_gather, relayout_bytes
     params = [x for x in operands if x.is_param and needs_gather(ctx, x, axes)]
     if not params:
@@ -127,8 +126,7 @@ def stationary(ctx, dims, operands, axes, result_bytes):
                               tuple(p.get(d.name, ()) for d in x.dims))
 
     others = [x for x in operands if not any(x is q for q in params)]
-    trace = _current_trace()
-    gather = sum(moved(x, axes) * ctx._multiplier_of(_enclosing_owner(x._array, trace)) for x in params)
+    gather = sum(moved(x, axes) * ctx.executions_of(x._array) for x in params)
     stay = (sum(moved(x, alt) for x in operands) + result_bytes(alt) - sum(moved(x, axes) for x in others))
     ctx.gather_probe.append((frozenset(id(x._array) for x in params), gather, stay * ctx.multiplier))
     return None if gather <= stay * ctx.multiplier else alt

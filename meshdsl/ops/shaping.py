@@ -52,7 +52,7 @@ def rename(ctx, x, mapping, new=None):
         raise ShapeError(f"{where_(ctx)}: renaming [{x.dims}] with {mapping} gives two dims named {dupes[0]!r}")
     dims = Shape(Dim(mapping.get(d.name, d.name), d.size) for d in x.dims)
     axes, pending = _renamed_axes(ctx, x, mapping)
-    return ctx.out(x._array, dims, axes, pending, is_param=x.is_param)
+    return ctx.out(x.raw, dims, axes, pending, is_param=x.is_param)
 
 
 @op("transpose")
@@ -65,7 +65,7 @@ def transpose(ctx, x, dims):
         raise ShapeError(f"{where_(ctx)}: new dim order {list(order)} misses {missing} of [{x.dims}]")
     new = Shape(x.dims[n] for n in order)
     axes, pending = _renamed_axes(ctx, x, {})
-    return ctx.out(align(x._array, x.dims, new), new, axes, pending, is_param=x.is_param)
+    return ctx.out(align(x.raw, x.dims, new), new, axes, pending, is_param=x.is_param)
 
 
 def _groups(old, new):
@@ -117,7 +117,7 @@ def reshape(ctx, x, dims):
     groups = _groups(list(x.dims), list(new))
     pl = ctx.placement(x)
     if pl is None:
-        return ctx.out(jnp.reshape(x._array, new.sizes), new)
+        return ctx.out(jnp.reshape(x.raw, new.sizes), new)
     current = dict(zip(x.names, pl.axes))
     src_target, out_axes = {}, {}
     for old_g, new_g in groups:

@@ -16,7 +16,7 @@ from .lower import LoweredFunction, lower, place
 from .mesh import Mesh
 from .named import NamedArray, named, param
 from .ops import (
-    abs, add, arange, argmax, astype, clip, concat, cos, cumsum, divide, einsum, equal, erf, exp, expm1,
+    abs, add, arange, argmax, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, erf, exp, expm1,
     floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, local_map, log, log1p, logical_and,
     logical_not, logical_or, logsumexp, max, maximum, mean, min, minimum, multiply, negative, not_equal,
     one_hot, ones, pad, power, relu, rename, reshape, round, rsqrt, scan, shift, sigmoid, sign, silu, sin,
@@ -42,7 +42,7 @@ __all__ = [
     "logical_and", "logical_or", "logical_not", "where",
     "sum", "mean", "max", "min", "softmax", "logsumexp", "argmax", "top_k", "cumsum",
     "rename", "transpose", "reshape", "concat", "slice", "pad", "shift", "one_hot", "take",
-    "full", "zeros", "ones", "arange", "scan", "local_map", "random",
+    "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
     # notebook views
     "register_treescope", "report_html", "reports_table", "device_blocks", "plot_placement", "plot_reports",
     "__version__",

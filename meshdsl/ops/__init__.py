@@ -1,6 +1,7 @@
 """Named ops: one lowering rule per op, registered in :mod:`meshdsl.ops.registry`."""
 
 from .creation import arange, bernoulli, full, normal, ones, uniform, zeros
+from .dynamic import dynamic_slice, dynamic_update_slice
 from .einsum import einsum
 from .elementwise import (
     abs, add, astype, clip, cos, divide, equal, erf, exp, expm1, floor, gelu, greater, greater_equal,

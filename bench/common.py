@@ -20,6 +20,7 @@ import jax  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 from meshdsl import hlo_comm  # noqa: E402
+from meshdsl.units import fmt_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -55,14 +56,7 @@ def total(by_kind: dict) -> float:
 
 
 def fmt_kinds(by_kind: dict) -> str:
-    return ", ".join(f"{k} {v['count']}x {_fmt_bytes(v['bytes'])}" for k, v in by_kind.items()) or "none"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+    return ", ".join(f"{k} {v['count']}x {fmt_bytes(v['bytes'])}" for k, v in by_kind.items()) or "none"
 
 
 def ratio(a: float, b: float) -> str:

@@ -35,6 +35,7 @@ class Report:
     collectives: list
     flops: float
     memory: dict
+    pipeline: dict | None = None   # stages, microbatches, schedule, ticks, bubble_fraction (if any)
 
     def summary(self) -> dict:
         """kind -> {"count": executions, "bytes": bytes moved per device} (like ``hlo_comm``)."""
@@ -55,7 +56,8 @@ class Report:
     def to_dict(self) -> dict:
         return {"mesh": self.mesh, "layout": self.layout, "flops_per_device": self.flops,
                 "memory_per_device": dict(self.memory), "total_bytes_per_device": self.total_bytes,
-                "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives]}
+                "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
+                "pipeline": None if self.pipeline is None else dict(self.pipeline)}
 
     def _rows(self):
         for r in self.collectives:
@@ -70,6 +72,12 @@ class Report:
                  f"per device · memory {fmt_bytes(self.memory['peak'])} per device (arguments "
                  f"{fmt_bytes(self.memory['arguments'])}, outputs {fmt_bytes(self.memory.get('outputs', 0))}, "
                  f"temporaries {fmt_bytes(self.memory['temporaries'])})", ""]
+        if self.pipeline:
+            p = self.pipeline
+            lines += [f"pipeline ({p['schedule']}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
+                      f"microbatch{'es' * (p['microbatches'] > 1)}, {p['ticks']} ticks, bubble "
+                      f"{p['bubble_fraction']:.0%}" + (" (one microbatch: all bubble; set md.Layout(..., "
+                                                      "microbatches=...))" if p["microbatches"] == 1 else ""), ""]
         lines += ["| kind | count | bytes/device |", "| --- | ---: | ---: |"]
         for kind, row in self.summary().items():
             lines.append(f"| {kind} | {row['count']} | {fmt_bytes(row['bytes'])} |")
@@ -84,9 +92,10 @@ class Report:
         return self.to_markdown()
 
 
-def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
-    """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling."""
-    f = lower(fn, mesh, layout, param_gather=param_gather)
+def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe") -> Report:
+    """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
+    ``param_gather`` and ``schedule`` as in :func:`meshdsl.lower`."""
+    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule)
     closed, ctx, _ = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
@@ -98,4 +107,15 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
             note = " (runs again in the backward pass)" if runs[r.tag] > r.count else " (hoisted out of the loop)"
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
-                  flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body))
+                  flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body),
+                  pipeline=_pipeline_entry(ctx.pipelines))
+
+
+def _pipeline_entry(pipelines) -> dict | None:
+    """The program's pipeline (the first, and how many there are when there are several)."""
+    if not pipelines:
+        return None
+    entry = dict(pipelines[0])
+    if len(pipelines) > 1:
+        entry["count"] = len(pipelines)
+    return entry

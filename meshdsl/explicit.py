@@ -31,14 +31,17 @@ __all__ = ["ExplicitContext"]
 class ExplicitContext(LayoutContext):
     """Inside ``shard_map``: local blocks, placements, explicit recorded collectives.
 
-    ``params``: the param-gather policy (:mod:`meshdsl.param_gather`). ``param_axes``: the mesh
-    axes the program's (non-parameter) inputs are split over (see :meth:`vary`)."""
+    ``params``: the param-gather policy (:mod:`meshdsl.param_gather`). ``schedule``: how a scan
+    over a split dim is pipelined (:mod:`meshdsl.ops.pipeline`). ``param_axes``: the mesh axes the
+    program's (non-parameter) inputs are split over (see :meth:`vary`)."""
 
     explicit = True
 
-    def __init__(self, mesh, layout, *, params=None):
+    def __init__(self, mesh, layout, *, params=None, schedule: str = "gpipe"):
         super().__init__(mesh, layout)
         self.params = params or param_gather.KEEP
+        self.schedule = schedule          # pipeline schedule of a scan over a split dim
+        self.pipelines: list[dict] = []   # one entry per pipeline traced (for md.explain)
         self.param_axes: frozenset = frozenset()
         self._cache: dict = {}       # relayout / cast results, per jax trace
         self._cache_log: list = []   # cache keys in insertion order (for rollback)

@@ -61,13 +61,14 @@ def _check_rules(rules, where: str) -> dict[str, Axes]:
 class Layout:
     """Dim name -> mesh axes. ``Layout(rules, params=storage_rules)`` or ``Layout.parse("batch:data;d_ff:model")``."""
 
-    def __init__(self, rules=None, params=None):
+    def __init__(self, rules=None, params=None, microbatches=None):
         if isinstance(rules, str):
             rules = _parse_rules(rules, "md.Layout")
         if isinstance(params, str):
             params = _parse_rules(params, "md.Layout params")
         self.rules: dict[str, Axes] = _check_rules(rules, "md.Layout")
         self.param_rules: dict[str, Axes] = _check_rules(params, "md.Layout params")
+        self.microbatches: dict[str, int] = _check_microbatches(microbatches)
         for dim, extra in self.param_rules.items():
             both = set(extra) & set(self.rules.get(dim, ()))
             if both:
@@ -128,7 +129,8 @@ class Layout:
     # -- value semantics -------------------------------------------------------------------------
 
     def _key(self):
-        return (tuple(sorted(self.rules.items())), tuple(sorted(self.param_rules.items())))
+        return (tuple(sorted(self.rules.items())), tuple(sorted(self.param_rules.items())),
+                tuple(sorted(self.microbatches.items())))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Layout) and self._key() == other._key()
@@ -140,10 +142,28 @@ class Layout:
         def fmt(table):
             return ";".join(f"{d}:{'+'.join(a) if a else '-'}" for d, a in table.items())
         out = fmt(self.rules)
-        return out + (f" | params {fmt(self.param_rules)}" if self.param_rules else "")
+        out += f" | params {fmt(self.param_rules)}" if self.param_rules else ""
+        micro = ";".join(f"{d}:{m}" for d, m in self.microbatches.items())
+        return out + (f" | microbatches {micro}" if micro else "")
 
     def __repr__(self) -> str:
         return f"Layout({str(self)!r})"
+
+
+def _check_microbatches(micro) -> dict[str, int]:
+    """``{"batch": 8}``: a pipeline (a scan over a split dim) cuts its carry into 8 microbatches
+    along ``batch``."""
+    if micro is None:
+        return {}
+    if not isinstance(micro, dict) or len(micro) > 1:
+        raise LayoutError(f"md.Layout: microbatches must be a dict of one dim name -> count, e.g. "
+                          f"{{'batch': 8}}, got {micro!r}")
+    for dim, m in micro.items():
+        if not isinstance(dim, str) or not dim.isidentifier():
+            raise LayoutError(f"md.Layout: microbatches names {dim!r}, which is not a dim name")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise LayoutError(f"md.Layout: microbatches {dim}:{m!r} must be a count >= 1")
+    return dict(micro)
 
 
 def to_spec(axes_per_dim) -> PartitionSpec:

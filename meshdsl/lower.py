@@ -27,6 +27,7 @@ from .errors import LayoutError, MeshDSLError, MeshError, ShapeError, suggest
 from .layout import Layout
 from .mesh import Mesh
 from .named import NamedArray, is_named
+from .ops.pipeline import SCHEDULES
 from .param_gather import POLICIES
 from .program import Program
 
@@ -49,7 +50,8 @@ def _put(a, sharding):
 class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
-    def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep"):
+    def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
+                 schedule: str = "gpipe"):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -63,9 +65,12 @@ class LoweredFunction:
         if param_gather not in PARAM_GATHER:
             raise MeshDSLError(f"md.lower: param_gather must be one of {PARAM_GATHER}, got {param_gather!r}"
                                f"{suggest(str(param_gather), PARAM_GATHER)}")
+        if schedule not in SCHEDULES:
+            raise MeshDSLError(f"md.lower: schedule must be one of {SCHEDULES}, got {schedule!r}"
+                               f"{suggest(str(schedule), SCHEDULES)}; circular and 1f1b are not lowered yet")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
-        self.backend, self.param_gather = backend, param_gather
+        self.backend, self.param_gather, self.schedule = backend, param_gather, schedule
         self._programs: dict = {}  # input signature -> Program
 
     def _program(self, args):
@@ -132,7 +137,8 @@ class LoweredFunction:
         return f"md.lower({getattr(self.fn, '__name__', self.fn)!r}, {self.mesh!r}, {self.layout!r}, backend={self.backend!r})"
 
 
-def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep") -> LoweredFunction:
+def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
+          schedule: str = "gpipe") -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -141,8 +147,11 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     memory saving); ``"auto"`` gathers a parameter only where that moves fewer bytes than leaving
     it as stored and moving the activations (an embedding table looked up or a logits projection
     of a small batch stays put: its ids, rows and logits move instead).
+
+    ``schedule``: how an ``md.scan`` over a dim the layout splits (``layers: pipe``) is pipelined
+    (``"gpipe"``; microbatches from ``md.Layout(..., microbatches={"batch": M})``).
     """
-    return LoweredFunction(fn, mesh, layout, backend, param_gather)
+    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

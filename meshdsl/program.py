@@ -100,7 +100,7 @@ class Program:
 
     def _explicit_body(self, *arrays, policy, out_specs, probe):
         owner = self.owner
-        ctx = ExplicitContext(owner.mesh, owner.layout, params=policy)
+        ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule)
         if not probe:
             self.last_ctx = ctx
         ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)

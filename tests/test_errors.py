@@ -420,9 +420,9 @@ def test_scan_over_a_dim_the_compute_layout_splits():
     c, xs = named("d", 4), named("layers d", 2, 4)
     with raises(md.LayoutError, match="the layout splits 'layers'") as e:
         f(c, xs)
-    msg = str(e.value)
-    assert f"md.scan at {line('scan-split')}" in msg and "data" in msg
-    assert "remove the rule for 'layers'" in msg
+    msg = str(e.value)   # a pipeline over data, but the carry has no dim to cut into microbatches
+    assert f"md.scan at {line('scan-split')}" in msg and "'data'" in msg
+    assert "microbatches={'batch': M}" in msg and "remove the rule for 'layers'" in msg
 
 
 def test_output_that_is_a_plain_array_differing_between_devices():

@@ -1,0 +1,170 @@
+"""The loop under ``md.scan``: ``lax.scan`` of a step over NamedArrays, inside a lowering.
+
+* The carry enters in its layout placement and leaves each step in the same placement and type
+  (if the step makes it vary over more mesh axes, the loop is traced again, wider).
+* The stacked ``xs`` are cast, once and before the loop, to vary over the axes the carry varies
+  over (casting per step inside the loop would make jax keep every layer's weights as residuals).
+* Collectives traced in the body are recorded with the trip count as their count.
+* Values the step captures from outside are relaid and cast outside the loop, once.
+
+:mod:`meshdsl.ops.scan` (a plain scan) and :mod:`meshdsl.ops.pipeline` (a scan over a split dim)
+run their steps through :func:`run`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import collectives as C
+from ..dims import Dim, Shape
+from ..errors import ShapeError
+from ..jaxcompat import varying_axes
+from ..named import NamedArray, Placement, is_named as _is_named
+
+__all__ = ["run", "Widen", "order"]
+
+
+class Widen(Exception):
+    """The step made a carry vary over more mesh axes than it entered with: retry wider."""
+
+    def __init__(self, index, axes):
+        super().__init__(index, axes)
+        self.index, self.axes = index, axes
+
+
+def order(ctx, axes):
+    """``axes`` in mesh order."""
+    return tuple(a for a in ctx.mesh.axis_names if a in axes)
+
+
+def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where):
+    """``(carry, ys)`` of scanning ``step`` over ``length`` entries of ``dim`` of ``x_leaves``."""
+    widen: dict[int, frozenset] = {}
+    mark = ctx.checkpoint() if ctx.explicit else None
+    while True:
+        try:
+            return _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen,
+                              reverse, unroll, where)
+        except Widen as w:  # forget the aborted trace's records and try again
+            widen[w.index] = widen.get(w.index, frozenset()) | w.axes
+            if ctx.explicit:
+                ctx.rollback(mark)
+
+
+def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, reverse, unroll, where):
+    c_arrays, c_templates = _enter_carry(ctx, c_leaves, widen)
+    carry_vary = frozenset().union(*(varying_axes(a) for a in c_arrays)) if ctx.explicit else frozenset()
+    x_arrays, x_templates = _enter_xs(ctx, x_leaves, dim, carry_vary)
+    y_templates = []
+
+    def body(c_arrs, x_arrs):
+        carry = _rebuild(c_tree, c_arrs, c_templates)
+        xs = _rebuild(x_tree, x_arrs, x_templates)
+        with ctx.rec.loop(length):
+            new_carry, ys = step(carry, xs)
+            new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)
+            if new_tree != c_tree:
+                raise ShapeError(f"{where}: the step returned a carry of structure {new_tree}, "
+                                 f"but it entered as {c_tree}")
+            out_c = [_carry_out(ctx, i, leaf, old, t, where)
+                     for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
+            y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
+            y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
+            y_templates.append(y_tree)
+            return out_c, [y.raw if _is_named(y) else y for y in y_leaves]
+
+    c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
+    y_tree = y_templates.pop()
+    return _rebuild(c_tree, c_out, c_templates), _stack_ys(dim, length, y_tree, y_arrays, y_templates)
+
+
+def _rebuild(tree, arrays, templates):
+    """NamedArrays (where a template says so) from local arrays."""
+    return jax.tree_util.tree_unflatten(
+        tree, [a if t is None else NamedArray(a, t[0], is_param=t[1], placement=t[2])
+               for a, t in zip(arrays, templates)])
+
+
+def _enter_carry(ctx, c_leaves, widen):
+    """The carry in its layout placement, typed varying over its splits (and whatever a previous
+    try needed); templates to rebuild it."""
+    arrays, templates = [], []
+    for i, leaf in enumerate(c_leaves):
+        if _is_named(leaf):
+            if ctx.explicit:
+                axes = ctx.canonical(leaf.dims)
+                vary = frozenset(a for ax in axes for a in ax) | widen.get(i, frozenset())
+                arr = ctx.local(leaf, dict(zip(leaf.names, axes)), vary)
+                templates.append((leaf.dims, leaf.is_param, Placement(axes)))
+            else:
+                arr = leaf.raw
+                templates.append((leaf.dims, leaf.is_param, None))
+        else:
+            arr = jnp.asarray(leaf)
+            if ctx.explicit and widen.get(i):
+                arr = C.cast(ctx, arr, order(ctx, widen[i]))
+            templates.append(None)
+        arrays.append(arr)
+    return arrays, templates
+
+
+def _enter_xs(ctx, x_leaves, dim, carry_vary):
+    """The stacked xs with the scanned dim whole and first, cast once (before the loop) to vary
+    like the carry; templates of one step's slices."""
+    arrays, templates = [], []
+    for leaf in x_leaves:
+        pos = leaf.names.index(dim)
+        inner = Shape(d for d in leaf.dims if d.name != dim)
+        if ctx.explicit:
+            pl = ctx.placement(leaf)
+            axes = {d.name: a for d, a in zip(leaf.dims, pl.axes)}
+            axes[dim] = ()
+            vary = ctx.vary(axes.values(), [leaf], pl.pending) | carry_vary
+            arr = ctx.local(leaf, axes, vary, keep_pending=pl.pending)
+            inner_pl = Placement(tuple(a for d, a in zip(leaf.dims, pl.axes) if d.name != dim), pl.pending)
+        else:
+            arr, inner_pl = leaf.raw, None
+        arrays.append(jnp.moveaxis(arr, pos, 0))
+        templates.append((inner, leaf.is_param, inner_pl))
+    return arrays, templates
+
+
+def _stack_ys(dim, length, y_tree, y_arrays, y_templates):
+    """The steps' outputs as NamedArrays stacked along ``dim`` (first)."""
+    ys = []
+    for a, t in zip(y_arrays, y_templates):
+        if t is None:
+            ys.append(a)
+            continue
+        dims, is_param, pl = t
+        stacked = Shape((Dim(dim, length), *dims))
+        ys.append(NamedArray(a, stacked, is_param=is_param,
+                             placement=None if pl is None else Placement(((), *pl.axes), pl.pending)))
+    return jax.tree_util.tree_unflatten(y_tree, ys)
+
+
+def _carry_out(ctx, i, leaf, old, template, where):
+    """Bring a carry leaf back to the placement and type it entered the step with."""
+    if template is None:
+        if _is_named(leaf):
+            raise ShapeError(f"{where}: carry entry {i} entered as a plain array and left as a NamedArray")
+        arr = jnp.asarray(leaf)
+    else:
+        dims, _, pl = template
+        if not _is_named(leaf) or leaf.dims != dims:
+            got = f"[{leaf.dims}]" if _is_named(leaf) else type(leaf).__name__
+            raise ShapeError(f"{where}: carry entry {i} entered as [{dims}] and left as {got}; "
+                             "a step must return the carry with the same dims")
+        if leaf.dtype != old.dtype:
+            raise ShapeError(f"{where}: carry entry {i} [{dims}] entered as {old.dtype} and left as "
+                             f"{leaf.dtype}; cast it back (x.astype(...)) before returning it")
+        if not ctx.explicit:
+            return leaf.raw
+        arr = ctx.local(leaf, dict(zip(leaf.names, pl.axes)), varying_axes(old))
+    if ctx.explicit:
+        extra = varying_axes(arr) - varying_axes(old)
+        if extra:
+            raise Widen(i, extra)
+        arr = C.cast(ctx, arr, order(ctx, varying_axes(old) - varying_axes(arr)))
+    return arr

@@ -1,0 +1,122 @@
+"""A scan over a dim the layout splits is a GPipe pipeline: equal to the unsharded program
+(forward and gradients, tight tolerance), composed with data / tensor parallelism and ZeRO-3
+storage, explained exactly (ticks, bubble, bytes = HLO), and refused clearly where it cannot run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdsl as md
+from helpers import assert_same, bytes_by_kind, explain_summary, hlo_summary
+
+MESH = md.Mesh({"pipe": 4, "data": 2})
+
+
+def inputs(batch=16, layers=8, d=32):
+    k = jax.random.split(jax.random.key(0), 3)
+    x = md.named(jax.random.normal(k[0], (batch, d)), "batch d_model")
+    w1 = md.param(md.named(jax.random.normal(k[1], (layers, d, 2 * d)) * 0.1, "layers d_model d_ff"))
+    w2 = md.param(md.named(jax.random.normal(k[2], (layers, 2 * d, d)) * 0.1, "layers d_ff d_model"))
+    return x, w1, w2
+
+
+def model(x, w1, w2):
+    def step(h, w):
+        f = md.relu(md.einsum(h, w["w1"], out="batch d_ff"))
+        return h + md.einsum(f, w["w2"], out="batch d_model"), None
+    h, _ = md.scan(step, x, {"w1": w1, "w2": w2}, dim="layers")
+    return md.sum(md.square(h), "d_model")
+
+
+def loss_and_grads(x, w1, w2):
+    loss = lambda w1, w2: md.mean(model(x, w1, w2)).array
+    return jax.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+
+
+LAYOUTS = {
+    "pipe only, one microbatch": md.Layout({"layers": "pipe"}),
+    "pipe x data, 4 microbatches": md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": 4}),
+    "pipe x data, 8 microbatches": md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": 8}),
+    "pipe x Megatron": md.Layout({"layers": "pipe", "d_ff": "data"}, microbatches={"batch": 2}),
+    "pipe x data x ZeRO-3": md.Layout({"layers": "pipe", "batch": "data"}, params={"d_model": "data"},
+                                      microbatches={"batch": 2}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_forward_and_gradients_equal_the_unsharded_program(name):
+    args = inputs()
+    f = md.lower(model, MESH, LAYOUTS[name])
+    assert_same(f(*args), model(*args), rtol=1e-5, atol=1e-5)
+    g = md.lower(loss_and_grads, MESH, LAYOUTS[name])
+    assert_same(g(*args), loss_and_grads(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_reports_the_pipeline_and_equals_the_compiled_bytes():
+    args = inputs()
+    layout = LAYOUTS["pipe x data, 4 microbatches"]
+    report = md.explain(loss_and_grads, MESH, layout, *args, schedule="gpipe")
+    p = report.to_dict()["pipeline"]
+    assert {k: p[k] for k in ("stages", "microbatches", "schedule", "ticks")} == \
+        {"stages": 4, "microbatches": 4, "schedule": "gpipe", "ticks": 7}
+    assert p["bubble_fraction"] == pytest.approx(3 / 7)
+    assert "4 stages, 4 microbatches, 7 ticks, bubble 43%" in report.to_markdown()
+    measured = hlo_summary(md.lower(loss_and_grads, MESH, layout), *args)
+    assert bytes_by_kind(measured) == bytes_by_kind(explain_summary(report))
+    # one ppermute per tick each way, of one microbatch's activations [16/2/4 rows, 32] f32
+    permutes = [r for r in report.collectives if r.kind == "collective-permute"]
+    assert sum(r.count for r in permutes) == 2 * 7
+    assert all(r.bytes == 2 * 32 * 4 for r in permutes)
+    # gradients are reduced over data once per step, not once per microbatch
+    over_data = [r for r in report.collectives
+                 if r.kind == "all-reduce" and r.axes == ("data",) and r.phase == "backward"]
+    assert sum(r.count for r in over_data) == 2          # w1 and w2
+    assert {r.op for r in permutes} == {"scan"}
+
+
+def test_one_microbatch_is_all_bubble_and_says_so():
+    report = md.explain(model, MESH, LAYOUTS["pipe only, one microbatch"], *inputs())
+    assert report.pipeline["microbatches"] == 1 and report.pipeline["bubble_fraction"] == pytest.approx(0.75)
+    assert "all bubble" in report.to_markdown()
+
+
+def test_more_microbatches_shrink_the_bubble():
+    fractions = [md.explain(model, MESH, md.Layout({"layers": "pipe"}, microbatches={"batch": m}),
+                            *inputs()).pipeline["bubble_fraction"] for m in (1, 2, 4, 8)]
+    assert fractions == pytest.approx([3 / 4, 3 / 5, 3 / 7, 3 / 11])
+
+
+def test_errors():
+    x, w1, w2 = inputs()
+    with pytest.raises(md.LayoutError, match=r"'layers' of size 6 is split over pipe\(4\).*make 'layers' a multiple of 4"):
+        x6, a, b = inputs(layers=6)
+        md.lower(model, MESH, md.Layout({"layers": "pipe"}))(x6, a, b)
+    with pytest.raises(md.LayoutError, match="leaves 8 rows per device, which 3 microbatches cannot divide"):
+        md.lower(model, MESH, md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": 3}))(x, w1, w2)
+    with pytest.raises(md.LayoutError, match="a pipeline runs over one mesh axis"):
+        md.lower(model, MESH, md.Layout({"layers": ("pipe", "data")}))(x, w1, w2)
+    with pytest.raises(md.MeshDSLError, match="schedule must be one of"):
+        md.lower(model, MESH, md.Layout({"layers": "pipe"}), schedule="1f1b")
+
+    def with_ys(x, w1, w2):
+        return md.scan(lambda h, w: (h, md.sum(h)), x, w1, dim="layers")[0]
+    with pytest.raises(md.LayoutError, match="does not return scan outputs"):
+        md.lower(with_ys, MESH, md.Layout({"layers": "pipe"}))(x, w1, w2)
+
+    def no_batch(x, w1, w2):
+        return md.scan(lambda h, w: (h, None), md.sum(x, "batch"), w1, dim="layers")[0]
+    with pytest.raises(md.LayoutError, match="has no such dim"):
+        md.lower(no_batch, MESH, md.Layout({"layers": "pipe"}, microbatches={"batch": 2}))(x, w1, w2)
+    with pytest.raises(md.LayoutError, match="runs forward only"):
+        md.lower(lambda x, w1, w2: md.scan(lambda h, w: (h, None), x, w1, dim="layers", reverse=True)[0],
+                 MESH, md.Layout({"layers": "pipe"}))(x, w1, w2)
+
+
+def test_layout_microbatches_are_checked_and_shown():
+    assert str(md.Layout({"layers": "pipe"}, microbatches={"batch": 8})) == "layers:pipe | microbatches batch:8"
+    assert md.Layout(microbatches={"batch": 2}) != md.Layout(microbatches={"batch": 4})
+    with pytest.raises(md.LayoutError, match="must be a count >= 1"):
+        md.Layout(microbatches={"batch": 0})
+    with pytest.raises(md.LayoutError, match="dict of one dim name"):
+        md.Layout(microbatches={"batch": 2, "seq": 2})

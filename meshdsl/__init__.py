@@ -25,7 +25,7 @@ from .ops import (
 )
 from .plots import device_blocks, plot_placement, plot_reports
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     # names and values

@@ -16,15 +16,25 @@ bf16 element moves 4 bytes (a GPU or TPU moves 2).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 __all__ = ["KINDS", "element_bytes", "moved_bytes"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+"""The collective kinds, in the order reports list them (the names XLA gives them in HLO)."""
 
 
-def element_bytes(dtype, platform: str) -> int:
+def element_bytes(dtype: DTypeLike, platform: str) -> int:
+    """Bytes one element of ``dtype`` occupies in a collective on ``platform``.
+
+    Example:
+        >>> from meshdsl.cost import element_bytes
+        >>> element_bytes("bfloat16", "tpu"), element_bytes("bfloat16", "cpu"), element_bytes("float32", "gpu")
+        (2, 4, 4)
+    """
     dtype = np.dtype(dtype)
     if platform == "cpu" and dtype.name == "bfloat16":
         return 4
@@ -32,7 +42,20 @@ def element_bytes(dtype, platform: str) -> int:
 
 
 def moved_bytes(kind: str, operand_bytes: float, result_bytes: float, n: int) -> float:
-    """Bytes one device sends for one execution of a collective over ``n`` devices."""
+    """Bytes one device sends for one execution of a collective over ``n`` devices.
+
+    ``kind`` is one of :data:`KINDS`; ``operand_bytes`` and ``result_bytes`` are the local buffer
+    sizes before and after the collective. A group of one device moves nothing.
+
+    Example:
+        >>> from meshdsl.cost import moved_bytes
+        >>> moved_bytes("all-reduce", 1024, 1024, 4)       # 2 (n-1)/n * S
+        1536.0
+        >>> moved_bytes("all-gather", 256, 1024, 4)        # (n-1)/n * S_full
+        768.0
+        >>> moved_bytes("collective-permute", 64, 64, 8)   # S
+        64.0
+    """
     if n <= 1:
         return 0.0
     if kind == "all-reduce":
@@ -46,5 +69,6 @@ def moved_bytes(kind: str, operand_bytes: float, result_bytes: float, n: int) ->
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def array_bytes(shape, dtype, platform: str) -> int:
+def array_bytes(shape: Sequence[int], dtype: DTypeLike, platform: str) -> int:
+    """Bytes of an array of ``shape`` and ``dtype`` as a collective on ``platform`` moves it."""
     return math.prod(shape) * element_bytes(dtype, platform)

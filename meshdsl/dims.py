@@ -7,6 +7,14 @@ a ``Dim``, or a sequence of names/Dims; a size is written ``name:size`` where it
 
 Names are identifiers; a layout maps names to mesh axes, so a name means the same thing wherever
 it appears, and two dims of one tensor never share a name.
+
+Example:
+    >>> import meshdsl as md
+    >>> md.Dim("d_model", 512)
+    Dim('d_model', 512)
+    >>> s = md.shape("batch:8 seq:128")
+    >>> s.names, s.sizes
+    (('batch', 'seq'), (8, 128))
 """
 
 from __future__ import annotations
@@ -14,17 +22,41 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Sequence
+from typing import Union
 
 import jax
 
 from .errors import ShapeError
 
-__all__ = ["Dim", "Shape", "shape", "parse_dims", "parse_names"]
+__all__ = ["Dim", "Shape", "DimsSpec", "shape", "parse_dims", "parse_names"]
+
+DimsSpec = Union[str, "Dim", Sequence[Union[str, "Dim"]], None]
+"""What an op accepts wherever it takes dims: one name (``"d_model"``), a string of names
+(``"batch d_model"``, ``;`` and ``,`` also separate, ``name:size`` where a size is needed), a
+:class:`Dim`, or a sequence of names and Dims."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Dim:
-    """A named dimension: ``name`` (an identifier) and a global ``size``."""
+    """A named dimension: ``name`` (an identifier) and a global ``size`` (an integer >= 0).
+
+    The size is the *global* size: under a layout that splits the dim over mesh axes, each device
+    holds ``size / (product of those axes' sizes)`` of it. Dims are values: equal when name and size
+    are equal, hashable, and printed ``name:size``.
+
+    Raises:
+        ShapeError: the name is not an identifier, or the size is not an integer >= 0.
+
+    Example:
+        >>> import meshdsl as md
+        >>> d = md.Dim("d_model", 512)
+        >>> d.name, d.size, str(d)
+        ('d_model', 512, 'd_model:512')
+        >>> md.Dim("d model", 512)
+        Traceback (most recent call last):
+        ...
+        meshdsl.errors.ShapeError: dim name 'd model' is not an identifier: use letters, digits and _
+    """
 
     name: str
     size: int
@@ -49,9 +81,19 @@ class Dim:
 
 
 class Shape(tuple):
-    """A tuple of :class:`Dim` with ``.names`` and ``.sizes``; printed ``batch:8 seq:128``."""
+    """A tuple of :class:`Dim` with ``.names`` and ``.sizes``; printed ``batch:8 seq:128``.
 
-    def __new__(cls, dims: Iterable[Dim] = ()):
+    Indexing by a name gives that :class:`Dim`, ``in`` accepts names, and a slice is a Shape.
+    Two dims with one name are refused (:class:`ShapeError`).
+
+    Example:
+        >>> import meshdsl as md
+        >>> s = md.Shape([md.Dim("batch", 8), md.Dim("seq", 128)])
+        >>> s["seq"], "batch" in s, s[1:]
+        (Dim('seq', 128), True, Shape('seq:128'))
+    """
+
+    def __new__(cls, dims: Iterable[Dim] = ()) -> Shape:
         dims = tuple(dims)
         names = [d.name for d in dims]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -62,10 +104,12 @@ class Shape(tuple):
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The dim names, in order."""
         return tuple(d.name for d in self)
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The global sizes, in order."""
         return tuple(d.size for d in self)
 
     def __getitem__(self, key):
@@ -96,8 +140,18 @@ jax.tree_util.register_pytree_node(Shape, lambda s: ((), tuple(s)), lambda dims,
 _SPLIT = re.compile(r"[\s,;]+")
 
 
-def parse_dims(spec, *, what: str = "dims") -> list[tuple[str, int | None]]:
-    """``spec`` in any accepted form -> ``[(name, size or None), ...]``."""
+def parse_dims(spec: DimsSpec, *, what: str = "dims") -> list[tuple[str, int | None]]:
+    """``spec`` in any accepted form (see :data:`DimsSpec`) -> ``[(name, size or None), ...]``.
+
+    ``what`` starts the message of the :class:`ShapeError` raised for a malformed spec.
+
+    Example:
+        >>> from meshdsl.dims import Dim, parse_dims
+        >>> parse_dims("batch inner:24")
+        [('batch', None), ('inner', 24)]
+        >>> parse_dims(["batch", Dim("d_model", 512)])
+        [('batch', None), ('d_model', 512)]
+    """
     if spec is None:
         return []
     if isinstance(spec, Dim):
@@ -133,8 +187,8 @@ def parse_dims(spec, *, what: str = "dims") -> list[tuple[str, int | None]]:
     raise ShapeError(f"{what}: {spec!r} is neither a dim name, a string of names, a Dim nor a list")
 
 
-def parse_names(spec, *, what: str = "dims") -> tuple[str, ...]:
-    """Names only (sizes, if written, are checked by the caller)."""
+def parse_names(spec: DimsSpec, *, what: str = "dims") -> tuple[str, ...]:
+    """Names only (sizes, if written, are checked by the caller); a name given twice is a ShapeError."""
     names = tuple(name for name, _ in parse_dims(spec, what=what))
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -142,8 +196,25 @@ def parse_names(spec, *, what: str = "dims") -> tuple[str, ...]:
     return names
 
 
-def shape(spec) -> Shape:
-    """``md.shape("batch:8 seq:128")`` -> a :class:`Shape`; every size must be written."""
+def shape(spec: DimsSpec) -> Shape:
+    """A :class:`Shape` from a Mesh-TF style string (or Dims); every size must be written.
+
+    Names and sizes are written ``name:size``, separated by spaces, ``;`` or ``,``.
+
+    Raises:
+        ShapeError: a dim without a size, a size that is not an integer, a name written twice.
+
+    Example:
+        >>> import meshdsl as md
+        >>> md.shape("batch:8 seq:128")
+        Shape('batch:8 seq:128')
+        >>> md.shape("batch:8;d_model:512") == md.shape("batch:8, d_model:512")
+        True
+        >>> md.shape("batch seq:128")
+        Traceback (most recent call last):
+        ...
+        meshdsl.errors.ShapeError: md.shape('batch seq:128'): 'batch' has no size; write batch:<size>
+    """
     dims = []
     for name, size in parse_dims(spec, what="md.shape"):
         if size is None:

@@ -14,24 +14,35 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from collections.abc import Iterable
 
 __all__ = ["MeshDSLError", "LayoutError", "ShapeError", "MeshError", "user_line", "suggest"]
 
 
 class MeshDSLError(ValueError):
-    """Base class of every meshdsl error."""
+    """Base class of every meshdsl error (a ``ValueError``): catch this to catch them all."""
 
 
 class LayoutError(MeshDSLError):
-    """A layout that cannot mean what was written: axis clash, indivisible size, unknown axis."""
+    """A layout that cannot mean what was written.
+
+    Raised before compiling when two dims of one tensor map to one mesh axis, a dim's size is not
+    divisible by the product of its axes' sizes, a rule names an axis the mesh lacks, one dim maps
+    to one axis twice, or a rule is malformed.
+    """
 
 
 class ShapeError(MeshDSLError):
-    """Dims that do not fit: size clash, duplicate names, wrong name count, unknown dims."""
+    """Dims that do not fit.
+
+    One dim name with two sizes in one op, duplicate names in one tensor, a name count that does
+    not match the array's rank, unknown dims in ``out=`` or in a reduction, a malformed dims string.
+    """
 
 
 class MeshError(MeshDSLError):
-    """A mesh that does not fit the devices, or an unknown mesh axis."""
+    """A mesh that does not fit the devices (sizes whose product is not the device count), a
+    malformed mesh spec, or an unknown mesh axis."""
 
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -60,7 +71,15 @@ def user_line(skip: int = 1) -> str:
     return "?"
 
 
-def suggest(name: str, candidates, cutoff: float = 0.6) -> str:
-    """`` (did you mean 'x'?)`` when ``name`` is close to one of ``candidates``, else ``''``."""
+def suggest(name: str, candidates: Iterable[str], cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` when ``name`` is close to one of ``candidates``, else ``''``.
+
+    Example:
+        >>> from meshdsl.errors import suggest
+        >>> suggest("dta", ["data", "model"])
+        " (did you mean 'data'?)"
+        >>> suggest("pipe", ["data", "model"])
+        ''
+    """
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -9,20 +9,33 @@ rewriter gathers them back to the compute layout.
 A tensor's placement is therefore a function of its dims. :meth:`Layout.tensor_axes` computes it
 and refuses what cannot mean what was written: two dims of one tensor on one axis, a size the axes
 do not divide, an axis the mesh lacks.
+
+Example:
+    >>> import meshdsl as md
+    >>> layout = md.Layout.parse("batch:data;d_ff:model")
+    >>> layout.axes("batch"), layout.axes("d_model")
+    (('data',), ())
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Union
 
 from jax.sharding import PartitionSpec
 
 from .errors import LayoutError, suggest
 
+if TYPE_CHECKING:
+    from .dims import Dim
+    from .mesh import Mesh
+
 __all__ = ["Layout"]
 
 Axes = tuple[str, ...]
+AxisRule = Union[str, Sequence[str], None]  # one rule's value: an axis, axes (major first), or None
 
 
 def _as_axes(dim: str, value, where: str) -> Axes:
@@ -59,9 +72,35 @@ def _check_rules(rules, where: str) -> dict[str, Axes]:
 
 
 class Layout:
-    """Dim name -> mesh axes. ``Layout(rules, params=storage_rules)`` or ``Layout.parse("batch:data;d_ff:model")``."""
+    """Dim name -> mesh axes: ``Layout({"batch": "data", "d_ff": "model"}, params={"d_model": "data"})``.
 
-    def __init__(self, rules=None, params=None, microbatches=None):
+    Args:
+        rules: dim name -> one mesh axis name, or a tuple of them (major first), or ``None``
+            (replicated). A string is read as by :meth:`parse`. Dims without a rule are replicated.
+        params: storage-only rules for parameters (:func:`meshdsl.param`) at rest, listing only the
+            axes *added* to the compute rule (ZeRO-3 / FSDP: ``{"d_model": "data"}``).
+        microbatches: ``{dim: M}`` - a pipeline (an ``md.scan`` over a dim the layout splits) cuts
+            its carry into ``M`` microbatches along ``dim``.
+
+    Raises:
+        LayoutError: a rule that is not a mesh axis name or tuple of them, an axis listed twice for
+            one dim, or a ``params`` rule that repeats an axis of its compute rule. Axes are checked
+            against a mesh when the layout meets one (:meth:`check_mesh`, :func:`meshdsl.lower`).
+
+    Example:
+        >>> import meshdsl as md
+        >>> layout = md.Layout({"batch": ("pod", "data"), "d_ff": "model"}, params={"d_model": "data"})
+        >>> layout
+        Layout('batch:pod+data;d_ff:model | params d_model:data')
+        >>> layout.storage_axes("d_model"), layout.axes("d_model")
+        (('data',), ())
+        >>> layout == md.Layout.parse("batch:pod+data;d_ff:model", params="d_model:data")
+        True
+    """
+
+    def __init__(self, rules: Mapping[str, AxisRule] | str | Layout | None = None,
+                 params: Mapping[str, AxisRule] | str | Layout | None = None,
+                 microbatches: Mapping[str, int] | None = None) -> None:
         if isinstance(rules, str):
             rules = _parse_rules(rules, "md.Layout")
         if isinstance(params, str):
@@ -76,14 +115,39 @@ class Layout:
                                   "of its compute rule; a params rule lists only the extra axes to store it over")
 
     @classmethod
-    def parse(cls, spec: str, params: str | dict | None = None) -> Layout:
-        """``"batch:data;d_ff:model"``; several axes as ``batch:pod+data`` or ``batch:(pod,data)``."""
+    def parse(cls, spec: str, params: str | Mapping[str, AxisRule] | None = None) -> Layout:
+        """A layout from ``"batch:data;d_ff:model"``; several axes as ``batch:pod+data`` or ``batch:(pod,data)``.
+
+        Entries are separated by ``;`` (or ``,`` / newlines outside parentheses). ``params`` takes
+        the storage rules in the same form.
+
+        Raises:
+            LayoutError: an entry that is not ``dim:axes``, or a dim with two entries.
+
+        Example:
+            >>> import meshdsl as md
+            >>> md.Layout.parse("batch:pod+data;d_ff:model")
+            Layout('batch:pod+data;d_ff:model')
+            >>> md.Layout.parse("batch:(pod,data)") == md.Layout({"batch": ("pod", "data")})
+            True
+            >>> md.Layout.parse("batch=data")
+            Traceback (most recent call last):
+            ...
+            meshdsl.errors.LayoutError: md.Layout.parse: cannot read 'batch=data' in 'batch=data'; ...
+        """
         return cls(_parse_rules(spec, "md.Layout.parse"), params)
 
     # -- queries ---------------------------------------------------------------------------------
 
     def axes(self, dim: str) -> Axes:
-        """Mesh axes that split ``dim`` in computation (``()`` = replicated)."""
+        """Mesh axes that split ``dim`` in computation, major first (``()`` = replicated).
+
+        Example:
+            >>> import meshdsl as md
+            >>> layout = md.Layout({"batch": ("pod", "data"), "d_ff": "model"})
+            >>> layout.axes("batch"), layout.axes("d_ff"), layout.axes("seq")
+            (('pod', 'data'), ('model',), ())
+        """
         return self.rules.get(dim, ())
 
     def storage_axes(self, dim: str) -> Axes:
@@ -91,12 +155,14 @@ class Layout:
         return self.rules.get(dim, ()) + self.param_rules.get(dim, ())
 
     def mesh_axes(self) -> set[str]:
+        """Every mesh axis some rule (compute or storage) names."""
         return {a for axes in (*self.rules.values(), *self.param_rules.values()) for a in axes}
 
     def dim_names(self) -> set[str]:
+        """Every dim name some rule (compute or storage) names."""
         return set(self.rules) | set(self.param_rules)
 
-    def check_mesh(self, mesh) -> None:
+    def check_mesh(self, mesh: Mesh) -> None:
         """Every axis a rule names must exist in ``mesh``: a typo is never silently ignored."""
         for kind, table in (("rule", self.rules), ("params rule", self.param_rules)):
             for dim, axes in table.items():
@@ -106,8 +172,24 @@ class Layout:
                             f"layout {kind} {dim}:{'+'.join(axes)} names mesh axis {a!r}, but mesh {mesh} "
                             f"has axes {list(mesh.shape)}{suggest(a, mesh.shape)}; fix the rule or the mesh")
 
-    def tensor_axes(self, dims, mesh, *, storage: bool = False, what: str = "tensor") -> tuple[Axes, ...]:
-        """Per dim of ``dims``, the mesh axes splitting it; LayoutError if that is impossible."""
+    def tensor_axes(self, dims: Sequence[Dim], mesh: Mesh, *, storage: bool = False,
+                    what: str = "tensor") -> tuple[Axes, ...]:
+        """Per dim of ``dims``, the mesh axes splitting it; LayoutError if that is impossible.
+
+        ``storage=True`` places a parameter at rest (compute axes, then ``params=`` axes). ``what``
+        starts the error message (the op and source line, when the caller knows them).
+
+        Example:
+            >>> import meshdsl as md
+            >>> mesh = md.Mesh.abstract({"data": 2, "model": 4})
+            >>> layout = md.Layout({"batch": "data", "d_ff": "model"})
+            >>> layout.tensor_axes(md.shape("batch:8 d_ff:64"), mesh)
+            (('data',), ('model',))
+            >>> layout.tensor_axes(md.shape("batch:8 d_ff:6"), mesh)
+            Traceback (most recent call last):
+            ...
+            meshdsl.errors.LayoutError: tensor [batch:8 d_ff:6]: dim 'd_ff' of size 6 is split over model(4) = 4 devices, which does not divide 6; make 'd_ff' a multiple of 4 or change its layout rule
+        """
         if storage:
             check_axes(dims, tuple(self.axes(d.name) for d in dims), mesh, what=what)
             out = tuple(self.storage_axes(d.name) for d in dims)
@@ -123,7 +205,8 @@ class Layout:
         check_axes(dims, out, mesh, what=what)
         return out
 
-    def spec(self, dims, mesh, *, storage: bool = False) -> PartitionSpec:
+    def spec(self, dims: Sequence[Dim], mesh: Mesh, *, storage: bool = False) -> PartitionSpec:
+        """The jax ``PartitionSpec`` of a tensor with ``dims`` (see :meth:`tensor_axes`)."""
         return to_spec(self.tensor_axes(dims, mesh, storage=storage))
 
     # -- value semantics -------------------------------------------------------------------------

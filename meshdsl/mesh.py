@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType
@@ -37,9 +37,30 @@ def _check_axes(axes) -> dict[str, int]:
 
 
 class Mesh:
-    """Named mesh axes over devices. ``Mesh({"data": 2, "model": 4})`` or ``Mesh.parse("data:2;model:4")``."""
+    """Named mesh axes over devices: ``Mesh({"data": 2, "model": 4})``.
 
-    def __init__(self, axes, devices=None, *, _abstract: bool = False, platform: str | None = None):
+    Args:
+        axes: axis name -> size, major axis first (a dict, or a string as for :meth:`parse`).
+            The product of the sizes must equal the number of devices.
+        devices: the devices to arrange, in order; default ``jax.devices()`` (every process's).
+        platform: ``"cpu"``, ``"gpu"``, ``"tpu"``: picks byte rules of the cost model (default:
+            the devices' platform).
+
+    Raises:
+        MeshError: an axis name that is not an identifier, a size < 1, or sizes whose product is
+            not the number of devices.
+
+    Example:
+        >>> import meshdsl as md
+        >>> mesh = md.Mesh({"data": 2, "model": 4})  # over 8 devices
+        >>> mesh.shape, mesh.size, mesh.axis_names
+        ({'data': 2, 'model': 4}, 8, ('data', 'model'))
+        >>> str(mesh)
+        'data:2 x model:4'
+    """
+
+    def __init__(self, axes: Mapping[str, int] | str, devices: Sequence | None = None, *,
+                 _abstract: bool = False, platform: str | None = None) -> None:
         if isinstance(axes, str):
             axes = _parse_axes(axes, None if _abstract else _device_count(devices))
         self._axes = _check_axes(axes)
@@ -59,39 +80,70 @@ class Mesh:
         self.platform = platform or devs[0].platform
 
     @classmethod
-    def parse(cls, spec: str, devices=None) -> Mesh:
-        """``"data:2;model:4"`` (``,`` also separates). One size may be ``-1``: the rest of the devices."""
+    def parse(cls, spec: str, devices: Sequence | None = None) -> Mesh:
+        """A mesh from ``"data:2;model:4"`` (``,`` and spaces also separate).
+
+        One size may be ``-1``: whatever the other axes leave of the devices.
+
+        Raises:
+            MeshError: a malformed entry, an axis written twice, or sizes that do not fit the devices.
+
+        Example:
+            >>> import meshdsl as md
+            >>> md.Mesh.parse("data:2;model:4")
+            Mesh(data:2, model:4)
+            >>> md.Mesh.parse("data:-1,model:2")  # 8 devices
+            Mesh(data:4, model:2)
+        """
         return cls(_parse_axes(spec, _device_count(devices)), devices)
 
     @classmethod
-    def abstract(cls, axes, platform: str | None = None) -> Mesh:
-        """A mesh without devices, for ``md.explain`` at any scale (``platform`` picks byte rules)."""
+    def abstract(cls, axes: Mapping[str, int] | str, platform: str | None = None) -> Mesh:
+        """A mesh of any size without devices, for ``md.explain``: costs a 512-device layout on a laptop.
+
+        An abstract mesh can be explained but not run. ``platform`` picks the byte rules of the
+        cost model (XLA's CPU backend moves bf16 as f32); default: this machine's backend.
+
+        Example:
+            >>> import meshdsl as md
+            >>> mesh = md.Mesh.abstract({"data": 64, "model": 8})
+            >>> mesh, mesh.size, mesh.is_abstract
+            (Mesh.abstract(data:64, model:8), 512, True)
+            >>> md.Mesh.abstract("data:8", platform="tpu").platform
+            'tpu'
+        """
         if isinstance(axes, str):
             axes = _parse_axes(axes, None)
         return cls(axes, _abstract=True, platform=platform)
 
     @property
     def shape(self) -> dict[str, int]:
+        """Axis name -> size (a copy)."""
         return dict(self._axes)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """The axis names, major first."""
         return tuple(self._axes)
 
     @property
     def size(self) -> int:
+        """The number of devices: the product of the axis sizes."""
         return math.prod(self._axes.values())
 
     @property
     def is_abstract(self) -> bool:
+        """True for :meth:`abstract` meshes (explain only, never run)."""
         return self._abstract
 
     def axis_size(self, axis: str) -> int:
+        """The size of one axis; MeshError (with a suggestion) for an unknown name."""
         if axis not in self._axes:
             raise MeshError(f"mesh {self} has no axis {axis!r}{suggest(axis, self._axes)}")
         return self._axes[axis]
 
-    def axes_size(self, axes) -> int:
+    def axes_size(self, axes: Sequence[str]) -> int:
+        """The product of the sizes of ``axes`` (1 for none)."""
         return math.prod(self.axis_size(a) for a in axes)
 
     def __eq__(self, other) -> bool:

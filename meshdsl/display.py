@@ -22,7 +22,7 @@ import math
 import jax
 
 from .cost import KINDS
-from .explain import Report
+from .explain import ROW_HEAD, Report, row_cells
 from .named import NamedArray
 from .tracing import current
 from .units import fmt_bytes as _fmt_bytes
@@ -151,10 +151,10 @@ def report_html(report, top: int = 8) -> str:
             phases[r.phase] = phases.get(r.phase, 0.0) + r.total_bytes
         out.append("<div>by phase: " + " &middot; ".join(f"{_esc(p)} {_fmt_bytes(b)}" for p, b in phases.items())
                    + "</div>")
-        cols = "".join(f"<th>{h}</th>" for h in _HEAD)
+        cols = "".join(f"<th>{h}</th>" for h in ROW_HEAD)
 
         def table(records):
-            body = "".join("<tr>" + "".join(f"<td style='{_CELL}'>{_esc(c)}</td>" for c in _row(r)) + "</tr>"
+            body = "".join("<tr>" + "".join(f"<td style='{_CELL}'>{_esc(c)}</td>" for c in row_cells(r)) + "</tr>"
                            for r in records)
             return f"<table style='border-collapse:collapse;font-size:90%'><tr>{cols}</tr>{body}</table>"
 
@@ -166,14 +166,6 @@ def report_html(report, top: int = 8) -> str:
             out.append(f"<details><summary>every collective ({len(report.collectives)})</summary>"
                        f"{table(report.collectives)}</details>")
     return "<div class='meshdsl-report'>" + "".join(out) + "</div>"
-
-
-_HEAD = ("phase", "op", "line", "kind", "axes", "local shape", "dtype", "count", "bytes/device", "what")
-
-
-def _row(r) -> tuple:
-    return (r.phase, r.op, r.line, r.kind, "+".join(r.axes), "x".join(map(str, r.shape)) or "scalar",
-            r.dtype, str(r.count), _fmt_bytes(r.total_bytes), r.tensor)
 
 
 # -- several reports -------------------------------------------------------------------------------

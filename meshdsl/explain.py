@@ -23,7 +23,15 @@ from .cost import KINDS
 from .lower import lower
 from .units import fmt_bytes, fmt_flops
 
-__all__ = ["explain", "Report"]
+__all__ = ["explain", "Report", "ROW_HEAD", "row_cells"]
+
+ROW_HEAD = ("phase", "op", "line", "kind", "axes", "local shape", "dtype", "count", "bytes/device", "what")
+
+
+def row_cells(r) -> tuple:
+    """One collective record as the cells of a report's table (markdown and HTML alike)."""
+    return (r.phase, r.op, r.line, r.kind, "+".join(r.axes), "x".join(map(str, r.shape)) or "scalar",
+            r.dtype, str(r.count), fmt_bytes(r.total_bytes), r.tensor)
 
 
 @dataclasses.dataclass
@@ -59,13 +67,6 @@ class Report:
                 "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
                 "pipeline": None if self.pipeline is None else dict(self.pipeline)}
 
-    def _rows(self):
-        for r in self.collectives:
-            yield (r.phase, r.op, r.line, r.kind, "+".join(r.axes), "x".join(map(str, r.shape)) or "scalar",
-                   r.dtype, str(r.count), fmt_bytes(r.total_bytes), r.tensor)
-
-    _HEAD = ("phase", "op", "line", "kind", "axes", "local shape", "dtype", "count", "bytes/device", "what")
-
     def to_markdown(self) -> str:
         lines = [f"**mesh** {self.mesh} · **layout** `{self.layout}`", "",
                  f"communication {fmt_bytes(self.total_bytes)} per device · matmul {fmt_flops(self.flops)} "
@@ -84,8 +85,8 @@ class Report:
         if not self.collectives:
             lines.append("| (none) | 0 | 0 B |")
         if self.collectives:
-            lines += ["", "| " + " | ".join(self._HEAD) + " |", "|" + " --- |" * len(self._HEAD)]
-            lines += ["| " + " | ".join(row) + " |" for row in self._rows()]
+            lines += ["", "| " + " | ".join(ROW_HEAD) + " |", "|" + " --- |" * len(ROW_HEAD)]
+            lines += ["| " + " | ".join(row_cells(r)) + " |" for r in self.collectives]
         return "\n".join(lines)
 
     def __str__(self) -> str:

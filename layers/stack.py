@@ -22,7 +22,6 @@ chooses whether the backward pass keeps or re-gathers them.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 import meshdsl as md
@@ -63,14 +62,15 @@ def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=Non
     if key is None:
         return md.scan(lambda c, s: run(s, c, None), carry, state, dim=dim, reverse=reverse, unroll=unroll)
 
-    def keyed(c, s):
-        inner, index = c
-        inner, y = run(s, inner, jax.random.fold_in(key, index))
-        return (inner, index + (-1 if reverse else 1)), y
+    def keyed(c, xs):
+        s, layer = xs
+        # layer.raw: this step's layer number as stored (under a pipeline, the stage's own layer)
+        return run(s, c, jax.random.fold_in(key, layer.raw))
 
-    start = jnp.asarray(length - 1 if reverse else 0, jnp.int32)
-    (carry, _), ys = md.scan(keyed, (carry, start), state, dim=dim, reverse=reverse, unroll=unroll)
-    return carry, ys
+    # The layer numbers travel with the layers' parameters, so a layout that splits the layers
+    # (a pipeline) hands every stage the numbers of its own layers.
+    numbers = md.arange(md.Dim(dim, length))
+    return md.scan(keyed, carry, (state, numbers), dim=dim, reverse=reverse, unroll=unroll)
 
 
 def layer_at(module: nnx.Module, index: int, dim: str = "layers") -> nnx.Module:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding
 
+from . import collectives as C
 from . import param_gather
 from .layout import check_axes, to_spec
 from .named import NamedArray
@@ -75,6 +76,22 @@ class GlobalContext:
 
     def adopt(self, array, dims, where: str):
         return None
+
+    def operand(self, x: NamedArray) -> NamedArray:
+        """An op's NamedArray operand as the op sees it (inside a pipeline: this microbatch's rows
+        of a value the step captured whole)."""
+        return x
+
+    def block_start(self, name: str, size: int, split, block: int):
+        """Global index of the first entry of this device's block of dim ``name`` (of ``size``,
+        split over ``split`` in blocks of ``block``): what new tensors (``arange``, random numbers)
+        number their entries from, so that every layout draws the same values."""
+        return C.axis_index(split) * block if split else 0
+
+    def position_extent(self, name: str, size: int) -> int:
+        """The size of dim ``name`` that positions count in (inside a pipeline: a microbatch's
+        rows are numbered within the whole batch)."""
+        return size
 
     def where(self) -> str:
         """``"einsum at model.py:12"`` for the op being lowered (for messages)."""

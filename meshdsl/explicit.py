@@ -42,6 +42,7 @@ class ExplicitContext(LayoutContext):
         self.params = params or param_gather.KEEP
         self.schedule = schedule          # pipeline schedule of a scan over a split dim
         self.pipelines: list[dict] = []   # one entry per pipeline traced (for md.explain)
+        self.frame = None                 # the microbatch being processed inside a pipeline tick
         self.param_axes: frozenset = frozenset()
         self._cache: dict = {}       # relayout / cast results, per jax trace
         self._cache_log: list = []   # cache keys in insertion order (for rollback)
@@ -106,6 +107,17 @@ class ExplicitContext(LayoutContext):
             self._keepalive.append(array)
         return x
 
+    def operand(self, x: NamedArray) -> NamedArray:
+        return x if self.frame is None else self.frame.take(self, x)
+
+    def block_start(self, name: str, size: int, split, block: int):
+        if self.frame is None:
+            return super().block_start(name, size, split, block)
+        return self.frame.block_start(name, size, split, block)
+
+    def position_extent(self, name: str, size: int) -> int:
+        return size if self.frame is None else self.frame.extent(name, size)
+
     def made_by(self, array) -> str:
         """``"einsum at model.py:12"`` for a value an op produced (``""`` for inputs)."""
         return self._made_by.get(id(array), "")
@@ -138,7 +150,8 @@ class ExplicitContext(LayoutContext):
         target = dict(zip(leaf.names, axes))
         split = frozenset(a for ax in axes for a in ax)
         arr = self.local(leaf, target, split)
-        extra = tuple(a for a in self.mesh.axis_names if a in varying_axes(arr) - split)
+        manual = frozenset() if self.frame is None else {self.frame.stage_axis}  # stages differ there
+        extra = tuple(a for a in self.mesh.axis_names if a in varying_axes(arr) - split - manual)
         if extra:
             arr = self.cached(arr, ("replicate", extra), lambda: C.replicate(
                 self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {list(extra)}"))

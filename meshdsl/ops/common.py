@@ -19,9 +19,10 @@ def where_(ctx) -> str:
 
 
 def as_named(ctx, x, role: str = "operand") -> NamedArray:
-    """NamedArrays pass; scalars (Python numbers, 0-d arrays) become 0-dim NamedArrays."""
+    """NamedArrays pass (as the context presents them, see ``ctx.operand``); scalars (Python
+    numbers, 0-d arrays) become 0-dim NamedArrays."""
     if isinstance(x, NamedArray):
-        return x
+        return ctx.operand(x)
     if isinstance(x, (bool, int, float, complex, np.number)) or getattr(x, "ndim", None) == 0:
         arr = jnp.asarray(x)
         return NamedArray(arr, Shape(()), placement=ctx.whole_placement(()))

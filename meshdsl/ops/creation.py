@@ -36,10 +36,8 @@ def _global_iota(ctx, dims, axes, local, k, dtype):
     """Global index along dim ``k`` of each element of the local block."""
     d = dims[k]
     iota = jax.lax.broadcasted_iota(dtype, local, k)
-    split = axes[d.name]
-    if split:
-        iota = iota + (C.axis_index(split) * local[k]).astype(dtype)
-    return iota
+    start = ctx.block_start(d.name, d.size, axes[d.name], local[k])
+    return iota if isinstance(start, int) and start == 0 else iota + jnp.asarray(start).astype(dtype)
 
 
 @op("full")
@@ -85,7 +83,7 @@ def _bits(ctx, key, dims):
     dims = new_dims(ctx, dims, "random dims")
     k1, k2 = _key_words(ctx, key)
     axes, local, vary = _blocks(ctx, dims)
-    sizes = [d.size for d in dims]
+    sizes = [ctx.position_extent(d.name, d.size) for d in dims]  # global sizes (a microbatch's: the batch's)
     # counter = (index over dims[:k], index over dims[k:]); k = 0 (jax's layout) unless > 2**32.
     k = 0
     while k < len(dims) and math.prod(sizes[k:]) >= 2 ** 32:

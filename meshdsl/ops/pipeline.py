@@ -17,10 +17,15 @@ layout splits it over ``pipe``). Gradients come from autodiff through the tick l
 pipeline: each ``ppermute`` transposes to the inverse shift). Bubble ticks compute on zeros that
 never reach a finished microbatch, so they add nothing to the gradients.
 
+Values the step captures whole from outside (the encoder output a decoder layer attends to, a
+padding mask) are cut to the microbatch at hand: an op reading one sees the rows of the
+microbatch its stage processes at this tick (:class:`Microbatch`). Random numbers drawn in the
+step use the rows' global positions, so dropout masks equal the unsharded program's.
+
 The step must treat microbatch rows independently (true of layers over a batch of examples).
 Without ``microbatches=`` the pipeline runs one microbatch (correct, all bubble). Schedules other
-than GPipe, scan outputs (``ys``) and values the step captures with the microbatch dim are not
-lowered as pipelines yet: they are refused with a LayoutError.
+than GPipe and scan outputs (``ys``) are not lowered as pipelines yet: they are refused with a
+LayoutError.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import collectives as C
+from .. import jaxcompat
 from ..dims import Dim, Shape
 from ..errors import LayoutError, MeshDSLError
 from ..jaxcompat import varying_axes
@@ -43,6 +49,12 @@ SCHEDULES = ("gpipe",)
 def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where):
     """``(carry, ys)`` of ``md.scan`` over ``dim`` split by the layout: a GPipe pipeline."""
     axis, stages = _pipe_axis(ctx, dim, length, where)
+    others = sorted(d for d, axes in ctx.layout.rules.items() if axis in axes and d != dim)
+    if others:
+        raise LayoutError(f"{where}: the pipeline axis {axis!r} splits {dim!r}; the layout also maps "
+                          f"{others} to it, which a stage cannot split: map them to other axes")
+    if ctx.frame is not None:
+        raise LayoutError(f"{where}: a pipeline inside a pipeline; split only the outer scan's dim")
     if ctx.schedule not in SCHEDULES:
         raise MeshDSLError(f"{where}: schedule {ctx.schedule!r} is not lowered yet; use one of {SCHEDULES}")
     micro, m = _microbatches(ctx, c_leaves, dim, axis, where)
@@ -56,14 +68,14 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where):
     mark = ctx.checkpoint()
     while True:
         try:
-            outs = _ticks(ctx, step, dim, length // stages, xs, x_tree, c_tree, inputs, templates,
-                          axis, stages, m, widen, where, line)
+            outs, y_tree = _ticks(ctx, step, dim, length // stages, xs, x_tree, c_tree, inputs, templates,
+                                  axis, stages, m, widen, where, line)
             break
         except loop.Widen as w:
             widen |= w.axes
             ctx.rollback(mark)
     carry = [_join(ctx, o, t, micro, axis) for o, t in zip(outs, templates)]
-    return jax.tree_util.tree_unflatten(c_tree, carry), None
+    return jax.tree_util.tree_unflatten(c_tree, carry), jax.tree_util.tree_unflatten(y_tree, [])
 
 
 def _pipe_axis(ctx, dim, length, where):
@@ -132,16 +144,68 @@ def _local_stack(ctx, leaf, dim, axis):
     return NamedArray(arr, dims, is_param=leaf.is_param, placement=inner)
 
 
+class Microbatch:
+    """The microbatch a stage processes during one tick: ``index`` (traced) of ``count``
+    microbatches of ``size`` rows (global) along ``dim``, split over ``axes`` like the carry."""
+
+    def __init__(self, dim, count, size, axes, index, stage_axis):
+        self.dim, self.count, self.size, self.axes, self.index = dim, count, size, axes, index
+        self.stage_axis = stage_axis   # values legitimately differ between stages: x.array keeps that
+        self.trace = jaxcompat.current_trace()   # the tick's: cuts are made there, once per tick
+        self._cut: dict = {}
+
+    def take(self, ctx, x: NamedArray) -> NamedArray:
+        """``x`` as an op inside the step sees it: a pending sum over the stage axis reduced (each
+        stage holds other layers: partial sums of a value made outside must not meet them), and
+        this microbatch's rows of a value with the whole batch's ``dim``; once per value and tick."""
+        pl = ctx.placement(x)
+        if self.stage_axis in pl.pending:
+            keep = pl.pending - {self.stage_axis}
+            axes = dict(zip(x.names, pl.axes))
+            local = ctx.local(x, axes, ctx.vary(axes.values(), [x], keep), keep_pending=keep)
+            x = NamedArray(local, x.dims, is_param=x.is_param, placement=Placement(pl.axes, keep))
+        if self.dim not in x.names or x.dims[self.dim].size != self.size * self.count or self.count == 1:
+            return x
+        hit = self._cut.get(id(x.raw))
+        if hit is None:
+            pl = ctx.placement(x)
+            target = {d.name: a for d, a in zip(x.dims, pl.axes)}
+            target[self.dim] = self.axes
+            local = ctx.local(x, target, ctx.vary(target.values(), [x], pl.pending), keep_pending=pl.pending)
+            pos = x.names.index(self.dim)
+            rows = local.shape[pos] // self.count
+            with jaxcompat.in_trace(self.trace):
+                part = jax.lax.dynamic_slice_in_dim(local, self.index * rows, rows, axis=pos)
+            dims = Shape(Dim(self.dim, self.size) if d.name == self.dim else d for d in x.dims)
+            placement = Placement(tuple(target[d.name] for d in x.dims), pl.pending)
+            hit = self._cut[id(x.raw)] = (x, NamedArray(part, dims, is_param=x.is_param, placement=placement))
+        return hit[1]
+
+    def block_start(self, name: str, size: int, split, block: int):
+        """Global row of this device's first row of the microbatch along ``dim``: microbatches are
+        cut from each device's block of the batch, so device ``d`` of ``split`` holds global rows
+        ``d * block * count + index * block + r``."""
+        d = C.axis_index(split) if split else 0
+        if name != self.dim or size != self.size or self.count == 1:
+            return d * block if split else 0
+        return d * block * self.count + self.index * block
+
+    def extent(self, name: str, size: int) -> int:
+        """Rows of the whole batch along ``dim`` (other dims: their own size)."""
+        return self.size * self.count if name == self.dim and size == self.size else size
+
+
 def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axis, stages, m, widen, where,
            line):
     """Run the ``M + S - 1`` ticks; returns each carry leaf's ``[M, ...]`` finished microbatches
-    (zeros except on the last stage)."""
+    (zeros except on the last stage), and the structure of the step's (empty) ``ys``."""
     stage = C.axis_index((axis,))
     vary = [frozenset(a for ax in t[2].axes for a in ax) | {axis} | widen for t in templates]
     bufs = [C.cast(ctx, jnp.zeros(i.shape[1:], i.dtype), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     outs = [C.cast(ctx, jnp.zeros_like(i), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     inputs = [C.cast(ctx, i, loop.order(ctx, varying_axes(i) | {axis})) for i in inputs]
     shift = [(s, s + 1) for s in range(stages - 1)]
+    y_tree = []
 
     def tick(state, t):
         bufs, outs = state
@@ -149,7 +213,15 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
         bufs = [jnp.where(take, jax.lax.dynamic_index_in_dim(i, jnp.minimum(t, m - 1), 0, keepdims=False), b)
                 for i, b in zip(inputs, bufs)]
         carry = [NamedArray(b, t_[0], is_param=t_[1], placement=t_[2]) for b, t_ in zip(bufs, templates)]
-        carry, ys = loop.run(ctx, step, dim, per_stage, xs, x_tree, carry, c_tree, False, 1, where)
+        rows = templates[0][0]
+        micro_dim = rows.names[0]
+        ctx.frame = Microbatch(micro_dim, m, rows[micro_dim].size, templates[0][2].axes[0],
+                               jnp.clip(t - stage, 0, m - 1).astype(jnp.int32), axis)
+        try:
+            carry, ys = loop.run(ctx, step, dim, per_stage, xs, x_tree, carry, c_tree, False, 1, where)
+        finally:
+            ctx.frame = None
+        y_tree.append(jax.tree_util.tree_structure(ys))
         if jax.tree_util.tree_leaves(ys):
             raise LayoutError(f"{where}: a pipeline does not return scan outputs (ys) yet; return None "
                               "from the step, or remove the layout rule that splits the scanned dim")
@@ -172,7 +244,7 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
 
     with ctx.rec.loop(m + stages - 1):
         (_, outs), _ = jax.lax.scan(tick, (bufs, outs), jnp.arange(m + stages - 1))
-    return outs
+    return outs, y_tree[-1]
 
 
 def _join(ctx, out, template, micro, axis):

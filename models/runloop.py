@@ -33,14 +33,14 @@ def _agree(flag: bool) -> bool:
 
 
 def _diverged(step: int, metrics: dict, ckpts, args) -> Diverged:
-    values = {k: float(_fetch(metrics[k])) for k in ("loss", "grad_norm") if k in metrics}
-    what = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in values.items())
+    values = {k: float(_fetch(metrics[k])) for k in ("loss", "grad_norm", "param_norm") if k in metrics}
+    what = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in values.items())
     ckpts.wait()
     last = ckpts.latest_intact_step()
-    where = (f"the last checkpoint, step {last} in {ckpts.directory}, is intact: resume from it with a lower "
+    where = (f"The last checkpoint, step {last} in {ckpts.directory}, is intact: resume from it with a lower "
              f"--lr (now {args.lr or 'the default'}) plus --resume --allow-changes" if last is not None
              else "no checkpoint was saved before it: start again with a lower --lr or more --warmup")
-    return Diverged(f"step {step}: {what} is not finite; stopped without saving this state. {where}", step)
+    return Diverged(f"step {step}: not finite ({what}); stopped without saving this state. {where}", step)
 
 
 def loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_row: int, log, bar, ckpts,
@@ -86,6 +86,8 @@ def loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_
         if (args.ckpt_every > 0 and step % args.ckpt_every == 0) or ((final or stopped) and args.ckpt_every >= 0):
             ckpts.save(step, state)
             t_last = time.perf_counter()
+        if args.debug_signal and step == args.debug_signal[0]:  # tests: a signal at a known step
+            os.kill(os.getpid(), args.debug_signal[1])
         if stopped:
             return state, records, stopped
         batch = following

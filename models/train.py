@@ -83,6 +83,16 @@ def _step_range(text: str) -> tuple[int, int]:
     return first, last
 
 
+def _step_signal(text: str) -> tuple[int, int]:
+    """``STEP:NAME`` (e.g. ``3:TERM``): the process sends itself SIGNAME right after that step."""
+    import signal
+    step, _, name = text.partition(":")
+    try:
+        return int(step), int(getattr(signal, f"SIG{name.upper().removeprefix('SIG')}"))
+    except (ValueError, AttributeError):
+        raise argparse.ArgumentTypeError(f"write STEP:SIGNAL, e.g. 3:TERM, got {text!r}") from None
+
+
 POSITIVE, NATURAL = _int_at_least(1), _int_at_least(0)
 #: options whose values a --config file may give: checked like the command line's
 _TYPES = {"steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
@@ -158,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--process-id", type=NATURAL, default=_env_int("JAX_PROCESS_ID"), help="this process's index, 0 .. N-1")
     a("--heartbeat-timeout", type=POSITIVE, default=100,
       help="seconds without a heartbeat before the processes of a run declare a peer dead")
-    a("--debug-nan-at-step", type=POSITIVE, default=None, help=argparse.SUPPRESS)  # tests: NaN gradients there
+    # for tests of the fault paths, hidden: NaN gradients at a step; a signal to itself after a step
+    a("--debug-nan-at-step", type=POSITIVE, default=None, help=argparse.SUPPRESS)
+    a("--debug-signal", type=_step_signal, default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -136,11 +136,12 @@ class Trainer:
             bad = step + 1 == self.debug_nan_at_step
             grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.nan, g).astype(g.dtype), grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["total_loss"])
-        metrics.update(lr=self.schedule(step), grad_norm=grad_norm, finite=finite)
-        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": step + 1,
-               "rng": state["rng"]}
+        new_params = optax.apply_updates(params, updates)
+        grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(new_params)
+        # the loop saves the new state only if all three are finite
+        finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
+        metrics.update(lr=self.schedule(step), grad_norm=grad_norm, param_norm=param_norm, finite=finite)
+        new = {"params": new_params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"]}
         return new, metrics
 
     def compile(self, state, batches):

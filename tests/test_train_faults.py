@@ -1,0 +1,238 @@
+"""The training CLI under faults: preemption, kill -9 during a save, NaN, corrupted checkpoints,
+changed runs on resume, and user mistakes that must fail fast with one clear line.
+
+One chain of runs is shared (module fixture): an uninterrupted 8-step run (in this process); the
+same run stopped by SIGTERM after step 3 (a subprocess: it saves step 4 and exits 0); resumed and
+killed with SIGKILL while saving step 6 (a subprocess); resumed again to the end (in this process),
+which must equal the uninterrupted run bit for bit. The signals are sent by the process to itself
+at a given step (hidden ``--debug-signal STEP:NAME``), so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import meshdsl as md
+from meshdsl.models import checkpoint
+from meshdsl.models.faults import Diverged, Preemption, UsageError, mesh_warnings
+from meshdsl.models.train import main, parse_args
+
+SMALL = "d_model=32,d_ff=64,heads=4,d_kv=8"
+RUN = ["--override", SMALL, "--batch", "8", "--encoder-length", "32", "--log-every", "1", "--no-explain",
+       "--eval-batches", "0", "--steps", "8", "--ckpt-every", "2"]
+
+
+def is_named(x) -> bool:
+    return isinstance(x, md.NamedArray)
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x.array if is_named(x) else x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_named)]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "meshdsl.models.train", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    full = main([*RUN, "--out", str(root / "full")])
+    out = str(root / "preempted")
+    term = cli(*RUN, "--out", out, "--debug-signal", "3:TERM")
+    after_term = checkpoint.complete_steps(os.path.join(out, "checkpoints"))
+    killed = cli(*RUN, "--out", out, "--resume", "--debug-signal", "6:KILL")
+    left = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    resumed = main([*RUN, "--out", out, "--resume"])
+    return dict(root=root, full=full, term=term, after_term=after_term, killed=killed, left=left, resumed=resumed)
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_0(chain):
+    term = chain["term"]
+    assert term.returncode == 0, term.stderr[-3000:]
+    assert "SIGTERM: saving a checkpoint after this step" in term.stdout + term.stderr
+    assert "stopped    by SIGTERM after step 4" in term.stdout
+    assert chain["after_term"] == [2, 4]
+    assert "Traceback" not in term.stderr
+
+
+def test_kill_during_a_save_then_resume_is_bit_exact(chain):
+    assert chain["killed"].returncode == -signal.SIGKILL
+    assert "resumed from step 4" in chain["killed"].stdout
+    # the save of step 6 was cut short (an orbax temporary directory) or had just finished
+    assert any(n.startswith("6.orbax-checkpoint-tmp") or n == "6" for n in chain["left"]), chain["left"]
+    full, resumed = chain["full"], chain["resumed"]
+    assert [r["loss"] for r in metrics(resumed["out"])] == [r["loss"] for r in full["records"]]
+    for a, b in zip(leaves(full["state"]), leaves(resumed["state"])):
+        np.testing.assert_array_equal(a, b)
+    steps = sorted(os.listdir(os.path.join(resumed["out"], "checkpoints")))
+    assert steps == ["4", "6", "8"]  # temporary directories swept, --keep 3
+    for s in steps:
+        assert checkpoint.check_step(os.path.join(resumed["out"], "checkpoints", s)) is None
+
+
+def test_corrupted_checkpoint_names_step_file_and_the_intact_step(chain, tmp_path, capsys):
+    out = tmp_path / "corrupt"
+    shutil.copytree(chain["full"]["out"], out)
+    data = [os.path.join(d, f) for d, _, fs in os.walk(out / "checkpoints" / "8") for f in fs if "/d/" in d + "/"]
+    with open(data[0], "r+b") as f:  # random bytes into a saved data file
+        f.seek(2)
+        f.write(os.urandom(8))
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--out", str(out), "--resume"])
+    assert e.value.code == 2
+    message = capsys.readouterr().err
+    assert "checkpoint step 8" in message and data[0] in message and "--resume-from 6" in message
+    assert "Traceback" not in message
+    # taking the advice: resume from step 6, step 8 moved aside, trains steps 7 and 8 again
+    again = main([*RUN, "--out", str(out), "--resume-from", "6"])
+    assert [r["step"] for r in again["records"]] == [7, 8]
+    assert [r["loss"] for r in again["records"]] == [r["loss"] for r in chain["full"]["records"][6:]]
+    assert os.path.isdir(str(out / "checkpoints") + ".superseded/8")
+
+
+def test_nan_stops_without_saving_and_keeps_the_good_checkpoints(tmp_path, capsys):
+    out = tmp_path / "nan"
+    with pytest.raises(Diverged) as e:
+        main([*RUN, "--out", str(out), "--debug-nan-at-step", "5", "--keep", "1"])
+    assert e.value.code == 3 and e.value.step == 5
+    message = capsys.readouterr().err
+    assert "step 5: not finite" in message and "nan" in message and "step 4" in message
+    assert checkpoint.complete_steps(str(out / "checkpoints")) == [4]  # the last finite one, kept
+    assert max(r["step"] for r in metrics(out)) == 4
+
+
+def test_resume_refuses_a_changed_run(chain, capsys):
+    out = chain["full"]["out"]
+    with pytest.raises(UsageError):
+        main([*RUN, "--out", out, "--resume", "--steps", "20", "--seed", "1", "--batch", "16"])
+    message = capsys.readouterr().err
+    assert "steps: 8 -> 20" in message and "seed: 0 -> 1" in message and "batch: 8 -> 16" in message
+    assert "--allow-changes" in message
+    with open(os.path.join(out, "run.json")) as f:
+        assert json.load(f)["steps"] == 8  # not overwritten
+
+
+def test_eval_only(chain):
+    out = chain["full"]["out"]
+    result = main([*RUN, "--out", out, "--eval-only", "--eval-batches", "2"])
+    record = result["records"][0]
+    assert record["step"] == 8 and np.isfinite(record["val_loss"])
+    with open(os.path.join(out, "eval.jsonl")) as f:
+        assert json.loads(f.readline())["step"] == 8
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--resume"], "--resume: no checkpoint under"),
+    (["--out", "/dev/null/run"], "is not a writable directory"),
+    (["--batch", "8", "--accum", "2"], "multiple of 8"),
+    (["--override", "d_mdl=3"], "--override"),
+    (["--mesh", "data:3"], "mesh"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
+    argv = [*RUN, "--out", str(tmp_path / "run"), *extra] if "--out" not in extra else [*RUN, *extra]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_text_files_name_the_file(tmp_path, capsys):
+    binary, empty, latin = tmp_path / "data.bin", tmp_path / "empty.txt", tmp_path / "latin.txt"
+    binary.write_bytes(os.urandom(64) + b"\0")
+    empty.write_text("\n  \n")
+    latin.write_bytes("caf\xe9 au lait\nsecond line\n".encode("latin-1"))
+    for path, reason in [(binary, "binary"), (empty, "is empty"), (latin, "not UTF-8"),
+                         (tmp_path / "missing.txt", "no such file")]:
+        with pytest.raises(SystemExit) as e:
+            main([*RUN, "--out", str(tmp_path / "run"), "--text-files", str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and str(path) in err and reason in err, err
+
+
+def test_corrupt_vocabulary_cache_names_the_file(tmp_path, monkeypatch, capsys):
+    from meshdsl.models import corpus
+    monkeypatch.setenv("MESHDSL_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "own.txt"
+    text.write_text("\n".join(f"line {i} of my own text with some words in it" for i in range(400)))
+    corpus.load_vocabulary([str(text)])  # trains and caches it
+    (cached,) = (tmp_path / "cache" / "vocab").iterdir()
+    cached.write_bytes(b"not a sentencepiece model")
+    corpus._cached_vocabulary.cache_clear()
+    with pytest.raises(SystemExit):
+        main([*RUN, "--out", str(tmp_path / "run"), "--text-files", str(text)])
+    err = capsys.readouterr().err
+    assert str(cached) in err and "delete it" in err
+
+
+def test_full_disk_is_refused_before_compiling(tmp_path, monkeypatch, capsys):
+    import shutil as shutil_module
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(SystemExit):
+        main([*RUN, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "a checkpoint needs about" in err and "1000 B is free" in err
+
+
+def test_arguments_are_checked_at_parse_time(tmp_path, capsys):
+    for bad in (["--steps", "-5"], ["--batch", "0"], ["--lr", "nan"], ["--profile-steps", "5:2"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(bad)
+        assert e.value.code == 2
+    assert "--steps: must be >= 1, got -5" in capsys.readouterr().err
+    help_text = __import__("meshdsl.models.train", fromlist=["build_parser"]).build_parser().format_help()
+    assert "moe-t5-tiny" in help_text and "t5-base" in help_text
+
+
+def test_config_file_yaml_and_json(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model: t5-mini\nsteps: 12\nbatch: 16\noptimizer: adamw\nlr: 0.003\n")
+    args = parse_args(["--config", str(yaml_file), "--steps", "20"])
+    assert (args.model, args.steps, args.batch, args.optimizer, args.lr) == ("t5-mini", 20, 16, "adamw", 0.003)
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps({"steps": -3}))
+    with pytest.raises(UsageError, match="steps: must be >= 1"):
+        parse_args(["--config", str(json_file)])
+    json_file.write_text(json.dumps({"stpes": 3}))
+    with pytest.raises(UsageError, match="unknown key 'stpes'"):
+        parse_args(["--config", str(json_file)])
+
+
+def test_config_file_from_a_run_json_reproduces_the_run(chain):
+    args = parse_args(["--config", os.path.join(chain["full"]["out"], "run.json")])
+    assert (args.steps, args.batch, args.encoder_length, args.ckpt_every) == (8, 8, 32, 2)
+
+
+def test_second_ctrl_c_quits_at_once():
+    messages = []
+    with Preemption(notify=messages.append) as stop:
+        stop.handle(signal.SIGINT)
+        assert stop.requested == "SIGINT" and "Ctrl-C again" in messages[0]
+        with pytest.raises(KeyboardInterrupt):
+            stop.handle(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_mesh_axis_without_a_rule_warns():
+    mesh = md.Mesh.parse("data:2,model:4")
+    (warning,) = mesh_warnings(mesh, md.Layout.parse("batch:data"))
+    assert "'model'" in warning and "replicated 4x" in warning
+    assert mesh_warnings(mesh, md.Layout.parse("batch:data;heads:model")) == []

@@ -236,3 +236,16 @@ def test_mesh_axis_without_a_rule_warns():
     (warning,) = mesh_warnings(mesh, md.Layout.parse("batch:data"))
     assert "'model'" in warning and "replicated 4x" in warning
     assert mesh_warnings(mesh, md.Layout.parse("batch:data;heads:model")) == []
+
+
+def test_export_a_run_as_a_hugging_face_directory(chain, tmp_path):
+    from meshdsl.models import hf
+    from meshdsl.models.export import main as export_main
+    out = export_main(["--run", chain["full"]["out"], "--out", str(tmp_path / "hf")])
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "spiece.model"]
+    model = hf.load_pretrained(out)
+    trained = chain["full"]["trainer"].model(chain["full"]["state"]["params"])
+    enc = md.named(np.arange(24).reshape(2, 12) % 50 + 3, "batch length")
+    dec = md.named(np.arange(16).reshape(2, 8) % 40 + 3, "batch length")
+    np.testing.assert_allclose(np.asarray(model(enc, dec).array), np.asarray(trained(enc, dec).array),
+                               rtol=1e-5, atol=1e-5)

@@ -25,7 +25,7 @@ __all__ = ["CHECKED", "run_identity", "differences", "read_run", "write_run", "r
 CHECKED = ("config", "optimizer", "lr", "warmup", "decay", "steps", "batch", "accum", "seed", "task",
            "encoder_length", "decoder_length", "text_files", "dtype", "param_dtype")
 #: run.json keys that are not CLI options (ignored in a --config file)
-RECORD_ONLY = {"config", "history", "unigram_entropy", "unigram_cross_entropy", "target_unigram_entropy",
+RECORD_ONLY = {"config", "identity", "history", "unigram_entropy", "unigram_cross_entropy", "target_unigram_entropy",
                "config_file"}
 
 

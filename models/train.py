@@ -296,11 +296,6 @@ def _run(args) -> dict:
             if not args.overwrite:
                 raise UsageError(f"{ckpt_dir} holds checkpoints: pass --resume to continue that run, --overwrite "
                                  "to start over (deleting them), or choose another --out")
-            if lead:
-                shutil.rmtree(ckpt_dir)
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-                multihost_utils.sync_global_devices("meshdsl.train: old checkpoints removed")
     faults.check_text_files(args.text_files)
 
     # -- the run: vocabulary, model, mesh, layout, optimizer ----------------------------------------
@@ -342,6 +337,12 @@ def _run(args) -> dict:
                       param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype),
                       dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step)
     like = trainer.abstract_state()
+    if args.overwrite and not args.resume and not args.eval_only and latest_step(ckpt_dir) is not None:
+        if lead:  # only now that every option checked out
+            shutil.rmtree(ckpt_dir)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("meshdsl.train: old checkpoints removed")
     ckpts = Checkpoints(ckpt_dir, keep=args.keep, lead=lead, writable=not args.eval_only)
     try:
         for note in ckpts.notes:

@@ -118,12 +118,15 @@ def test_corrupted_checkpoint_names_step_file_and_the_intact_step(full, tmp_path
 def test_nan_stops_without_saving_and_keeps_the_good_checkpoints(tmp_path, capsys):
     out = tmp_path / "nan"
     with pytest.raises(Diverged) as e:
-        main([*RUN, "--out", str(out), "--debug-nan-at-step", "5", "--keep", "1"])
+        main([*RUN, "--out", str(out), "--debug-nan-at-step", "5", "--keep", "1", "--profile-steps", "2:3"])
     assert e.value.code == 3 and e.value.step == 5
     message = capsys.readouterr().err
     assert "step 5: not finite" in message and "nan" in message and "step 4" in message
     assert checkpoint.complete_steps(str(out / "checkpoints")) == [4]  # the last finite one, kept
     assert max(r["step"] for r in metrics(out)) == 4
+    # on the way: TensorBoard event files next to metrics.jsonl, a profiler trace of steps 2..3
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(out / "tensorboard"))
+    assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(out / "profile") for f in fs)
 
 
 def test_resume_refuses_a_changed_run(full, capsys):
@@ -259,3 +262,34 @@ def test_export_a_run_as_a_hugging_face_directory(full, tmp_path):
     assert all(getattr(model.config, k) == getattr(trained, k) for k in hf_side)
     kernel = model.encoder.layers[0].ffn.wi_0.kernel.get_value()  # [layers, d_model, d_ff], from HF's tensors
     assert kernel.names == ("layers", "d_model", "d_ff") and np.isfinite(np.asarray(kernel.array)).all()
+
+
+def test_unfinished_saves_are_not_checkpoints(tmp_path):
+    import jax.numpy as jnp
+    state = {"w": md.param(md.named(jnp.arange(16.0).reshape(8, 2), "batch d")), "step": jnp.int32(3)}
+    directory = str(tmp_path / "c")
+    checkpoint.save(directory, 3, state)
+    os.makedirs(os.path.join(directory, "9"))  # an empty numbered directory
+    os.makedirs(os.path.join(directory, "7.orbax-checkpoint-tmp-123", "default"))  # a save cut short
+    assert checkpoint.latest_step(directory) == 3
+    ckpts = checkpoint.Checkpoints(directory)  # a run that goes on: sweeps both before its first save
+    assert any("9" in note for note in ckpts.notes)
+    ckpts.save(4, state)
+    ckpts.close()
+    assert sorted(os.listdir(directory)) == ["3", "4"]
+    back = checkpoint.restore(directory, state, md.Mesh.parse("data:8"), md.Layout.parse("batch:data"))
+    np.testing.assert_array_equal(np.asarray(back["w"].array), np.asarray(state["w"].array))
+
+
+def test_a_failed_save_says_how_much_space_it_needed(tmp_path, monkeypatch):
+    import errno
+
+    import jax.numpy as jnp
+    ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ckpts._mgr, "save", disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 7 .*No space left on device.*needs about 256\.0 KiB"):
+        ckpts.save(7, {"w": jnp.zeros((256, 256), jnp.float32)})
+    ckpts.close()

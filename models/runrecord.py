@@ -116,7 +116,8 @@ def config_file_defaults(path: str, parser) -> dict:
     out = {}
     for key, value in values.items():
         dest = key.replace("-", "_")
-        if dest in RECORD_ONLY or dest in ("resume", "resume_from", "overwrite", "allow_changes", "help"):
+        if dest in RECORD_ONLY or dest in ("resume", "resume_from", "overwrite", "allow_changes", "eval_only", "help",
+                                           "debug_nan_at_step", "debug_signal"):
             continue
         if dest not in dests:
             raise UsageError(f"--config {path}: unknown key {key!r}; known keys: "

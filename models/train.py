@@ -322,6 +322,10 @@ def _run(args) -> dict:
     if args.resume or args.eval_only:
         stored = runrecord.read_run(out) or {}
         changes = runrecord.differences(stored.get("identity", {}), identity)
+        model_changes = [c for c in changes if c.startswith("model ")]
+        if args.eval_only and model_changes:
+            raise UsageError(f"--eval-only: the checkpoint in {out} is of another model ({'; '.join(model_changes)}): "
+                             f"pass the run's --model/--override, e.g. --config {os.path.join(out, 'run.json')}")
         if args.resume and changes and not args.allow_changes:
             raise UsageError(f"--resume: this run differs from {os.path.join(out, 'run.json')}: "
                              f"{'; '.join(changes)}. Use the run's options, or pass --allow-changes to accept these")

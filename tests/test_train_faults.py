@@ -293,3 +293,26 @@ def test_a_failed_save_says_how_much_space_it_needed(tmp_path, monkeypatch):
     with pytest.raises(checkpoint.CheckpointError, match=r"step 7 .*No space left on device.*needs about 256\.0 KiB"):
         ckpts.save(7, {"w": jnp.zeros((256, 256), jnp.float32)})
     ckpts.close()
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_optimizer_state():
+    """--dtype bfloat16: matmuls in bf16, while parameters, gradients, optimizer state and loss stay
+    float32 (traced, not compiled: XLA:CPU compiles bf16 steps slowly)."""
+    import jax.numpy as jnp
+
+    from meshdsl.models.configs import get_config
+    from meshdsl.models.optim import make_optimizer
+    from meshdsl.models.trainer import Trainer
+    config = get_config("t5-tiny").replace(vocab=128, d_model=32, d_ff=64, heads=4, d_kv=8)
+    tx, schedule = make_optimizer("adafactor", None, None, 10)
+    trainer = Trainer(config, md.Mesh.parse("data:8"), md.Layout.parse("batch:data"), tx, schedule,
+                      dtype=jnp.bfloat16)
+    state = trainer.abstract_state()
+    batch = {k: jax.ShapeDtypeStruct((1, 8, n), jnp.int32) for k, n in [
+        ("encoder_input_tokens", 16), ("decoder_input_tokens", 8), ("decoder_target_tokens", 8),
+        ("decoder_loss_weights", 8)]}
+    new, out = jax.eval_shape(trainer._train_step, state, batch)
+    floats = {str(x.dtype) for x in jax.tree_util.tree_leaves((new["params"], new["opt_state"]))} - {"int32"}
+    assert floats == {"float32"} and out["loss"].dtype == out["grad_norm"].dtype == jnp.float32
+    text = str(jax.make_jaxpr(trainer._train_step)(state, batch))
+    assert text.count("preferred_element_type=bfloat16") > text.count("dot_general") // 2

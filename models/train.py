@@ -15,11 +15,13 @@ step's own count. ``--resume`` continues from the latest checkpoint, bit-identic
 and layout, after checking that the run (model, optimizer, schedule, batch, data, seed) is the one
 in ``run.json``. Every step's loss and gradient norm must be finite (else: exit 3, nothing saved);
 SIGTERM / Ctrl-C save at the next step boundary and exit 0; checkpoints carry SHA-256 manifests
-(see :mod:`meshdsl.models.faults` and :mod:`meshdsl.models.checkpoint`). Several processes (hosts) train one model: ``--coordinator host:port
---num-processes N --process-id I`` (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-``JAX_PROCESS_ID``); each process loads its share of every global batch.
+(see :mod:`meshdsl.models.faults` and :mod:`meshdsl.models.checkpoint`). Several processes
+(hosts) train one model: ``--coordinator host:port --num-processes N --process-id I`` (or
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); each process loads its
+share of every global batch.
 
-The run loop lives here; the model, step and evaluation in :mod:`meshdsl.models.trainer`,
+The setup lives here, the loop in :mod:`meshdsl.models.runloop`; the model, step and evaluation in
+:mod:`meshdsl.models.trainer`,
 optimizers in :mod:`meshdsl.models.optim`, logging and plots in :mod:`meshdsl.models.progress`,
 ``run.json`` and ``--config`` in :mod:`meshdsl.models.runrecord`.
 """

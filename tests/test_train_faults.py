@@ -85,8 +85,9 @@ def test_sigterm_then_kill_during_a_save_then_resume_is_bit_exact(full, tmp_path
     # the save of step 6 was cut short (an orbax temporary directory) or had just finished
     assert any(n.startswith("6.orbax-checkpoint-tmp") or n == "6" for n in left), left
 
-    resumed = main([*RUN, "--out", out, "--resume"])
+    resumed = main([*RUN, "--out", out, "--resume", "--export-hf", str(tmp_path / "hf")])
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(full)]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "spiece.model"]
     for a, b in zip(leaves(restored(full, resumed["state"], 8)), leaves(resumed["state"])):
         np.testing.assert_array_equal(a, b)
     steps = sorted(os.listdir(os.path.join(out, "checkpoints")))

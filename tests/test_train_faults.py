@@ -72,7 +72,7 @@ def restored(out: str, like, step: int | None = None):
                               md.Layout.parse("batch:data"), step)
 
 
-def test_sigterm_then_kill_during_a_save_then_resume_is_bit_exact(full, tmp_path):
+def test_sigterm_then_kill_during_a_save_then_resume_is_bit_exact(request, tmp_path):
     out = str(tmp_path / "preempted")
     term = main([*RUN, "--out", out, "--debug-signal", "3:TERM"])  # a real SIGTERM, to this process
     assert term["stopped"] == "SIGTERM" and term["records"][-1]["step"] == 4  # saved at the next boundary
@@ -87,6 +87,7 @@ def test_sigterm_then_kill_during_a_save_then_resume_is_bit_exact(full, tmp_path
     assert any(n.startswith("6.orbax-checkpoint-tmp") or n == "6" for n in left), left
 
     resumed = main([*RUN, "--out", out, "--resume", "--export-hf", str(tmp_path / "hf")])
+    full = request.getfixturevalue("full")  # only now: another xdist worker trains it meanwhile
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(full)]
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "spiece.model"]
     for a, b in zip(leaves(restored(full, resumed["state"], 8)), leaves(resumed["state"])):

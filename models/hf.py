@@ -3,6 +3,12 @@
     model = meshdsl.models.hf.load(hf_model)    # T5ForConditionalGeneration or
                                                 # SwitchTransformersForConditionalGeneration
     state_dict = meshdsl.models.hf.export(model)  # {name: numpy array}, loadable by HF
+    meshdsl.models.hf.save_pretrained(model, dir)  # model.safetensors + config.json (+ spiece.model)
+    model = meshdsl.models.hf.load_pretrained(dir)  # such a directory (or HF's own), without torch
+
+``save_pretrained`` writes what ``transformers``' ``from_pretrained(dir)`` reads (the same logits);
+``load_pretrained`` needs only ``safetensors`` and numpy (``python -m meshdsl.models.export`` turns a
+training run's checkpoint into such a directory).
 
 The configuration is read from ``hf_model.config``. Each of our parameters maps to one HF tensor
 (or one per expert), transposed and reshaped by name: HF's ``q.weight`` ``[heads*d_kv, d_model]``
@@ -12,10 +18,13 @@ slot ``i % period``. Nothing is downloaded: pass a model you built or loaded you
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import jax
 import numpy as np
+from einops import rearrange
 from flax import nnx
 
 import meshdsl as md
@@ -23,13 +32,31 @@ import meshdsl as md
 from .configs import T5Config
 from .t5 import T5
 
-__all__ = ["load", "export", "config_from_hf"]
+__all__ = ["load", "export", "config_from_hf", "save_pretrained", "load_pretrained", "hf_config_dict"]
+
+
+class _Attrs:
+    """A ``config.json`` dict read like a ``transformers`` config object (HF's defaults where absent)."""
+
+    _DEFAULTS = dict(num_decoder_layers=None, tie_word_embeddings=True, dropout_rate=0.1,
+                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                     layer_norm_epsilon=1e-6, feed_forward_proj="relu", router_jitter_noise=0.01,
+                     router_aux_loss_coef=0.001, router_z_loss_coef=0.001, expert_capacity=64, num_experts=8,
+                     _name_or_path="")
+
+    def __init__(self, values: dict):
+        self.__dict__.update({**self._DEFAULTS, **values})
+
+
+def _is_switch_config(c) -> bool:
+    return type(c).__name__.startswith("SwitchTransformers") or getattr(c, "model_type", "") == "switch_transformers"
 
 
 def config_from_hf(hf_config) -> T5Config:
-    """Our :class:`T5Config` for a ``transformers`` T5Config or SwitchTransformersConfig."""
-    c = hf_config
-    switch = type(c).__name__.startswith("SwitchTransformers")
+    """Our :class:`T5Config` for a ``transformers`` T5Config or SwitchTransformersConfig (or the dict
+    of its ``config.json``)."""
+    c = _Attrs(hf_config) if isinstance(hf_config, dict) else hf_config
+    switch = _is_switch_config(c)
     common = dict(name=getattr(c, "_name_or_path", "") or type(c).__name__, d_model=c.d_model, d_ff=c.d_ff,
                   heads=c.num_heads, d_kv=c.d_kv, encoder_layers=c.num_layers,
                   decoder_layers=c.num_decoder_layers or c.num_layers, vocab=c.vocab_size,
@@ -112,9 +139,9 @@ def _mapping(model: T5, switch: bool):
 
 def _convert_in(hf: np.ndarray, key: str, heads: int) -> np.ndarray:
     if re.search(r"Attention\.[qkv]\.weight$", key):
-        return hf.T.reshape(hf.shape[1], heads, -1)
+        return rearrange(hf, "(heads d_kv) d_model -> d_model heads d_kv", heads=heads)
     if re.search(r"Attention\.o\.weight$", key):
-        return hf.reshape(hf.shape[0], heads, -1).transpose(1, 2, 0)
+        return rearrange(hf, "d_model (heads d_kv) -> heads d_kv d_model", heads=heads)
     if key.endswith(("layer_norm.weight", "relative_attention_bias.weight")) or key == "shared.weight":
         return hf
     return hf.T
@@ -122,26 +149,37 @@ def _convert_in(hf: np.ndarray, key: str, heads: int) -> np.ndarray:
 
 def _convert_out(ours: np.ndarray, key: str) -> np.ndarray:
     if re.search(r"Attention\.[qkv]\.weight$", key):
-        return ours.reshape(ours.shape[0], -1).T
+        return rearrange(ours, "d_model heads d_kv -> (heads d_kv) d_model")
     if re.search(r"Attention\.o\.weight$", key):
-        return ours.reshape(-1, ours.shape[-1]).T
+        return rearrange(ours, "heads d_kv d_model -> d_model (heads d_kv)")
     if key.endswith(("layer_norm.weight", "relative_attention_bias.weight")) or key == "shared.weight":
         return ours
     return ours.T
 
 
 def _is_switch(hf_model) -> bool:
-    return type(hf_model.config).__name__.startswith("SwitchTransformers")
+    return _is_switch_config(hf_model.config)
 
 
 def load(hf_model, *, dtype=None) -> T5:
     """Our T5 / MoE-T5 with the weights of a ``transformers`` model (built or loaded offline)."""
     config = config_from_hf(hf_model.config)
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    return _from_state_dict(config, sd, _is_switch(hf_model), dtype)
+
+
+def _from_state_dict(config: T5Config, sd: dict, switch: bool, dtype=None) -> T5:
+    """Our model with the weights of a Hugging Face state dict (numpy arrays)."""
     abstract = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     values = {}
-    for path, leaf, keys in _mapping(abstract, _is_switch(hf_model)):
+    missing = sorted({k for _, _, keys in _mapping(abstract, switch)
+                      for k in ([keys[0][0]] if keys and isinstance(keys[0], tuple) else
+                                [key for layer in keys for key, _ in layer]) if k not in sd})
+    if missing:
+        raise ValueError(f"the Hugging Face weights lack {len(missing)} tensors of this config, e.g. "
+                         f"{', '.join(missing[:3])}")
+    for path, leaf, keys in _mapping(abstract, switch):
         if keys and isinstance(keys[0], tuple):
             arr = _convert_in(sd[keys[0][0]], keys[0][0], config.heads)
         else:  # per layer (and per expert): stack along layers (and experts)
@@ -186,3 +224,101 @@ def export(model: T5) -> dict[str, np.ndarray]:
     if c.tie_embeddings:
         out["lm_head.weight"] = out["shared.weight"]
     return out
+
+
+# -- Hugging Face directories -----------------------------------------------------------------------
+
+def hf_config_dict(config: T5Config) -> dict:
+    """``config.json`` of the ``transformers`` model with our ``config``'s architecture."""
+    common = {"d_model": config.d_model, "d_ff": config.d_ff, "d_kv": config.d_kv, "num_heads": config.heads,
+              "num_layers": config.encoder_layers, "num_decoder_layers": config.decoder_layers,
+              "vocab_size": config.vocab, "dropout_rate": config.dropout_rate,
+              "relative_attention_num_buckets": config.num_buckets,
+              "relative_attention_max_distance": config.max_distance, "layer_norm_epsilon": config.eps,
+              "tie_word_embeddings": config.tie_embeddings, "is_encoder_decoder": True, "pad_token_id": 0,
+              "eos_token_id": 1, "decoder_start_token_id": 0, "initializer_factor": 1.0, "use_cache": True,
+              "torch_dtype": "float32"}
+    if not config.is_moe:
+        return {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
+                "feed_forward_proj": config.activation, **common}
+    problems = []
+    if config.top_k != 1:
+        problems.append(f"top_k {config.top_k} (Switch routes each token to 1 expert)")
+    if (config.expert_d_ff or config.d_ff) != config.d_ff:
+        problems.append(f"expert_d_ff {config.expert_d_ff} != d_ff {config.d_ff}")
+    if config.expert_capacity is None:
+        problems.append("no fixed expert_capacity (set one, e.g. --override expert_capacity=64)")
+    if config.activation != "relu" or config.expert_activation != "relu":
+        problems.append("activations other than relu")
+    if config.encoder_layers % config.moe_every or config.decoder_layers % config.moe_every:
+        problems.append(f"layers not a multiple of moe_every {config.moe_every}")
+    if problems:
+        raise ValueError(f"{config.name}: Hugging Face's SwitchTransformers cannot express {'; '.join(problems)}")
+    return {"architectures": ["SwitchTransformersForConditionalGeneration"], "model_type": "switch_transformers",
+            "num_experts": config.num_experts, "expert_capacity": config.expert_capacity,
+            "encoder_sparse_step": config.moe_every, "decoder_sparse_step": config.moe_every,
+            "num_sparse_encoder_layers": config.encoder_layers // config.moe_every,
+            "num_sparse_decoder_layers": config.decoder_layers // config.moe_every,
+            "router_jitter_noise": config.jitter_noise, "router_aux_loss_coef": config.load_balancing_coef,
+            "router_z_loss_coef": config.router_z_loss_coef, "router_bias": False, "router_dtype": "float32",
+            "router_ignore_padding_tokens": False, "dense_act_fn": "relu", **common}
+
+
+_TIED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+def save_pretrained(model: T5, directory: str | os.PathLike, *, vocab=None) -> str:
+    """Write ``model`` as a Hugging Face directory: ``model.safetensors`` (float32), ``config.json``
+    and, given the run's :class:`~meshdsl.models.corpus.Vocabulary`, its sentencepiece model as
+    ``spiece.model``. ``transformers``' ``from_pretrained(directory)`` then gives our logits. Tied
+    tensors are written once (HF ties them again on load). Returns the directory."""
+    from safetensors.numpy import save_file
+
+    config = hf_config_dict(model.config)  # first: a config HF cannot express fails before writing
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    state = export(model)
+    tied = set(_TIED) | ({"lm_head.weight"} if model.config.tie_embeddings else set())
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items() if k not in tied}
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if vocab is not None:
+        with open(os.path.join(directory, "spiece.model"), "wb") as f:
+            f.write(vocab.model_proto if hasattr(vocab, "model_proto") else bytes(vocab))
+    return directory
+
+
+def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5:
+    """Our T5 / MoE-T5 from a Hugging Face directory (``config.json`` + ``model.safetensors`` or a
+    sharded ``model.safetensors.index.json``), with numpy and safetensors only: no torch."""
+    from safetensors.numpy import load_file
+
+    directory = os.fspath(directory)
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            hf_config = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory") from None
+    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(single):
+        files = [single]
+    elif os.path.exists(index):
+        with open(index) as f:
+            files = [os.path.join(directory, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    else:
+        raise FileNotFoundError(f"{directory} has no model.safetensors (only safetensors weights are read without "
+                                "torch; convert pytorch_model.bin with transformers' save_pretrained)")
+    state = {}
+    for path in files:
+        state.update(load_file(path))
+    state = {k: np.asarray(v, np.float32) for k, v in state.items()}
+    if "shared.weight" not in state:
+        for key in _TIED:
+            if key in state:
+                state["shared.weight"] = state[key]
+                break
+    config = config_from_hf(hf_config)
+    if config.name in ("", "_Attrs"):
+        config = config.replace(name=os.path.basename(os.path.normpath(directory)))
+    return _from_state_dict(config, state, _is_switch_config(_Attrs(hf_config)), dtype)

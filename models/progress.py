@@ -1,6 +1,7 @@
 """What a training run shows and writes: a progress bar, ``metrics.jsonl`` and ``loss.png``.
 
-* :class:`MetricsLog` appends one JSON object per logged step (``step``, ``loss``, ``lr``,
+* :class:`MetricsLog` appends one JSON object per logged step (and, with ``tensorboard_dir`` and
+  tensorboardX installed, the same scalars as TensorBoard event files) (``step``, ``loss``, ``lr``,
   ``tokens_per_s``, ``step_time_s``, ..., ``val_loss`` when evaluated, MoE router statistics).
   Opened to resume at step ``k``, it first drops the records after ``k``, so a resumed run's file
   equals an uninterrupted run's.
@@ -38,10 +39,19 @@ def jsonable(value):
 class MetricsLog:
     """``metrics.jsonl``: one object per logged step; ``resume_step`` keeps only steps <= it."""
 
-    def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True):
+    def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True,
+                 tensorboard_dir: str | None = None):
         self.path, self.enabled = path, enabled
+        self._tb = None
         if not enabled:
             return
+        if tensorboard_dir:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:  # JSONL only
+                pass
+            else:
+                self._tb = SummaryWriter(tensorboard_dir, purge_step=resume_step + 1 if resume_step else None)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         kept = []
         if resume_step is not None and os.path.exists(path):
@@ -53,6 +63,28 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(jsonable(record)) + "\n")
+            if self._tb is not None:
+                step = int(record["step"])
+                for key, value in jsonable(record).items():
+                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(_tb_tag(key), value, step)
+                self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _tb_tag(key: str) -> str:
+    """TensorBoard tags grouped by kind: ``train/loss``, ``val/loss``, ``moe/...``, ``perf/tokens_per_s``."""
+    if "/" in key:
+        return key
+    if key.startswith("val_"):
+        return f"val/{key[4:]}"
+    if key in ("step_time_s", "tokens_per_s"):
+        return f"perf/{key}"
+    return f"train/{key}"
 
 
 def read_metrics(path: str) -> list[dict]:

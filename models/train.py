@@ -12,27 +12,36 @@ parallel over all local devices (8 virtual CPU devices on a CPU-only machine), a
 At start it prints the model, its parameter count, the mesh, the layout and ``md.explain``'s
 communication of one training step (bytes per device by collective kind), then the compiled
 step's own count. ``--resume`` continues from the latest checkpoint, bit-identically, on any mesh
-and layout. Several processes (hosts) train one model: ``--coordinator host:port
---num-processes N --process-id I`` (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-``JAX_PROCESS_ID``); each process loads its share of every global batch.
+and layout, after checking that the run (model, optimizer, schedule, batch, data, seed) is the one
+in ``run.json``. Every step's loss and gradient norm must be finite (else: exit 3, nothing saved);
+SIGTERM / Ctrl-C save at the next step boundary and exit 0; checkpoints carry SHA-256 manifests
+(see :mod:`meshdsl.models.faults` and :mod:`meshdsl.models.checkpoint`). Several processes
+(hosts) train one model: ``--coordinator host:port --num-processes N --process-id I`` (or
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); each process loads its
+share of every global batch.
 
-The run loop lives here; the model, step and evaluation in :mod:`meshdsl.models.trainer`,
-optimizers in :mod:`meshdsl.models.optim`, logging and plots in :mod:`meshdsl.models.progress`.
+The setup lives here, the loop in :mod:`meshdsl.models.runloop`; the model, step and evaluation in
+:mod:`meshdsl.models.trainer`,
+optimizers in :mod:`meshdsl.models.optim`, logging and plots in :mod:`meshdsl.models.progress`,
+``run.json`` and ``--config`` in :mod:`meshdsl.models.runrecord`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import shutil
 import sys
 import time
 
-__all__ = ["main", "build_parser"]
+from meshdsl.models.configs import CONFIGS
+from meshdsl.models.faults import Diverged, UsageError
+
+__all__ = ["main", "build_parser", "parse_args"]
 
 DEFAULT_STEPS = 300
+DEFAULT_CKPT_EVERY = 100
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -42,11 +51,66 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
         return super()._get_help_string(action)
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        first, last = int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"write FIRST:LAST (steps, e.g. 10:15), got {text!r}") from None
+    if not sep or first < 1 or last < first:
+        raise argparse.ArgumentTypeError(f"write FIRST:LAST with 1 <= FIRST <= LAST, got {text!r}")
+    return first, last
+
+
+def _step_signal(text: str) -> tuple[int, int]:
+    """``STEP:NAME`` (e.g. ``3:TERM``): the process sends itself SIGNAME right after that step."""
+    import signal
+    step, _, name = text.partition(":")
+    try:
+        return int(step), int(getattr(signal, f"SIG{name.upper().removeprefix('SIG')}"))
+    except (ValueError, AttributeError):
+        raise argparse.ArgumentTypeError(f"write STEP:SIGNAL, e.g. 3:TERM, got {text!r}") from None
+
+
+POSITIVE, NATURAL = _int_at_least(1), _int_at_least(0)
+#: options whose values a --config file may give: checked like the command line's
+_TYPES = {"steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
+          "encoder_length": _int_at_least(2), "decoder_length": POSITIVE, "eval_every": NATURAL,
+          "eval_batches": NATURAL, "warmup": NATURAL, "ckpt_every": _int_at_least(-1), "lr": _positive_float,
+          "heartbeat_timeout": POSITIVE}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m meshdsl.models.train", formatter_class=_Help,
                                 description="\n\n".join(__doc__.split("\n\n")[:3]).replace("``", ""))
     a = p.add_argument
-    a("--model", default="t5-tiny", help="a name from meshdsl.models.configs.CONFIGS")
+    a("--config", dest="config_file", default=None, metavar="FILE",
+      help="YAML or JSON file of options (the keys of a run's run.json); flags given here win")
+    a("--model", default="t5-tiny", choices=sorted(CONFIGS), metavar="MODEL",
+      help=f"one of: {', '.join(sorted(CONFIGS))}")
     a("--override", action="append", default=[], metavar="KEY=VALUE",
       help="change the model config, e.g. d_model=32,d_ff=64 (repeatable)")
     a("--mesh", default="data:-1", help="mesh axes, e.g. data:2,model:4 (-1: the remaining devices)")
@@ -54,40 +118,87 @@ def build_parser() -> argparse.ArgumentParser:
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
-    a("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
-    a("--batch", type=int, default=32, help="global batch (sequences per step)")
-    a("--encoder-length", type=int, default=128, help="encoder tokens per example (span corruption)")
-    a("--decoder-length", type=int, default=None,
+    a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")
+    a("--batch", type=POSITIVE, default=32, help="global batch (sequences per step)")
+    a("--encoder-length", type=_TYPES["encoder_length"], default=128,
+      help="encoder tokens per example (span corruption)")
+    a("--decoder-length", type=POSITIVE, default=None,
       help="default: span corruption's targets length for --encoder-length (29 for 128); lm: 64")
     a("--optimizer", default="adafactor", choices=("adafactor", "adamw"),
       help="adafactor: T5's (rsqrt schedule); adamw: clipping, warmup, cosine decay")
-    a("--lr", type=float, default=None, help="peak learning rate (adafactor 1e-2, adamw 1e-3)")
-    a("--warmup", type=int, default=None, help="warmup steps (adafactor: 10000, T5's; adamw: 5%% of --steps)")
+    a("--lr", type=_positive_float, default=None, help="peak learning rate (adafactor 1e-2, adamw 1e-3)")
+    a("--warmup", type=NATURAL, default=None,
+      help="warmup steps (adafactor: 10000, T5's; adamw: 5%% of --steps)")
     a("--decay", default="cosine", choices=("cosine", "rsqrt"), help="adamw's decay after warmup")
-    a("--accum", type=int, default=1, help="gradient accumulation: microbatches per step")
+    a("--accum", type=POSITIVE, default=1, help="gradient accumulation: microbatches per step")
     a("--remat", default="none", choices=("none", "full", "dots"),
       help="recompute each layer in the backward pass: nothing saved (full) or all but matmuls (dots)")
+    a("--dtype", default="float32", choices=("float32", "bfloat16"),
+      help="compute dtype: bfloat16 casts the parameters at use; gradients, parameters and optimizer state "
+           "stay in --param-dtype")
     a("--param-dtype", default="float32", choices=("float32", "bfloat16"), help="parameter storage dtype")
     a("--param-gather", default="keep", choices=("keep", "regather", "auto"),
       help="weights stored split (--params-layout): keep the gathered copy for the backward pass, gather again "
            "there, or auto: gather only where that moves fewer bytes than moving the activations")
     a("--seed", type=int, default=0, help="parameters, data order, span noise and dropout")
     a("--out", default=None, help="output directory (default runs/<model>)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --out (an error if none)")
+    a("--resume-from", type=NATURAL, default=None, metavar="STEP",
+      help="continue from this checkpoint step (newer checkpoints move to checkpoints.superseded/)")
+    a("--allow-changes", action="store_true",
+      help="resume although model/optimizer/schedule/batch/data/seed differ from run.json (recorded there)")
     a("--overwrite", action="store_true", help="start over in an --out that holds checkpoints (deletes them)")
-    a("--eval-every", type=int, default=100, help="validation every N steps (0: only at the end)")
-    a("--eval-batches", type=int, default=8, help="validation batches (fixed; 0: no validation)")
-    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end; -1: never)")
-    a("--log-every", type=int, default=10, help="metrics every N steps (tokens/s counts encoder + decoder "
+    a("--eval-only", action="store_true",
+      help="evaluate the run's checkpoint in --out (latest, or --resume-from STEP) and exit")
+    a("--eval-every", type=NATURAL, default=100, help="validation every N steps (0: only at the end)")
+    a("--eval-batches", type=NATURAL, default=8, help="validation batches (fixed; 0: no validation)")
+    a("--ckpt-every", type=_TYPES["ckpt_every"], default=DEFAULT_CKPT_EVERY,
+      help="checkpoint every N steps, and at the end and on SIGTERM/Ctrl-C (0: only then; -1: never)")
+    a("--keep", type=POSITIVE, default=3, help="checkpoints kept (the newest N)")
+    a("--log-every", type=POSITIVE, default=10, help="metrics every N steps (tokens/s counts encoder + decoder "
       "positions, padding included)")
+    a("--profile-steps", type=_step_range, default=None, metavar="FIRST:LAST",
+      help="write a jax profiler trace of these steps to <out>/profile (TensorBoard's profile plugin, Perfetto)")
+    a("--export-hf", default=None, metavar="DIR",
+      help="at the end, write the model as a Hugging Face directory (safetensors, config.json, spiece.model)")
     a("--text-files", nargs="+", default=None, help="train on your own UTF-8 text (one document per line)")
     a("--no-explain", action="store_true", help="skip the md.explain communication report")
-    a("--cpu-devices", type=int, default=8,
+    a("--cpu-devices", type=NATURAL, default=8,
       help="virtual devices of the CPU platform (XLA_FLAGS), unless already set; ignored on GPU/TPU")
     a("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"), help="host:port of process 0")
-    a("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"), help="processes in the run")
-    a("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"), help="this process's index, 0 .. N-1")
+    a("--num-processes", type=POSITIVE, default=_env_int("JAX_NUM_PROCESSES"), help="processes in the run")
+    a("--process-id", type=NATURAL, default=_env_int("JAX_PROCESS_ID"), help="this process's index, 0 .. N-1")
+    a("--heartbeat-timeout", type=POSITIVE, default=100,
+      help="seconds without a heartbeat before the processes of a run declare a peer dead")
+    # for tests of the fault paths, hidden: NaN gradients at a step; a signal to itself after a step
+    a("--debug-nan-at-step", type=POSITIVE, default=None, help=argparse.SUPPRESS)
+    a("--debug-signal", type=_step_signal, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The CLI's options: the command line over a ``--config`` file over the defaults, checked."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config_file:
+        from meshdsl.models.runrecord import config_file_defaults
+        values = config_file_defaults(args.config_file, parser)
+        for dest, value in values.items():
+            if dest in _TYPES and value is not None:
+                try:
+                    values[dest] = _TYPES[dest](str(value))
+                except argparse.ArgumentTypeError as e:
+                    raise UsageError(f"--config {args.config_file}: {dest}: {e}") from None
+        parser.set_defaults(**values)
+        args = parser.parse_args(argv)
+        if args.model not in CONFIGS:
+            raise UsageError(f"--config {args.config_file}: unknown model {args.model!r}; one of "
+                             f"{', '.join(sorted(CONFIGS))}")
+    if args.resume_from is not None:
+        args.resume = True
+    if args.eval_only and args.resume:
+        args.resume = False  # --eval-only --resume-from STEP: which step to evaluate
+    return args
 
 
 def _env_int(name: str):
@@ -104,9 +215,14 @@ def _prepare_jax(args) -> None:
     if args.coordinator:
         import jax
         if args.num_processes is None or args.process_id is None:
-            raise SystemExit("--coordinator needs --num-processes and --process-id "
+            raise UsageError("--coordinator needs --num-processes and --process-id "
                              "(or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        try:
+            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                       heartbeat_timeout_seconds=args.heartbeat_timeout)
+        except Exception as e:  # noqa: BLE001 - the coordination service's errors are long
+            raise UsageError(f"process {args.process_id} of {args.num_processes} could not join the run at "
+                             f"{args.coordinator}: {str(e).strip().splitlines()[0][:300]}") from e
 
 
 def _overrides(items) -> dict:
@@ -115,7 +231,7 @@ def _overrides(items) -> dict:
         for pair in filter(None, item.split(",")):
             key, sep, value = pair.partition("=")
             if not sep:
-                raise SystemExit(f"--override {pair!r}: write KEY=VALUE")
+                raise UsageError(f"--override {pair!r}: write KEY=VALUE")
             try:
                 out[key.strip()] = ast.literal_eval(value.strip())
             except (ValueError, SyntaxError):
@@ -129,10 +245,26 @@ def _default_layout(config, mesh) -> str:
 
 
 def main(argv=None) -> dict:
-    """Run the CLI; returns ``{"records", "state", "trainer", "out", "baseline", "wall_s"}``."""
-    args = build_parser().parse_args(argv)
-    _prepare_jax(args)
-    return _run(args)
+    """Run the CLI; returns ``{"records", "state", "trainer", "out", "baseline", "wall_s", "stopped"}``.
+
+    A user's mistake raises :class:`UsageError` (exit 2), a diverged run :class:`Diverged` (exit 3),
+    both after printing one line ``error: ...`` to stderr; a second Ctrl-C exits 130."""
+    import meshdsl as md
+    from meshdsl.models.checkpoint import CheckpointError
+
+    try:
+        args = parse_args(argv)
+        _prepare_jax(args)
+        try:
+            return _run(args)
+        except (md.MeshDSLError, CheckpointError) as e:
+            raise UsageError(str(e)) from e
+    except (UsageError, Diverged) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise
+    except KeyboardInterrupt:
+        print("interrupted: stopped at once, nothing saved since the last checkpoint", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 def _run(args) -> dict:
@@ -140,201 +272,197 @@ def _run(args) -> dict:
     import jax.numpy as jnp
 
     import meshdsl as md
-    from meshdsl.models import checkpoint
+    from meshdsl.models import faults, runinfo, runrecord
+    from meshdsl.models.checkpoint import Checkpoints, latest_step, state_bytes
     from meshdsl.models.configs import get_config
-    from meshdsl.models.corpus import load_vocabulary
     from meshdsl.models.data import random_spans_helper
-    from meshdsl.models.optim import make_optimizer
-    from meshdsl.models.progress import MetricsLog, ProgressBar, plot_losses
+    from meshdsl.models.optim import DEFAULT_LR, default_warmup, make_optimizer
     from meshdsl.models.trainer import Feed, Trainer, host_metrics
 
     t_start = time.perf_counter()
     lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
     out = args.out or os.path.join("runs", args.model)
     ckpt_dir = os.path.join(out, "checkpoints")
-    if not args.resume and checkpoint.latest_step(ckpt_dir) is not None:
-        if not args.overwrite:
-            raise SystemExit(f"{ckpt_dir} holds checkpoints: pass --resume to continue that run, --overwrite to "
-                             "start over (deleting them), or choose another --out")
-        if lead:
+
+    # -- checks that need nothing loaded: the output directory, the checkpoints, the text files -----
+    if args.eval_only:
+        if latest_step(ckpt_dir) is None:
+            raise UsageError(f"--eval-only: no checkpoint under {ckpt_dir}")
+    else:
+        faults.check_out_dir(out)
+        if args.resume and latest_step(ckpt_dir) is None:
+            raise UsageError(f"--resume: no checkpoint under {ckpt_dir}; start the run without --resume "
+                             "(or give the --out of the run to continue)")
+        if not args.resume and latest_step(ckpt_dir) is not None:
+            if not args.overwrite:
+                raise UsageError(f"{ckpt_dir} holds checkpoints: pass --resume to continue that run, --overwrite "
+                                 "to start over (deleting them), or choose another --out")
+    faults.check_text_files(args.text_files)
+
+    # -- the run: vocabulary, model, mesh, layout, optimizer ----------------------------------------
+    vocab = faults.checked_vocabulary(args.text_files)
+    try:
+        config = get_config(args.model).replace(vocab=vocab.size, **_overrides(args.override))
+    except TypeError as e:
+        raise UsageError(f"--override: {e}; the model config's keys are "
+                         f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
+    mesh = md.Mesh.parse(args.mesh)
+    layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
+    layout.check_mesh(mesh)
+    for warning in faults.mesh_warnings(mesh, layout):
+        say(warning)
+    enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
+    try:
+        Feed.check_batch(args.batch, args.accum, mesh, layout)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+    warmup = default_warmup(args.optimizer, args.steps) if args.warmup is None else args.warmup
+    identity = runrecord.run_identity(args, config, lr, warmup, enc_len, dec_len)
+    record = {**vars(args), "config": config.__dict__, "identity": identity, "history": []}
+    if args.resume or args.eval_only:
+        stored = runrecord.read_run(out) or {}
+        changes = runrecord.differences(stored.get("identity", {}), identity)
+        model_changes = [c for c in changes if c.startswith("model ")]
+        if args.eval_only and model_changes:
+            raise UsageError(f"--eval-only: the checkpoint in {out} is of another model ({'; '.join(model_changes)}): "
+                             f"pass the run's --model/--override, e.g. --config {os.path.join(out, 'run.json')}")
+        if args.resume and changes and not args.allow_changes:
+            raise UsageError(f"--resume: this run differs from {os.path.join(out, 'run.json')}: "
+                             f"{'; '.join(changes)}. Use the run's options, or pass --allow-changes to accept these")
+        if args.resume:
+            record["history"] = stored.get("history", []) + ([runrecord.history_entry(-1, changes)] if changes else [])
+            if changes:
+                say(f"resume     accepting changes (--allow-changes): {'; '.join(changes)}")
+        elif stored:
+            record = stored  # --eval-only never rewrites run.json
+
+    tx, schedule = make_optimizer(args.optimizer, lr, warmup, args.steps, args.decay)
+    trainer = Trainer(config, mesh, layout, tx, schedule, seed=args.seed, accum=args.accum, remat=args.remat,
+                      param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype),
+                      dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step)
+    like = trainer.abstract_state()
+    if args.overwrite and not args.resume and not args.eval_only and latest_step(ckpt_dir) is not None:
+        if lead:  # only now that every option checked out
             shutil.rmtree(ckpt_dir)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("meshdsl.train: old checkpoints removed")
-    vocab = load_vocabulary(args.text_files)
-    config = get_config(args.model).replace(vocab=vocab.size, **_overrides(args.override))
-    mesh = md.Mesh.parse(args.mesh)
-    layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
-    enc_len, dec_len = _lengths(args, random_spans_helper)
+    ckpts = Checkpoints(ckpt_dir, keep=args.keep, lead=lead, writable=not args.eval_only)
+    try:
+        for note in ckpts.notes:
+            say(f"checkpoint {note}")
+        if not args.eval_only:
+            warning = faults.check_free_space(out, state_bytes(like), args.keep)
+            if warning:
+                say(warning)
+        start = 0
+        if args.resume or args.eval_only:
+            step = args.resume_from
+            if step is not None and not args.eval_only and step < (ckpts.latest_step() or 0):
+                for moved in ckpts.discard_after(step):
+                    say(f"checkpoint --resume-from {step}: moved the newer {moved} out of the way")
+            seen = len(ckpts.notes)
+            state = ckpts.restore(like, mesh, layout, step)
+            start = int(host_metrics({"step": state["step"]})["step"])
+            for note in ckpts.notes[seen:]:
+                say(f"checkpoint {note}")
+            if args.resume and record["history"] and record["history"][-1]["resumed_at_step"] == -1:
+                record["history"][-1]["resumed_at_step"] = start
+        else:
+            state = trainer.init_state()
+        val_batches = Feed(split="validation", batch=args.batch, mesh=mesh, layout=layout, kind=args.task,
+                           encoder_length=enc_len, decoder_length=dec_len, seed=args.seed,
+                           text_files=args.text_files, vocab=vocab).take(args.eval_batches) \
+            if args.eval_batches > 0 else []
+        if args.eval_only:
+            return _evaluate_only(args, trainer, state, val_batches, start, out, say)
+        return _train(args, trainer, state, start, ckpts, record, vocab, (enc_len, dec_len), val_batches, out,
+                      t_start, say)
+    finally:
+        ckpts.close()
+
+
+def _evaluate_only(args, trainer, state, val_batches, step: int, out: str, say) -> dict:
+    import json
+
+    from meshdsl.models.progress import jsonable
+
+    if not val_batches:
+        raise UsageError("--eval-only needs --eval-batches > 0")
+    val = trainer.evaluate(state, val_batches)
+    record = {"step": step, **{f"val_{k}": v for k, v in val.items() if k != "tokens"}}
+    say(f"eval       checkpoint step {step}: validation loss {record['val_loss']:.4f}, accuracy "
+        f"{record.get('val_accuracy', float('nan')):.4f} over {int(val['tokens'])} tokens")
+    if __import__("jax").process_index() == 0:
+        with open(os.path.join(out, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(jsonable(record)) + "\n")
+    return {"records": [record], "state": state, "trainer": trainer, "out": out, "baseline": {}, "wall_s": 0.0,
+            "stopped": None}
+
+
+def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batches, out, t_start, say) -> dict:
+    from meshdsl.models import runinfo, runrecord
+    from meshdsl.models.faults import Preemption
+    from meshdsl.models.progress import MetricsLog, ProgressBar, plot_losses
+    from meshdsl.models.runloop import loop
+    from meshdsl.models.trainer import Feed
+
+    import jax
+
+    lead = jax.process_index() == 0
+    enc_len, dec_len = lengths
     data = dict(kind=args.task, encoder_length=enc_len, decoder_length=dec_len, seed=args.seed,
                 text_files=args.text_files, vocab=vocab)
-    Feed.check_batch(args.batch, args.accum, mesh, layout)
-    val_batches = Feed(split="validation", batch=args.batch, mesh=mesh, layout=layout,
-                       **data).take(args.eval_batches) if args.eval_batches > 0 else []
-    tx, schedule = make_optimizer(args.optimizer, args.lr, args.warmup, args.steps, args.decay)
-    trainer = Trainer(config, mesh, layout, tx, schedule, seed=args.seed, accum=args.accum, remat=args.remat,
-                      param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype))
-    start = 0
-    if args.resume and checkpoint.latest_step(ckpt_dir) is not None:
-        state = checkpoint.restore(ckpt_dir, trainer.abstract_state(), mesh, layout)
-        start = int(host_metrics({"step": state["step"]})["step"])
-    else:
-        state = trainer.init_state()
-
-    feed = Feed(split="train", batch=args.batch, mesh=mesh, layout=layout, accum=args.accum, start_step=start,
-                **data)
-    baseline = _baselines(args, vocab, enc_len, dec_len)
-    say = print if lead else (lambda *a, **k: None)
-    say(_summary(args, config, mesh, layout, enc_len, dec_len, baseline))
+    feed = Feed(split="train", batch=args.batch, mesh=trainer.mesh, layout=trainer.layout, accum=args.accum,
+                start_step=start, **data)
+    baseline = runinfo.baselines(args, vocab, enc_len, dec_len)
+    say(runinfo.summary(args, trainer.config, trainer.mesh, trainer.layout, enc_len, dec_len, baseline))
     first = next(feed)
     if not args.no_explain:
-        say(_explain_text(trainer.explain(state, first), args.accum))
+        say(runinfo.explain_text(trainer.explain(state, first), args.accum))
     t0 = time.perf_counter()
     compiled = trainer.compile(state, first)
-    say(f"compiled   one step in {time.perf_counter() - t0:.1f}s; {_hlo_text(compiled)}")
+    say(f"compiled   one step in {time.perf_counter() - t0:.1f}s; {runinfo.hlo_text(compiled)}")
 
-    os.makedirs(out, exist_ok=True)
     if lead:
-        with open(os.path.join(out, "run.json"), "w") as f:
-            json.dump({**vars(args), "config": config.__dict__, "layout": str(layout), "mesh": str(mesh),
-                       **baseline}, f, indent=1, default=str)
-    log = MetricsLog(os.path.join(out, "metrics.jsonl"), resume_step=start if args.resume else None, enabled=lead)
+        runrecord.write_run(out, {**record, "layout": str(trainer.layout), "mesh": str(trainer.mesh), **baseline})
+    log = MetricsLog(os.path.join(out, "metrics.jsonl"), resume_step=start if args.resume else None, enabled=lead,
+                     tensorboard_dir=os.path.join(out, "tensorboard"))
     bar = ProgressBar(args.steps, start, enabled=lead)
     if start:
-        bar.print(f"resumed from step {start} ({ckpt_dir})")
-    elif args.resume:
-        bar.print(f"no checkpoint in {ckpt_dir}: starting from step 0")
+        bar.print(f"resumed from step {start} ({ckpts.directory})")
     try:
-        state, records = _loop(args, trainer, state, feed, first, val_batches, start, enc_len + dec_len, log, bar,
-                               ckpt_dir)
+        with Preemption(notify=bar.print) as stop:
+            state, records, stopped = loop(args, trainer, state, feed, first, val_batches, start,
+                                           enc_len + dec_len, log, bar, ckpts, stop, out)
+        ckpts.wait()
     finally:
         bar.close()
+        log.close()
     wall = time.perf_counter() - t_start
-    title = f"{config.name} · {mesh} · {layout}"
+    title = f"{trainer.config.name} · {trainer.mesh} · {trainer.layout}"
     if lead and os.path.exists(log.path) and not plot_losses(log.path, os.path.join(out, "loss.png"),
                                                              baseline["target_unigram_entropy"], title):
         say("(no loss.png: pip install matplotlib)")
-    if records:
+    last_step = records[-1]["step"] if records else start
+    if stopped:
+        say(f"stopped    by {stopped} after step {last_step}: checkpoint saved in {ckpts.directory}; continue "
+            f"with the same command plus --resume")
+    elif records:
         last = records[-1]
         val = (f", validation loss {last['val_loss']:.3f} vs unigram baseline "
                f"{baseline['target_unigram_entropy']:.3f}") if "val_loss" in last else ""
-        say(f"done       {args.steps - start} steps in {wall:.0f}s: loss {last['loss']:.3f}{val}; written to {out}")
+        say(f"done       {last_step - start} steps in {wall:.0f}s: loss {last['loss']:.3f}{val}; written to {out}")
     else:
         say(f"done       the checkpoint is at step {start} >= --steps {args.steps}: nothing to train")
+    if args.export_hf and not stopped and lead:
+        from meshdsl.models import hf
+        hf.save_pretrained(trainer.model(state["params"]), args.export_hf, vocab=vocab)
+        say(f"exported   the model as a Hugging Face directory: {args.export_hf}")
     return {"records": records, "state": state, "trainer": trainer, "out": out, "baseline": baseline,
-            "wall_s": wall}
-
-
-def _loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_row: int, log, bar, ckpt_dir):
-    """Steps ``start+1 .. --steps``: log, evaluate and checkpoint on schedule; ``(state, records)``."""
-    from meshdsl.models import checkpoint
-    from meshdsl.models.trainer import host_metrics
-
-    records, step = [], start
-    t_last, s_last = time.perf_counter(), start
-    while step < args.steps:
-        state, metrics = trainer.step(state, batch)
-        step += 1
-        bar.advance()
-        final = step == args.steps
-        evaluate = bool(val_batches) and ((args.eval_every and step % args.eval_every == 0) or final)
-        if step % args.log_every == 0 or final or evaluate:
-            record = {"step": step, **host_metrics(metrics)}  # waits for the step
-            record["step_time_s"] = (time.perf_counter() - t_last) / (step - s_last)
-            record["tokens_per_s"] = args.batch * tokens_per_row / record["step_time_s"]
-            if evaluate:
-                val = trainer.evaluate(state, val_batches)
-                record.update({f"val_{k}": v for k, v in val.items() if k != "tokens"})
-            records.append(record)
-            log.write(record)
-            bar.log(record)
-            t_last, s_last = time.perf_counter(), step
-        if (args.ckpt_every > 0 and step % args.ckpt_every == 0) or (final and args.ckpt_every >= 0):
-            checkpoint.save(ckpt_dir, step, state)
-            t_last = time.perf_counter()
-        if not final:
-            batch = next(feed)  # prepared while the step runs
-    return state, records
-
-
-def _summary(args, config, mesh, layout, enc_len: int, dec_len: int, baseline: dict) -> str:
-    import jax
-
-    from meshdsl.models.t5 import count_params
-
-    experts = f", {config.num_experts} experts" if config.is_moe else ""
-    return "\n".join([
-        f"model      {config.name}: {count_params(config) / 1e6:.2f}M parameters (d_model {config.d_model}, d_ff "
-        f"{config.d_ff}, heads {config.heads}x{config.d_kv}, layers {config.encoder_layers}+{config.decoder_layers}"
-        f"{experts}, vocab {config.vocab})",
-        f"mesh       {mesh} over {len(jax.devices())} {jax.devices()[0].platform} devices, "
-        f"{jax.process_count()} process(es)",
-        f"layout     {layout}  (param_gather={args.param_gather}, remat={args.remat})",
-        f"data       {args.task}, batch {args.batch} x (encoder {enc_len}, decoder {dec_len}), accum {args.accum}"
-        f"; optimizer {args.optimizer}",
-        f"baseline   validation split: unigram entropy {baseline['unigram_entropy']:.3f} nats/token, a unigram "
-        f"model fitted on train scores {baseline['unigram_cross_entropy']:.3f};",
-        f"           on the validation targets ({args.task}) the unigram entropy is "
-        f"{baseline['target_unigram_entropy']:.3f}: val_loss must fall clearly below it"])
-
-
-def _baselines(args, vocab, enc_len: int, dec_len: int) -> dict:
-    """Unigram entropies (nats/token) a model must beat: of the validation split's tokens, of a
-    unigram model fitted on train, and of the validation *targets* of this task (span corruption's
-    targets include the easy sentinels and EOS, so that is the one in val_loss's units)."""
-    import numpy as np
-
-    from meshdsl.models.corpus import corpus_tokens, unigram_cross_entropy, unigram_entropy
-    from meshdsl.models.data import make_dataset
-
-    val = corpus_tokens(vocab, "validation", args.text_files)
-    train = corpus_tokens(vocab, "train", args.text_files)
-    batches = make_dataset(args.task, "validation", args.batch, enc_len, dec_len, args.seed,
-                           text_files=args.text_files, vocab=vocab)
-    targets = np.concatenate([b["decoder_target_tokens"][b["decoder_loss_weights"] > 0] for b in batches])
-    return {"unigram_entropy": unigram_entropy(val),
-            "unigram_cross_entropy": unigram_cross_entropy(train, val, vocab.size),
-            "target_unigram_entropy": unigram_entropy(targets)}
-
-
-def _lengths(args, random_spans_helper) -> tuple[int, int]:
-    if args.task == "lm":
-        return 1, args.decoder_length or 64
-    return args.encoder_length, args.decoder_length or random_spans_helper(args.encoder_length)[1]
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _explain_text(report, accum: int) -> str:
-    """The communication of one step by kind, from md.explain (one microbatch, times ``accum``)."""
-    lines = [f"explain    one training step (forward + backward{f', x{accum} microbatches' if accum > 1 else ''})"
-             f": {_fmt_bytes(report.total_bytes * accum)} per device, "
-             f"{report.flops * accum / 1e9:.2f} GFLOP per device, memory {_fmt_bytes(report.memory['peak'])}"]
-    summary = report.summary()
-    if not summary:
-        lines.append("           no communication")
-    for kind, row in summary.items():
-        phases = {}
-        for r in report.collectives:
-            if r.kind == kind:
-                phases[r.phase] = phases.get(r.phase, 0) + r.total_bytes
-        split = ", ".join(f"{p} {_fmt_bytes(b * accum)}" for p, b in phases.items())
-        lines.append(f"           {kind:<16} x{row['count'] * accum:<5} {_fmt_bytes(row['bytes'] * accum):>11}"
-                     f"   ({split})")
-    return "\n".join(lines)
-
-
-def _hlo_text(compiled) -> str:
-    from meshdsl import hlo_comm
-    rep = hlo_comm.analyze(compiled)
-    kinds = ", ".join(f"{k} x{v['count']}" for k, v in rep.summary().items())
-    return (f"the compiled step (with the optimizer update) moves {_fmt_bytes(rep.total_moved_bytes())} "
-            f"per device ({kinds or 'no collectives'})")
+            "wall_s": wall, "stopped": stopped}
 
 
 if __name__ == "__main__":

@@ -53,12 +53,15 @@ class Trainer:
 
     def __init__(self, config, mesh: md.Mesh, layout: md.Layout, tx: optax.GradientTransformation, schedule, *,
                  seed: int = 0, accum: int = 1, remat: str = "none", param_gather: str = "keep",
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, dtype=jnp.float32, debug_nan_at_step: int | None = None):
         self.config, self.mesh, self.layout = config, mesh, layout
         self.tx, self.schedule, self.seed, self.accum, self.remat = tx, schedule, seed, accum, remat
-        self._build = md.lower(lambda key: T5(config, rngs=nnx.Rngs(params=key), param_dtype=param_dtype),
-                               mesh, layout)
-        abstract = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(params=0), param_dtype=param_dtype))
+        self.debug_nan_at_step = debug_nan_at_step
+        # dtype: the compute dtype; every layer casts its (param_dtype) weights to it at use, so
+        # gradients, parameters and optimizer state stay in param_dtype (mixed precision)
+        self._build = md.lower(lambda key: T5(config, rngs=nnx.Rngs(params=key), param_dtype=param_dtype,
+                                              dtype=dtype), mesh, layout)
+        abstract = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(params=0), param_dtype=param_dtype, dtype=dtype))
         self.graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree_util.tree_leaves(rest):
             raise ValueError(f"{config.name} holds state besides parameters ({rest}); the trainer keeps only nnx.Param")
@@ -129,10 +132,16 @@ class Trainer:
         params, step = state["params"], state["step"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
         grads, metrics = self._grads(params, batches, key)
+        if self.debug_nan_at_step is not None:  # tests: a NaN gradient at that (1-based) step
+            bad = step + 1 == self.debug_nan_at_step
+            grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.nan, g).astype(g.dtype), grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
-        metrics.update(lr=self.schedule(step), grad_norm=optax.tree.norm(grads))
-        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": step + 1,
-               "rng": state["rng"]}
+        new_params = optax.apply_updates(params, updates)
+        grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(new_params)
+        # the loop saves the new state only if all three are finite
+        finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
+        metrics.update(lr=self.schedule(step), grad_norm=grad_norm, param_norm=param_norm, finite=finite)
+        new = {"params": new_params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"]}
         return new, metrics
 
     def compile(self, state, batches):

@@ -1,0 +1,87 @@
+"""What the training CLI prints about a run before it trains: the summary, the data baselines,
+``md.explain``'s communication of one step and the compiled step's own count."""
+
+from __future__ import annotations
+
+__all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths", "fmt_bytes"]
+
+
+def summary(args, config, mesh, layout, enc_len: int, dec_len: int, baseline: dict) -> str:
+    import jax
+
+    from meshdsl.models.t5 import count_params
+
+    experts = f", {config.num_experts} experts" if config.is_moe else ""
+    return "\n".join([
+        f"model      {config.name}: {count_params(config) / 1e6:.2f}M parameters (d_model {config.d_model}, d_ff "
+        f"{config.d_ff}, heads {config.heads}x{config.d_kv}, layers {config.encoder_layers}+{config.decoder_layers}"
+        f"{experts}, vocab {config.vocab})",
+        f"mesh       {mesh} over {len(jax.devices())} {jax.devices()[0].platform} devices, "
+        f"{jax.process_count()} process(es)",
+        f"layout     {layout}  (param_gather={args.param_gather}, remat={args.remat}, compute {args.dtype}, "
+        f"parameters {args.param_dtype})",
+        f"data       {args.task}, batch {args.batch} x (encoder {enc_len}, decoder {dec_len}), accum {args.accum}"
+        f"; optimizer {args.optimizer}",
+        f"baseline   validation split: unigram entropy {baseline['unigram_entropy']:.3f} nats/token, a unigram "
+        f"model fitted on train scores {baseline['unigram_cross_entropy']:.3f};",
+        f"           on the validation targets ({args.task}) the unigram entropy is "
+        f"{baseline['target_unigram_entropy']:.3f}: val_loss must fall clearly below it"])
+
+
+def baselines(args, vocab, enc_len: int, dec_len: int) -> dict:
+    """Unigram entropies (nats/token) a model must beat: of the validation split's tokens, of a
+    unigram model fitted on train, and of the validation *targets* of this task (span corruption's
+    targets include the easy sentinels and EOS, so that is the one in val_loss's units)."""
+    import numpy as np
+
+    from meshdsl.models.corpus import corpus_tokens, unigram_cross_entropy, unigram_entropy
+    from meshdsl.models.data import make_dataset
+
+    val = corpus_tokens(vocab, "validation", args.text_files)
+    train = corpus_tokens(vocab, "train", args.text_files)
+    batches = make_dataset(args.task, "validation", args.batch, enc_len, dec_len, args.seed,
+                           text_files=args.text_files, vocab=vocab)
+    targets = np.concatenate([b["decoder_target_tokens"][b["decoder_loss_weights"] > 0] for b in batches])
+    return {"unigram_entropy": unigram_entropy(val),
+            "unigram_cross_entropy": unigram_cross_entropy(train, val, vocab.size),
+            "target_unigram_entropy": unigram_entropy(targets)}
+
+
+def lengths(args, random_spans_helper) -> tuple[int, int]:
+    if args.task == "lm":
+        return 1, args.decoder_length or 64
+    return args.encoder_length, args.decoder_length or random_spans_helper(args.encoder_length)[1]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def explain_text(report, accum: int) -> str:
+    """The communication of one step by kind, from md.explain (one microbatch, times ``accum``)."""
+    lines = [f"explain    one training step (forward + backward{f', x{accum} microbatches' if accum > 1 else ''})"
+             f": {fmt_bytes(report.total_bytes * accum)} per device, "
+             f"{report.flops * accum / 1e9:.2f} GFLOP per device, memory {fmt_bytes(report.memory['peak'])}"]
+    summary = report.summary()
+    if not summary:
+        lines.append("           no communication")
+    for kind, row in summary.items():
+        phases = {}
+        for r in report.collectives:
+            if r.kind == kind:
+                phases[r.phase] = phases.get(r.phase, 0) + r.total_bytes
+        split = ", ".join(f"{p} {fmt_bytes(b * accum)}" for p, b in phases.items())
+        lines.append(f"           {kind:<16} x{row['count'] * accum:<5} {fmt_bytes(row['bytes'] * accum):>11}"
+                     f"   ({split})")
+    return "\n".join(lines)
+
+
+def hlo_text(compiled) -> str:
+    from meshdsl import hlo_comm
+    rep = hlo_comm.analyze(compiled)
+    kinds = ", ".join(f"{k} x{v['count']}" for k, v in rep.summary().items())
+    return (f"the compiled step (with the optimizer update) moves {fmt_bytes(rep.total_moved_bytes())} "
+            f"per device ({kinds or 'no collectives'})")

@@ -35,6 +35,7 @@ from bench import models  # noqa: E402
 from bench.common import write  # noqa: E402
 from meshdsl.models.loss import t5_loss  # noqa: E402
 from meshdsl.models.t5 import count_params  # noqa: E402
+from meshdsl.named import is_named  # noqa: E402
 
 CASES = {  # name: (mesh, rules, params rules, parameters marked md.param)
     "data parallel": ("data:8", {"batch": "data"}, None, True),
@@ -42,10 +43,6 @@ CASES = {  # name: (mesh, rules, params rules, parameters marked md.param)
     "ZeRO-3": ("data:8", {"batch": "data"}, {"d_model": "data"}, True),
     "Megatron": ("data:2;model:4", models.MEGATRON, None, True),
 }
-
-
-def _is_named(x):
-    return isinstance(x, md.NamedArray)
 
 
 def adam_step(graphdef, params_marked: bool):
@@ -57,9 +54,9 @@ def adam_step(graphdef, params_marked: bool):
             return t5_loss(nnx.merge(graphdef, p), batch, train=True)[0].array
         loss, g = jax.value_and_grad(loss_fn)(params)
         tree = jax.tree_util.tree_map
-        m = tree(lambda m, g: md.param(0.9 * m + 0.1 * g), m, g, is_leaf=_is_named)
-        v = tree(lambda v, g: md.param(0.999 * v + 0.001 * g * g), v, g, is_leaf=_is_named)
-        params = tree(lambda p, m, v: mark(p - 1e-3 * m / (md.sqrt(v) + 1e-8)), params, m, v, is_leaf=_is_named)
+        m = tree(lambda m, g: md.param(0.9 * m + 0.1 * g), m, g, is_leaf=is_named)
+        v = tree(lambda v, g: md.param(0.999 * v + 0.001 * g * g), v, g, is_leaf=is_named)
+        params = tree(lambda p, m, v: mark(p - 1e-3 * m / (md.sqrt(v) + 1e-8)), params, m, v, is_leaf=is_named)
         return params, m, v, loss
     return step
 
@@ -79,8 +76,8 @@ def run(quick: bool = False) -> str:
     for name, (mesh_spec, rules, prules, marked) in CASES.items():
         mesh, layout = md.Mesh.parse(mesh_spec), md.Layout(rules, params=prules)
         tree = jax.tree_util.tree_map
-        params = tree(lambda p: p if marked else md.NamedArray(p.raw, p.dims), state, is_leaf=_is_named)
-        moments = tree(lambda p: md.param(md.NamedArray(p.raw, p.dims)), state, is_leaf=_is_named)
+        params = tree(lambda p: p if marked else md.NamedArray(p.raw, p.dims), state, is_leaf=is_named)
+        moments = tree(lambda p: md.param(md.NamedArray(p.raw, p.dims)), state, is_leaf=is_named)
         step = adam_step(graphdef, marked)
         args = (params, moments, moments, batch)
         ma = md.lower(step, mesh, layout).lower(*args).compile().memory_analysis()

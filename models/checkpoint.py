@@ -38,7 +38,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshdsl.named import NamedArray
+from meshdsl.named import NamedArray, is_named
+from meshdsl.units import fmt_bytes
 
 __all__ = ["Checkpoints", "CheckpointError", "save", "restore", "latest_step", "abstract_like", "shardings",
            "MANIFEST", "state_bytes"]
@@ -52,28 +53,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read back as saved; the message says what to do."""
 
 
-def _is_named(x) -> bool:
-    return isinstance(x, NamedArray)
-
-
 def state_bytes(tree) -> int:
     """Bytes of the arrays of ``tree`` (concrete or abstract): about what one checkpoint takes."""
     total = 0
-    for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_named):
-        arr = x._array if _is_named(x) else x
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_named):
+        arr = x._array if is_named(x) else x
         if hasattr(arr, "shape") and hasattr(arr, "dtype"):
             n = 1
             for s in arr.shape:
                 n *= int(s)
             total += n * getattr(arr.dtype, "itemsize", 4)
     return total
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _sha256(path: str) -> str:
@@ -141,20 +131,20 @@ def shardings(tree, mesh, layout):
     """``tree`` with each array replaced by the ``NamedSharding`` that ``layout`` gives it on ``mesh``
     (NamedArray nodes kept, so the result matches ``tree`` for ``jax.jit``'s in/out_shardings)."""
     def leaf(x):
-        if _is_named(x):
+        if is_named(x):
             return NamedArray(NamedSharding(mesh.jax_mesh, _spec(x, mesh, layout)), x.dims, is_param=x.is_param)
         return NamedSharding(mesh.jax_mesh, PartitionSpec())
-    return jax.tree_util.tree_map(leaf, tree, is_leaf=_is_named)
+    return jax.tree_util.tree_map(leaf, tree, is_leaf=is_named)
 
 
 def abstract_like(tree, mesh, layout):
     """``tree`` as ShapeDtypeStructs carrying the shardings ``layout`` gives on ``mesh``."""
     def leaf(x):
-        spec = _spec(x, mesh, layout) if _is_named(x) else PartitionSpec()
-        arr = x.raw if _is_named(x) else x
+        spec = _spec(x, mesh, layout) if is_named(x) else PartitionSpec()
+        arr = x.raw if is_named(x) else x
         struct = jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=NamedSharding(mesh.jax_mesh, spec))
-        return NamedArray(struct, x.dims, is_param=x.is_param) if _is_named(x) else struct
-    return jax.tree_util.tree_map(leaf, tree, is_leaf=_is_named)
+        return NamedArray(struct, x.dims, is_param=x.is_param) if is_named(x) else struct
+    return jax.tree_util.tree_map(leaf, tree, is_leaf=is_named)
 
 
 def _numbered(directory: str) -> list[int]:
@@ -242,12 +232,12 @@ class Checkpoints:
     def _save_error(self, step: int, e: BaseException) -> CheckpointError:
         step = self._pending if self._pending is not None else step
         try:
-            free = _fmt_bytes(shutil.disk_usage(self.directory).free)
+            free = fmt_bytes(shutil.disk_usage(self.directory).free)
         except OSError:
             free = "unknown"
         return CheckpointError(
             f"saving checkpoint step {step} to {self.directory} failed: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}. A checkpoint needs about {_fmt_bytes(self._bytes)}; "
+            f"{str(e).splitlines()[0] if str(e) else ''}. A checkpoint needs about {fmt_bytes(self._bytes)}; "
             f"{free} is free there. Free space or choose another --out (or fewer --keep)")
 
     def wait(self) -> None:

@@ -19,8 +19,10 @@ import sys
 import tempfile
 import threading
 
+from meshdsl.units import fmt_bytes
+
 __all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
-           "checked_vocabulary", "mesh_warnings", "fmt_bytes"]
+           "checked_vocabulary", "mesh_warnings"]
 
 
 class UsageError(SystemExit):
@@ -37,13 +39,6 @@ class Diverged(SystemExit):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.code, self.step = 3, step
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 class Preemption:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-__all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths", "fmt_bytes"]
+from meshdsl.units import fmt_bytes
+
+__all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths"]
 
 
 def summary(args, config, mesh, layout, enc_len: int, dec_len: int, baseline: dict) -> str:
@@ -51,13 +53,6 @@ def lengths(args, random_spans_helper) -> tuple[int, int]:
     if args.task == "lm":
         return 1, args.decoder_length or 64
     return args.encoder_length, args.decoder_length or random_spans_helper(args.encoder_length)[1]
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def explain_text(report, accum: int) -> str:

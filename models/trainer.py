@@ -33,12 +33,9 @@ from meshdsl.models import checkpoint
 from meshdsl.models.data import make_dataset
 from meshdsl.models.loss import batch_arrays, t5_loss
 from meshdsl.models.t5 import T5
+from meshdsl.named import is_named
 
 __all__ = ["Trainer", "Feed", "host_metrics", "named_batch"]
-
-
-def _is_named(x) -> bool:
-    return isinstance(x, md.NamedArray)
 
 
 def named_batch(arrays: dict) -> dict:
@@ -187,7 +184,7 @@ class Trainer:
 
 
 def _arrays(metrics: dict) -> dict:
-    return {k: v.array if _is_named(v) else v for k, v in metrics.items()}
+    return {k: v.array if is_named(v) else v for k, v in metrics.items()}
 
 
 def host_metrics(metrics: dict) -> dict:

@@ -294,7 +294,7 @@ def test_a_failed_save_says_how_much_space_it_needed(tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(ckpts._mgr, "save", disk_full)
-    with pytest.raises(checkpoint.CheckpointError, match=r"step 7 .*No space left on device.*needs about 256\.0 KiB"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 7 .*No space left on device.*needs about 256\.00 KiB"):
         ckpts.save(7, {"w": jnp.zeros((256, 256), jnp.float32)})
     ckpts.close()
 

@@ -116,8 +116,7 @@ class Attention(nnx.Module):
         the query at ``position``. Returns ``(y [batch, seq:1, d_model], cache_k, cache_v)``.
         """
         q = self.q(x)
-        k_new = md.rename(self.k(x), {"seq": KV_LENGTH})
-        v_new = md.rename(self.v(x), {"seq": KV_LENGTH})
+        k_new, v_new = _one_position(self.k(x)), _one_position(self.v(x))   # without seq:1
         cache_k = md.dynamic_update_slice(cache_k, k_new.astype(cache_k.dtype), KV_LENGTH, position)
         cache_v = md.dynamic_update_slice(cache_v, v_new.astype(cache_v.dtype), KV_LENGTH, position)
         allowed = md.arange(cache_k.dims[KV_LENGTH]) <= position
@@ -155,6 +154,11 @@ class Attention(nnx.Module):
             real = real if real.dtype == jnp.bool_ else md.not_equal(real, 0)
             allowed = real if allowed is None else allowed & real
         return allowed
+
+
+def _one_position(t: md.NamedArray) -> md.NamedArray:
+    """``t`` without its ``seq:1`` dim: one cache entry (written by the owner of its position)."""
+    return md.reshape(t, [d for d in t.dims if d.name != "seq"])
 
 
 def _as_keys(t: md.NamedArray) -> md.NamedArray:

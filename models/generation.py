@@ -217,6 +217,16 @@ def _reorder(cache: md.NamedArray, parent_oh: md.NamedArray) -> md.NamedArray:
     return out
 
 
+def cache_length(max_new_tokens: int, mesh: md.Mesh | None = None) -> int:
+    """Positions in the KV cache: the ``max_new_tokens`` decoder inputs, rounded up to a multiple
+    of 8 (and of the mesh size, so any ``kv_length`` rule divides it). Extra positions are masked;
+    a fixed rounding keeps the attention sums the same on every mesh."""
+    size = 8
+    while size % (mesh.size if mesh is not None else 1):
+        size += 8
+    return -(-max_new_tokens // size) * size
+
+
 def _as_ids(inputs) -> md.NamedArray:
     if isinstance(inputs, md.NamedArray):
         return inputs
@@ -243,7 +253,7 @@ def generate(model, inputs, *, max_new_tokens: int, method: str = "greedy", temp
     from .decode import _tokens
     ids = md.named(jnp.asarray(_tokens(ids).array, jnp.int32), "batch length")
     mask = encoder_mask_like_hf(ids)
-    total = 1 + max_new_tokens
+    total = cache_length(max_new_tokens, g.mesh)
     placed = md.place(model, g.mesh, g.decode_layout)
     state = g.prefill(md.place(model, g.mesh, g.prefill.layout) if g.prefill.layout != g.decode_layout else placed,
                       ids, mask, jnp.zeros((total,), jnp.int8))

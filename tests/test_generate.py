@@ -77,3 +77,84 @@ def test_greedy_and_beam_equal_hugging_face(name):
         got = meshdsl.models.generate(model, ids, max_new_tokens=NEW, method=method, num_beams=num_beams)
         np.testing.assert_array_equal(np.asarray(got.array), expected, err_msg=f"{name} num_beams={num_beams}")
         assert got.names == ("batch", "length")
+
+
+LAYOUTS = {
+    "batch-split": md.Layout({"batch": "data"}),
+    "1d-weight-stationary": md.Layout({"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}),
+    "2d-weight-stationary": md.Layout({"d_model": "data", "heads": "model", "d_ff": "model", "vocab": "model"}),
+    "weight-gathered": md.Layout({"batch": "data"}, params={"d_model": "model"}),
+    "kv-split": md.Layout({"batch": "data", "kv_length": "model"}),
+}
+PER_METHOD = {   # >= 4 layouts each; every layout is used, kept small for CPU time
+    "greedy": ["batch-split", "2d-weight-stationary", "weight-gathered", "kv-split"],
+    "sample": ["1d-weight-stationary", "2d-weight-stationary", "kv-split", "batch-split"],
+    "beam": ["1d-weight-stationary", "weight-gathered", "kv-split", "batch-split"],
+}
+
+
+@pytest.mark.parametrize("method", list(PER_METHOD))
+def test_same_tokens_under_every_layout(method):
+    _, model = models("t5-v1.1")
+    ids = prompts(seed=2)
+    kw = dict(max_new_tokens=6, method=method)
+    if method == "sample":
+        kw.update(key=jax.random.key(3), temperature=0.9, top_k=20, top_p=0.9)
+    if method == "beam":
+        kw.update(num_beams=2)
+    expected = np.asarray(meshdsl.models.generate(model, ids, **kw).array)
+    for name in PER_METHOD[method]:
+        layout = LAYOUTS[name]
+        if name == "2d-weight-stationary":   # a layout per phase: prefill batch-split, decode 2-D
+            layout = {"prefill": LAYOUTS["batch-split"], "decode": layout}
+        got = meshdsl.models.generate(model, ids, mesh=MESH, layout=layout, **kw)
+        np.testing.assert_array_equal(np.asarray(got.array), expected, err_msg=f"{method} under {name}")
+
+
+def test_decode_step_compiles_once():
+    _, model = models("t5-v1.0")
+    g = Generator(MESH, LAYOUTS["1d-weight-stationary"], LAYOUTS["1d-weight-stationary"])
+    ids = prompts(seed=4)[:, :6] + 2
+    for _ in range(2):                   # two calls, 5 + 5 positions: one trace, one program each
+        meshdsl.models.generate(model, ids, max_new_tokens=5, eos_id=-1, generator=g)
+    assert g.traces == {"prefill": 1, "step": 1}
+    assert len(g.step._programs) == 1
+
+
+def test_filters_equal_hugging_face_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    logits = np.random.RandomState(0).normal(size=(3, 40)).astype(np.float32) * 3
+    named = md.named(jnp.asarray(logits), "batch vocab")
+    for temperature, top_k, top_p in [(1.0, 5, None), (0.7, None, 0.8), (1.3, 12, 0.5), (1.0, None, 0.99)]:
+        expected = torch.tensor(logits)
+        expected = TemperatureLogitsWarper(temperature)(None, expected)
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        ours = filter_logits(named, "vocab", temperature=temperature, top_k=top_k, top_p=top_p)
+        np.testing.assert_allclose(np.asarray(ours.array), expected.numpy(), rtol=1e-6)
+        sharded = md.lower(lambda x: filter_logits(x, "vocab", temperature=temperature, top_k=top_k, top_p=top_p),
+                           MESH, md.Layout({"vocab": "model"}))(named)
+        np.testing.assert_array_equal(np.isinf(np.asarray(sharded.array)), np.isinf(expected.numpy()))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(method="topk"), "method must be one of"),
+    (dict(method="beam", num_beams=0), "num_beams must be an int"),
+    (dict(method="beam", num_beams=40), "num_beams must be an int"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+    (dict(method="sample"), "needs key="),
+    (dict(method="sample", key=jax.random.key(0), top_p=1.5), "top_p must be in"),
+    (dict(method="sample", key=jax.random.key(0), top_k=0), "top_k must be an int"),
+    (dict(method="sample", key=jax.random.key(0), temperature=0.0), "temperature must be > 0"),
+    (dict(top_k=5), "are for method='sample'"),
+    (dict(layout=md.Layout({"batch": "data"})), "a layout needs a mesh="),
+    (dict(mesh=MESH, layout={"prefil": md.Layout({})}), "keys 'prefill' and 'decode'"),
+])
+def test_errors_are_clear(kw, message):
+    _, model = models("t5-v1.1")
+    args = {"max_new_tokens": 4, **kw}
+    with pytest.raises(md.MeshDSLError, match=message):
+        meshdsl.models.generate(model, prompts(), **args)

@@ -158,7 +158,7 @@ class Attention(nnx.Module):
 
 def _one_position(t: md.NamedArray) -> md.NamedArray:
     """``t`` without its ``seq:1`` dim: one cache entry (written by the owner of its position)."""
-    return md.reshape(t, [d for d in t.dims if d.name != "seq"])
+    return md.sum(t, "seq")     # a sum over one entry: exact, and local whatever else is split
 
 
 def _as_keys(t: md.NamedArray) -> md.NamedArray:

@@ -9,6 +9,8 @@ On a mesh ``data x model`` (names as in the training layouts):
   ``data``: weights stay put, one all-reduce of ``[batch, d_model]`` per sub-layer;
 * ``2d-weight-stationary``: ``d_model`` on ``data`` and ``heads``/``d_ff`` on ``model``: every
   weight is split on both axes, activations move instead (scales to more chips at small batch);
+  the cache, which has no ``d_model``, is split on ``data`` along ``kv_length`` (else it would be
+  replicated over ``data`` and, written from a resolved partial sum, re-synchronised every step);
 * ``weight-gathered``: ``batch: data+model``, parameters *stored* split (``params={d_model: ...}``)
   and all-gathered where used (prefill with large batches: moving weights is cheaper than moving
   activations);
@@ -37,7 +39,8 @@ __all__ = ["INFERENCE_LAYOUTS", "inference_layout", "decode_step_cost", "bytes_p
 INFERENCE_LAYOUTS = {
     "batch-split": md.Layout({"batch": ("data", "model")}),
     "1d-weight-stationary": md.Layout({"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}),
-    "2d-weight-stationary": md.Layout({"d_model": "data", "heads": "model", "d_ff": "model", "vocab": "model"}),
+    "2d-weight-stationary": md.Layout({"d_model": "data", "heads": "model", "d_ff": "model", "vocab": "model",
+                                       "kv_length": "data"}),
     "weight-gathered": md.Layout({"batch": ("data", "model")}, params={"d_model": ("data", "model")}),
     "kv-split": md.Layout({"batch": "data", "kv_length": "model"}),
 }

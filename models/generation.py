@@ -39,6 +39,8 @@ __all__ = ["generate", "Generator", "METHODS"]
 
 METHODS = ("greedy", "sample", "beam")
 PAD, NEG = 0, -1.0e9
+_PREFILLS: dict = {}      # (mesh, layout, param_gather, beams) -> (lowered prefill, trace counter)
+_GENERATORS: dict = {}    # generate()'s options -> Generator (compiled programs reused across calls)
 
 
 def _check(method, max_new_tokens, num_beams, temperature, top_k, top_p, key, vocab):
@@ -101,23 +103,35 @@ class Generator:
                  temperature=1.0, top_k=None, top_p=None, param_gather="keep"):
         self.mesh, self.method, self.num_beams, self.eos_id = mesh, method, num_beams, eos_id
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.traces = {"prefill": 0, "step": 0}
+        self._step_traces = 0
         extra = (md.Dim("beam", num_beams),) if method == "beam" else ()
         self.extra = extra
 
-        def pre(model, ids, mask, max_length_like):
-            self.traces["prefill"] += 1
-            return prefill(model, ids, max_length_like.shape[0], mask=mask, extra=extra)
+        prefill_key = (mesh, prefill_layout, param_gather, num_beams if method == "beam" else 0)
+        if prefill_key not in _PREFILLS:    # greedy and sampling share it; traced once per shape
+            counter = {"prefill": 0}
+
+            def pre(model, ids, mask, max_length_like):
+                counter["prefill"] += 1
+                return prefill(model, ids, max_length_like.shape[0], mask=mask, extra=extra)
+
+            _PREFILLS[prefill_key] = (md.lower(pre, mesh, prefill_layout, param_gather=param_gather), counter)
+        self.prefill, self._prefill_traces = _PREFILLS[prefill_key]
 
         step = {"greedy": self._greedy_step, "sample": self._greedy_step, "beam": self._beam_step}[method]
 
         def counted(*args):
-            self.traces["step"] += 1
+            self._step_traces += 1
             return step(*args)
 
-        self.prefill = md.lower(pre, mesh, prefill_layout, param_gather=param_gather)
         self.step = md.lower(counted, mesh, decode_layout, param_gather=param_gather)
         self.decode_layout = decode_layout
+
+    @property
+    def traces(self) -> dict:
+        """How often the prefill (shared by generators of one mesh, layout and beam count) and this
+        decode step were traced: once per input shape."""
+        return {"prefill": self._prefill_traces["prefill"], "step": self._step_traces}
 
     # -- greedy and sampling -------------------------------------------------------------------
 
@@ -247,8 +261,12 @@ def generate(model, inputs, *, max_new_tokens: int, method: str = "greedy", temp
     _check(method, max_new_tokens, num_beams, temperature, top_k, top_p, key, model.config.vocab)
     if generator is None:
         mesh, pre_layout, dec_layout = _layouts(mesh, layout)
-        generator = Generator(mesh, pre_layout, dec_layout, method=method, num_beams=num_beams, eos_id=eos_id,
-                              temperature=temperature, top_k=top_k, top_p=top_p)
+        options = (mesh, pre_layout, dec_layout, method, num_beams if method == "beam" else 0, eos_id,
+                   temperature, top_k, top_p)
+        if options not in _GENERATORS:
+            _GENERATORS[options] = Generator(mesh, pre_layout, dec_layout, method=method, num_beams=num_beams,
+                                             eos_id=eos_id, temperature=temperature, top_k=top_k, top_p=top_p)
+        generator = _GENERATORS[options]
     g = generator
     from .decode import _tokens
     ids = md.named(jnp.asarray(_tokens(ids).array, jnp.int32), "batch length")

@@ -29,7 +29,7 @@ from meshdsl.layers.attention import KV_LENGTH
 from meshdsl.layers.position import relative_position_bucket
 from meshdsl.layers.stack import scan_layers
 
-__all__ = ["DecodeState", "prefill", "decode_logits", "encoder_mask_like_hf", "KV_LENGTH"]
+__all__ = ["DecodeState", "prefill", "decode_logits", "encoder_mask_like_hf", "token_ids", "KV_LENGTH"]
 
 DecodeState = dict   # {"cache": [(k, v)] per period slot, "cross": [(k, v)], "mask": NamedArray | None}
 
@@ -52,7 +52,7 @@ def prefill(model, encoder_ids: md.NamedArray, max_length: int, *, mask: md.Name
     runs once per batch row and its keys and values are broadcast over them.
     """
     c = model.config
-    ids = _tokens(encoder_ids)
+    ids = token_ids(encoder_ids)
     kv_mask = None if mask is None else md.rename(mask, {mask.names[-1]: "kv_seq"})
     encoded, _ = model.encode(ids, kv_mask)
     context = md.rename(encoded, {"length": "kv_seq"})
@@ -128,7 +128,7 @@ def decode_logits(model, state: DecodeState, token: md.NamedArray, position):
     return logits, {**state, "cache": cache}
 
 
-def _tokens(ids: md.NamedArray) -> md.NamedArray:
+def token_ids(ids: md.NamedArray) -> md.NamedArray:
     if not isinstance(ids, md.NamedArray) or ids.ndim != 2 or "batch" not in ids.names:
         raise md.ShapeError(f"generate: inputs must be token ids [batch, length], got "
                             f"{getattr(ids, 'dims', type(ids).__name__)}")

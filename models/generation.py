@@ -32,7 +32,7 @@ import numpy as np
 
 import meshdsl as md
 
-from .decode import decode_logits, encoder_mask_like_hf, prefill
+from .decode import token_ids, decode_logits, encoder_mask_like_hf, prefill
 from .sampling import filter_logits, gumbel_argmax
 
 __all__ = ["generate", "Generator", "METHODS"]
@@ -268,15 +268,14 @@ def generate(model, inputs, *, max_new_tokens: int, method: str = "greedy", temp
                                              eos_id=eos_id, temperature=temperature, top_k=top_k, top_p=top_p)
         generator = _GENERATORS[options]
     g = generator
-    from .decode import _tokens
-    ids = md.named(jnp.asarray(_tokens(ids).array, jnp.int32), "batch length")
+    ids = md.named(jnp.asarray(token_ids(ids).array, jnp.int32), "batch length")
     mask = encoder_mask_like_hf(ids)
     total = cache_length(max_new_tokens, g.mesh)
     placed = md.place(model, g.mesh, g.decode_layout)
     state = g.prefill(md.place(model, g.mesh, g.prefill.layout) if g.prefill.layout != g.decode_layout else placed,
                       ids, mask, jnp.zeros((total,), jnp.int8))
     batch = ids.dims["batch"]
-    if method == "beam":
+    if g.method == "beam":
         return _beam(g, placed, state, batch, max_new_tokens)
     token = md.zeros([batch], jnp.int32)
     done = md.zeros([batch], jnp.bool_)

@@ -1,7 +1,6 @@
 """Inference layouts and the decode roofline numbers (md.explain of one decode step, checked
 against the compiled HLO), span filling on span-corruption batches, and the generate CLI."""
 
-import os
 import types
 
 import jax.numpy as jnp

@@ -11,8 +11,8 @@ sentencepiece vocabulary, encodes the prompt (eos appended, as in training), dec
 :func:`span_filling_accuracy` measures span filling on validation batches (exact match of every
 sentinel span, and of whole targets); the training loop can call it on its validation batches.
 
-This module is the command line; ``meshdsl.models.generate`` is the function (importing this
-module keeps that name callable).
+This module is the command line; ``meshdsl.models.generate`` stays the function (import from
+here with ``from meshdsl.models.generate import main``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import types
 
 import numpy as np
 
@@ -176,16 +174,6 @@ def main(argv=None) -> list[str]:
         print(f"{prompt}\n  -> {text}")
     return texts
 
-
-class _CallableModule(types.ModuleType):
-    """Importing this module rebinds ``meshdsl.models.generate`` to it: keep that name callable."""
-
-    def __call__(self, *args, **kwargs):
-        from .generation import generate
-        return generate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     main()

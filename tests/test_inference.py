@@ -109,3 +109,14 @@ def test_generate_cli_on_a_run_directory(tmp_path, capsys):
     texts = cli.main(["--run", str(tmp_path), "--prompt", "In the beginning <extra_id_0> earth", "--prompt", "And God",
                       "--max-new-tokens", "4", "--mesh", "data:2,model:4", "--layout", "batch:data;heads:model"])
     assert len(texts) == 2 and "->" in capsys.readouterr().out
+
+
+def test_moe_t5_decodes_the_same_under_expert_parallelism():
+    """GShard top-2 MoE-T5: one token per routing group at each step; experts split over data."""
+    config = get_config("moe-t5-tiny", d_model=32, d_ff=64, heads=4, d_kv=8, vocab=128, expert_d_ff=64, top_k=2)
+    moe = T5(config, rngs=nnx.Rngs(0))
+    ids = np.random.RandomState(0).randint(2, 128, (4, 10))
+    expected = meshdsl.models.generate(moe, ids, max_new_tokens=6)
+    layout = md.Layout({"batch": "data", "group": "data", "experts": "data", "heads": "model"})
+    got = meshdsl.models.generate(moe, ids, max_new_tokens=6, mesh=MESH, layout=layout)
+    np.testing.assert_array_equal(np.asarray(got.array), np.asarray(expected.array))

@@ -34,7 +34,9 @@ from .dense import Dense
 from .dropout import dropout
 from .position import RelativePositionBias
 
-__all__ = ["Attention", "MASK_VALUE"]
+__all__ = ["Attention", "MASK_VALUE", "KV_LENGTH"]
+
+KV_LENGTH = "kv_length"   # the positions of a decoding KV cache
 
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
@@ -95,6 +97,53 @@ class Attention(nnx.Module):
         mixed = md.einsum(weights, v, out=[*batch, "seq", self.heads.name, self.d_kv.name])
         return self.o(mixed), bias
 
+    # -- decoding: one position at a time against a KV cache -----------------------------------
+
+    def keys_values(self, context: md.NamedArray):
+        """``(k, v)`` ``[batch, kv_seq, heads, d_kv]`` of ``context`` ``[batch, seq, d_model]``:
+        cross-attention's keys and values, computed once per generation."""
+        kv_in = _as_keys(context)
+        return self.k(kv_in), self.v(kv_in)
+
+    def decode(self, x: md.NamedArray, cache_k: md.NamedArray, cache_v: md.NamedArray, position, *,
+               bias: md.NamedArray | None = None):
+        """Causal self-attention of the one new position ``x`` ``[batch, seq:1, d_model]`` at
+        ``position`` (a traced int) with a KV cache ``[batch, kv_length, heads, d_kv]``.
+
+        The new keys and values are written in place (``md.dynamic_update_slice`` along
+        ``kv_length``: with ``kv_length`` split only the owning device writes); keys after
+        ``position`` are masked. ``bias``: ``[heads, kv_length]``, the relative position bias of
+        the query at ``position``. Returns ``(y [batch, seq:1, d_model], cache_k, cache_v)``.
+        """
+        q = self.q(x)
+        k_new, v_new = _one_position(self.k(x)), _one_position(self.v(x))   # without seq:1
+        cache_k = md.dynamic_update_slice(cache_k, k_new.astype(cache_k.dtype), KV_LENGTH, position)
+        cache_v = md.dynamic_update_slice(cache_v, v_new.astype(cache_v.dtype), KV_LENGTH, position)
+        allowed = md.arange(cache_k.dims[KV_LENGTH]) <= position
+        y = self._attend(q, cache_k, cache_v, KV_LENGTH, bias, allowed)
+        return y, cache_k, cache_v
+
+    def decode_cross(self, x: md.NamedArray, k: md.NamedArray, v: md.NamedArray, *, key_mask=None):
+        """Cross-attention of ``x`` ``[batch, seq:1, d_model]`` to precomputed encoder keys and
+        values ``[batch, kv_seq, heads, d_kv]`` (:meth:`keys_values`); ``key_mask`` ``[batch, kv_seq]``."""
+        allowed = None
+        if key_mask is not None:
+            real = _as_keys(key_mask)
+            allowed = real if real.dtype == jnp.bool_ else md.not_equal(real, 0)
+        return self._attend(self.q(x), k, v, "kv_seq", None, allowed)
+
+    def _attend(self, q, k, v, kv_name, bias, allowed):
+        batch = [n for n in q.names if n not in ("seq", self.heads.name, self.d_kv.name)]
+        logits = md.einsum(q, k, out=[*batch, self.heads.name, "seq", kv_name],
+                           preferred_element_type=jnp.float32)
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        if allowed is not None:
+            logits = logits + md.where(allowed, 0.0, MASK_VALUE)
+        weights = md.softmax(logits, kv_name).astype(v.dtype)
+        mixed = md.einsum(weights, v, out=[*batch, "seq", self.heads.name, self.d_kv.name])
+        return self.o(mixed)
+
     def _allowed(self, seq: md.Dim, kv_seq: md.Dim, key_mask):
         """Boolean ``[(batch,) seq, kv_seq]``: which keys each query may see (None: all)."""
         allowed = None
@@ -105,6 +154,11 @@ class Attention(nnx.Module):
             real = real if real.dtype == jnp.bool_ else md.not_equal(real, 0)
             allowed = real if allowed is None else allowed & real
         return allowed
+
+
+def _one_position(t: md.NamedArray) -> md.NamedArray:
+    """``t`` without its ``seq:1`` dim: one cache entry (written by the owner of its position)."""
+    return md.sum(t, "seq")     # a sum over one entry: exact, and local whatever else is split
 
 
 def _as_keys(t: md.NamedArray) -> md.NamedArray:

@@ -1,0 +1,24 @@
+"""meshdsl.models: T5 / MoE-T5, training, Hugging Face import, and decoding.
+
+``meshdsl.models.generate(model, inputs, *, max_new_tokens, method=...)`` is the decoding function
+(:mod:`meshdsl.models.generation`); ``python -m meshdsl.models.generate`` is its command line
+(``from meshdsl.models.generate import main, span_filling_accuracy``). Importing that submodule
+does not rebind the name ``generate`` here: it stays the function.
+"""
+
+import sys
+import types
+
+from .generation import generate
+
+__all__ = ["generate"]
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        if name == "generate" and isinstance(value, types.ModuleType):
+            return      # the import system binding the CLI submodule: keep the function
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,179 @@
+"""Generate text with a trained run: ``python -m meshdsl.models.generate --run runs/t5-tiny --prompt "..."``.
+
+Loads the run's model config (``run.json``), its latest checkpoint (``checkpoints/``) and its
+sentencepiece vocabulary, encodes the prompt (eos appended, as in training), decodes with
+:func:`meshdsl.models.generate` and prints the text (sentinels shown as ``<extra_id_i>``)::
+
+    python -m meshdsl.models.generate --run runs/t5-tiny --prompt "In the beginning <extra_id_0> the earth"
+    python -m meshdsl.models.generate --run runs/t5-tiny --prompt "..." --method beam --num-beams 4 \\
+        --mesh data:2,model:4 --layout "heads:model;d_ff:model;vocab:model" --max-new-tokens 32
+
+:func:`span_filling_accuracy` measures span filling on validation batches (exact match of every
+sentinel span, and of whole targets); the training loop can call it on its validation batches.
+
+This module is the command line; ``meshdsl.models.generate`` stays the function (import from
+here with ``from meshdsl.models.generate import main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+__all__ = ["main", "load_run", "encode_prompt", "span_filling_accuracy", "split_spans"]
+
+
+def split_spans(tokens, is_sentinel) -> dict[int, tuple[int, ...]]:
+    """``{sentinel id: the tokens after it up to the next sentinel}`` for the tokens before the
+    first eos (1) of a target; pads (0) dropped."""
+    spans: dict[int, tuple[int, ...]] = {}
+    current = None
+    for t in (int(t) for t in tokens):
+        if t == 1:
+            break
+        if t == 0:
+            continue
+        if is_sentinel(t):
+            current = t
+            spans.setdefault(t, ())
+        elif current is not None:
+            spans[current] = spans[current] + (t,)
+    return spans
+
+
+def span_filling_accuracy(model, batches, vocab, *, max_new_tokens: int | None = None, method: str = "greedy",
+                          num_beams: int = 4, mesh=None, layout=None) -> dict:
+    """Span filling on span-corruption batches (``{"encoder_input_tokens", "decoder_target_tokens"}``,
+    numpy ``[batch, length]`` as :mod:`meshdsl.models.data` makes them).
+
+    Decodes each batch from its encoder inputs and compares with the targets: ``span_exact_match``
+    is the fraction of target spans (a sentinel and the tokens up to the next one) reproduced
+    exactly, ``exact_match`` the fraction of examples whose every span is. ``vocab``: a
+    :class:`~meshdsl.models.corpus.Vocabulary` (sentinels are ids ``sp_size .. unpadded_size - 1``).
+    Returns ``{"exact_match", "span_exact_match", "examples", "spans"}``.
+    """
+    from .generation import generate
+    import meshdsl as md
+
+    def is_sentinel(t):
+        return vocab.sp_size <= t < vocab.unpadded_size
+
+    examples = matched = spans = spans_matched = 0
+    for b in batches:
+        inputs = np.asarray(b["encoder_input_tokens"])
+        targets = np.asarray(b["decoder_target_tokens"])
+        n = max_new_tokens or targets.shape[1]
+        kw = dict(num_beams=num_beams) if method == "beam" else {}
+        out = np.asarray(generate(model, md.named(inputs.astype(np.int32), "batch length"), max_new_tokens=n,
+                                  method=method, eos_id=vocab.eos_id, mesh=mesh, layout=layout, **kw).array)
+        for row_out, row_target in zip(out, targets):
+            want, got = split_spans(row_target, is_sentinel), split_spans(row_out[1:], is_sentinel)
+            good = sum(got.get(s) == toks for s, toks in want.items())
+            examples += 1
+            matched += int(good == len(want) and set(got) <= set(want))
+            spans += len(want)
+            spans_matched += good
+    return {"exact_match": matched / max(examples, 1), "span_exact_match": spans_matched / max(spans, 1),
+            "examples": examples, "spans": spans}
+
+
+def load_run(run_dir: str, mesh=None, layout=None):
+    """``(model, vocab, run record)`` of a training run directory (latest checkpoint)."""
+    import jax.numpy as jnp
+
+    import meshdsl as md
+    from . import checkpoint
+    from .configs import T5Config
+    from .corpus import load_vocabulary
+    from .optim import make_optimizer
+    from .trainer import Trainer
+
+    path = os.path.join(run_dir, "run.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"{run_dir} is not a training run (no run.json); train one with python -m meshdsl.models.train")
+    with open(path) as f:
+        run = json.load(f)
+    config = T5Config(**run["config"])
+    vocab = load_vocabulary(run.get("text_files"))
+    if mesh is None:   # restore onto one device, replicated; generate() places it as it needs
+        import jax
+        mesh = md.Mesh({"data": 1}, devices=jax.devices()[:1])
+    layout = layout or md.Layout({})
+    tx, schedule = make_optimizer(run["optimizer"], run["lr"], run["warmup"], run["steps"], run["decay"])
+    trainer = Trainer(config, mesh, layout, tx, schedule, param_dtype=jnp.dtype(run.get("param_dtype", "float32")))
+    ckpt = os.path.join(run_dir, "checkpoints")
+    if checkpoint.latest_step(ckpt) is None:
+        raise SystemExit(f"no checkpoint under {ckpt}")
+    state = checkpoint.restore(ckpt, trainer.abstract_state(), mesh, layout)
+    return trainer.model(state["params"]), vocab, run
+
+
+def encode_prompt(vocab, text: str) -> list[int]:
+    """Token ids of ``text`` with ``<extra_id_i>`` as sentinel ids (span filling) and eos appended."""
+    import re
+    ids = []
+    for k, piece in enumerate(re.split(r"<extra_id_(\d+)>", text)):
+        if k % 2:
+            ids.append(vocab.sentinel(int(piece)))
+        elif piece.strip():
+            ids += vocab.encode(piece.strip())
+    return ids + [vocab.eos_id]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshdsl.models.generate",
+                                description="Decode with the latest checkpoint of a training run.")
+    a = p.add_argument
+    a("--run", default="runs/t5-tiny", help="a training run directory (run.json, checkpoints/)")
+    a("--prompt", action="append", required=True, help="input text (repeat for a batch)")
+    a("--method", default="greedy", choices=("greedy", "sample", "beam"))
+    a("--max-new-tokens", type=int, default=32)
+    a("--num-beams", type=int, default=4)
+    a("--temperature", type=float, default=1.0)
+    a("--top-k", type=int, default=None)
+    a("--top-p", type=float, default=None)
+    a("--seed", type=int, default=0, help="sampling key")
+    a("--mesh", default=None, help="e.g. data:2,model:4 (default: one device)")
+    a("--layout", default=None, help="dim:axis rules for both phases, e.g. heads:model;d_ff:model")
+    a("--prefill-layout", default=None, help="a different layout for the encoder pass")
+    a("--cpu-devices", type=int, default=8, help="virtual CPU devices when there is no accelerator")
+    return p
+
+
+def main(argv=None) -> list[str]:
+    """Run the CLI; returns the generated texts."""
+    args = build_parser().parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.cpu_devices and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+    import jax
+
+    import meshdsl as md
+    from .generation import generate
+
+    mesh = md.Mesh.parse(args.mesh) if args.mesh else None
+    model, vocab, _ = load_run(args.run, md.Mesh({"data": 1}, devices=jax.devices()[:1]), md.Layout({}))
+    layout = md.Layout.parse(args.layout) if args.layout else (md.Layout({}) if mesh else None)
+    if args.prefill_layout:
+        layout = {"prefill": md.Layout.parse(args.prefill_layout), "decode": layout}
+    rows = [encode_prompt(vocab, p) for p in args.prompt]
+    width = max(map(len, rows))
+    ids = np.array([r + [vocab.pad_id] * (width - len(r)) for r in rows], np.int32)
+    kw = {}
+    if args.method == "sample":
+        kw = dict(key=jax.random.key(args.seed), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    elif args.method == "beam":
+        kw = dict(num_beams=args.num_beams)
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, method=args.method, eos_id=vocab.eos_id,
+                   mesh=mesh, layout=layout, **kw)
+    texts = [vocab.decode(row[1:]) for row in np.asarray(out.array)]
+    for prompt, text in zip(args.prompt, texts):
+        print(f"{prompt}\n  -> {text}")
+    return texts
+
+
+if __name__ == "__main__":
+    main()

@@ -24,9 +24,9 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 HANG_GUARD_S = 1800  # per cell: a hung kernel fails the test instead of blocking the suite
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_named_dims_and_layouts.ipynb", "02_t5_layouts.ipynb",
-                                           "03_moe_expert_parallel.ipynb"]
+                                           "03_moe_expert_parallel.ipynb", "04_decode_layouts.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -43,8 +43,21 @@ def _diverged(step: int, metrics: dict, ckpts, args) -> Diverged:
     return Diverged(f"step {step}: not finite ({what}); stopped without saving this state. {where}", step)
 
 
+def span_filling(args, trainer, state, val_batches, vocab) -> dict:
+    """``--eval-decode N``: greedy-decode N validation batches of a span-corruption run and score
+    the sentinel spans (exact match), as ``val_span_exact_match`` / ``val_exact_match``."""
+    if not args.eval_decode or args.task == "lm" or not val_batches:
+        return {}
+    from meshdsl.models.generate import span_filling_accuracy
+
+    batches = [{k: np.asarray(v)[0] for k, v in b.items()} for b in val_batches[:args.eval_decode]]
+    scores = span_filling_accuracy(trainer.model(state["params"]), batches, vocab,
+                                   mesh=trainer.mesh, layout=trainer.layout)
+    return {"val_span_exact_match": scores["span_exact_match"], "val_exact_match": scores["exact_match"]}
+
+
 def loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_row: int, log, bar, ckpts,
-         stop, out: str):
+         stop, out: str, vocab=None):
     """Steps ``start+1 .. --steps``; ``(state, records, stopped)`` where ``stopped`` is the signal's
     name when a SIGTERM/SIGINT ended the run early (after saving), else None."""
     from meshdsl.models.trainer import host_metrics
@@ -79,6 +92,7 @@ def loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_
             if evaluate:
                 val = trainer.evaluate(state, val_batches)
                 record.update({f"val_{k}": v for k, v in val.items() if k != "tokens"})
+                record.update(span_filling(args, trainer, state, val_batches, vocab))
             records.append(record)
             log.write(record)
             bar.log(record)

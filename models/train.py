@@ -99,7 +99,7 @@ POSITIVE, NATURAL = _int_at_least(1), _int_at_least(0)
 #: options whose values a --config file may give: checked like the command line's
 _TYPES = {"steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
           "encoder_length": _int_at_least(2), "decoder_length": POSITIVE, "eval_every": NATURAL,
-          "eval_batches": NATURAL, "warmup": NATURAL, "ckpt_every": _int_at_least(-1), "lr": _positive_float,
+          "eval_batches": NATURAL, "eval_decode": NATURAL, "warmup": NATURAL, "ckpt_every": _int_at_least(-1), "lr": _positive_float,
           "heartbeat_timeout": POSITIVE}
 
 
@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="evaluate the run's checkpoint in --out (latest, or --resume-from STEP) and exit")
     a("--eval-every", type=NATURAL, default=100, help="validation every N steps (0: only at the end)")
     a("--eval-batches", type=NATURAL, default=8, help="validation batches (fixed; 0: no validation)")
+    a("--eval-decode", type=NATURAL, default=0,
+      help="validation batches to decode (greedy) at each evaluation: span filling exact match (span corruption)")
     a("--ckpt-every", type=_TYPES["ckpt_every"], default=DEFAULT_CKPT_EVERY,
       help="checkpoint every N steps, and at the end and on SIGTERM/Ctrl-C (0: only then; -1: never)")
     a("--keep", type=POSITIVE, default=3, help="checkpoints kept (the newest N)")
@@ -377,24 +379,27 @@ def _run(args) -> dict:
                            text_files=args.text_files, vocab=vocab).take(args.eval_batches) \
             if args.eval_batches > 0 else []
         if args.eval_only:
-            return _evaluate_only(args, trainer, state, val_batches, start, out, say)
+            return _evaluate_only(args, trainer, state, val_batches, start, out, say, vocab)
         return _train(args, trainer, state, start, ckpts, record, vocab, (enc_len, dec_len), val_batches, out,
                       t_start, say)
     finally:
         ckpts.close()
 
 
-def _evaluate_only(args, trainer, state, val_batches, step: int, out: str, say) -> dict:
+def _evaluate_only(args, trainer, state, val_batches, step: int, out: str, say, vocab) -> dict:
     import json
 
     from meshdsl.models.progress import jsonable
+    from meshdsl.models.runloop import span_filling
 
     if not val_batches:
         raise UsageError("--eval-only needs --eval-batches > 0")
     val = trainer.evaluate(state, val_batches)
     record = {"step": step, **{f"val_{k}": v for k, v in val.items() if k != "tokens"}}
+    record.update(span_filling(args, trainer, state, val_batches, vocab))
     say(f"eval       checkpoint step {step}: validation loss {record['val_loss']:.4f}, accuracy "
-        f"{record.get('val_accuracy', float('nan')):.4f} over {int(val['tokens'])} tokens")
+        f"{record.get('val_accuracy', float('nan')):.4f} over {int(val['tokens'])} tokens"
+        + (f", span exact match {record['val_span_exact_match']:.4f}" if "val_span_exact_match" in record else ""))
     if __import__("jax").process_index() == 0:
         with open(os.path.join(out, "eval.jsonl"), "a") as f:
             f.write(json.dumps(jsonable(record)) + "\n")
@@ -436,7 +441,7 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
     try:
         with Preemption(notify=bar.print) as stop:
             state, records, stopped = loop(args, trainer, state, feed, first, val_batches, start,
-                                           enc_len + dec_len, log, bar, ckpts, stop, out)
+                                           enc_len + dec_len, log, bar, ckpts, stop, out, vocab)
         ckpts.wait()
     finally:
         bar.close()

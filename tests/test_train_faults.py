@@ -146,11 +146,14 @@ def test_resume_refuses_a_changed_run(full, capsys):
 
 def test_eval_only(full):
     out = full
-    result = main([*RUN, "--out", out, "--eval-only", "--eval-batches", "2"])
+    result = main([*RUN, "--out", out, "--eval-only", "--eval-batches", "2", "--eval-decode", "1"])
     record = result["records"][0]
     assert record["step"] == 8 and np.isfinite(record["val_loss"])
+    # span filling by greedy decoding: a fraction of the sentinel spans reproduced exactly
+    assert 0.0 <= record["val_span_exact_match"] <= 1.0 and 0.0 <= record["val_exact_match"] <= 1.0
     with open(os.path.join(out, "eval.jsonl")) as f:
-        assert json.loads(f.readlines()[-1])["step"] == 8
+        last = json.loads(f.readlines()[-1])
+    assert last["step"] == 8 and "val_span_exact_match" in last
 
 
 @pytest.mark.parametrize("extra, message", [

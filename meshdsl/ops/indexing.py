@@ -64,13 +64,24 @@ def one_hot(ctx, ids, dim, dtype=jnp.float32):
 @op("take")
 def take(ctx, table, ids, dim):
     """Rows of ``table`` along ``dim`` picked by integer ``ids``: dims are ids' dims, then the
-    table's other dims. Over a split ``dim`` the result is a pending partial sum."""
+    table's other dims. Over a split ``dim`` the result is a pending partial sum.
+
+    Ids index numpy-style: an id in ``[-size, 0)`` counts from the end (``-1`` is the last row);
+    an id outside ``[-size, size)`` gives a row of zeros. Every layout, and the unsharded run,
+    gives the same values. ``ids`` may carry a dim named like ``dim`` (``out[b, v, e] =
+    table[ids[b, v], e]``)."""
     table = as_named(ctx, table, "table")
     ids = as_named(ctx, ids, "ids")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] are {ids.dtype}; take needs integer ids "
                          "(ids.astype(jnp.int32))")
     name = _one(ctx, table, dim, "take dim")
+    if name in ids.names:  # the ids' own dim of that name: look up under another name, rename back
+        from .shaping import rename
+        inner = f"{name}_ids_"
+        while inner in ids.names or inner in table.names:
+            inner += "_"
+        return rename(take(table, rename(ids, {name: inner}), name), {inner: name})
     rest = [d for d in table.dims if d.name != name]
     clash = [d.name for d in rest if d.name in ids.names]
     if clash:
@@ -89,15 +100,14 @@ def take(ctx, table, ids, dim):
     i_local = ctx.local(ids, axes, vary)
     pos = table.names.index(name)
     split = axes[name]
-    if split:
-        block = table.dims[name].size // ctx.axes_size(split)
-        rel = i_local - _offset(ctx, split, block).astype(i_local.dtype)
-        inside = (rel >= 0) & (rel < block)
-        rows = jnp.take(t_local, jnp.clip(rel, 0, block - 1), axis=pos)
-        mask = jnp.expand_dims(inside, tuple(range(pos)) + tuple(range(pos + ids.ndim, len(rest) + ids.ndim)))
-        rows = jnp.where(mask, rows, jnp.zeros((), rows.dtype))
-    else:
-        rows = jnp.take(t_local, i_local, axis=pos)
+    size = table.dims[name].size
+    i_local = jnp.where(i_local < 0, i_local + size, i_local)  # numpy-style negative ids
+    block = size // ctx.axes_size(split)
+    rel = i_local - _offset(ctx, split, block).astype(i_local.dtype) if split else i_local
+    inside = (rel >= 0) & (rel < block)  # rows this device holds; ids out of range: zeros
+    rows = jnp.take(t_local, jnp.clip(rel, 0, block - 1), axis=pos)
+    mask = jnp.expand_dims(inside, tuple(range(pos)) + tuple(range(pos + ids.ndim, len(rest) + ids.ndim)))
+    rows = jnp.where(mask, rows, jnp.zeros((), rows.dtype))
     got = Shape((*table.dims[:pos], *ids.dims, *table.dims[pos + 1:]))
     result = ctx.out(align(rows, got, out), out, axes, frozenset(split))
     if axes is target:
@@ -213,8 +223,9 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False):
         pairs = [(s, (s + distance) % n if wrap else s + distance) for s in range(n)
                  if wrap or 0 <= s + distance < n]
         pairs = [(s, t) for s, t in pairs if s != t]
-        if not pairs:  # every device keeps its own block
-            return v if distance % n == 0 else jnp.zeros_like(v)
+        if not pairs:  # every device keeps its own block, or every block leaves the dim
+            keeps = distance % n == 0 if wrap else distance == 0
+            return v if keeps else jnp.zeros_like(v)
         return C.ppermute(ctx, v, split, pairs, tensor)
 
     head = jax.lax.slice_in_dim(local, 0, block - r, axis=pos)       # goes to [r:block]

@@ -65,7 +65,11 @@ def _extreme(ctx, x, dims, what, is_max: bool):
 
     def combine(v):
         m = reducer(v, axis=pos)
-        return C.pmax(ctx, m, split) if is_max else -C.pmax(ctx, -m, split)
+        if m.dtype == jnp.bool_:  # any / all: the collective runs on 0/1
+            m = m.astype(jnp.uint8)
+            return (C.pmax if is_max else C.pmin)(ctx, m, split).astype(jnp.bool_)
+        # pmin, not -pmax(-m): negation is wrong for unsigned ints and the int minimum
+        return (C.pmax if is_max else C.pmin)(ctx, m, split)
 
     @jax.custom_vjp
     def f(v):

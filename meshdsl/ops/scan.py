@@ -184,6 +184,9 @@ def _carry_out(ctx, i, leaf, old, template, where):
         arr = jnp.asarray(leaf)
     else:
         dims, _, pl = template
+        if _is_named(leaf) and leaf.dims != dims and set(leaf.dims) == set(dims) and len(leaf.dims) == len(dims):
+            from .shaping import transpose  # same dims in another order: matched by name
+            leaf = transpose(leaf, dims.names)
         if not _is_named(leaf) or leaf.dims != dims:
             got = f"[{leaf.dims}]" if _is_named(leaf) else type(leaf).__name__
             raise ShapeError(f"{where}: carry entry {i} entered as [{dims}] and left as {got}; "

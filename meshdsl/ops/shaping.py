@@ -117,7 +117,7 @@ def reshape(ctx, x, dims):
     groups = _groups(list(x.dims), list(new))
     pl = ctx.placement(x)
     if pl is None:
-        return ctx.out(jnp.reshape(x._array, new.sizes), new)
+        return ctx.out(jnp.reshape(x._array, new.sizes), new, is_param=x.is_param)
     current = dict(zip(x.names, pl.axes))
     src_target, out_axes = {}, {}
     for old_g, new_g in groups:
@@ -161,6 +161,7 @@ def concat(ctx, xs, dim):
     keep = pend.pop() if len(pend) == 1 else frozenset()
     axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs, keep_pending=keep)
     axes[name] = ()
+    keep = keep - {a for ax in axes.values() for a in ax}  # a dim planned over a pending axis: reduce-scatter
     vary = ctx.vary(axes.values(), xs, keep)
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
     return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)

@@ -79,8 +79,8 @@ def run(quick: bool = False) -> str:
     for name, (mesh_spec, rules, prules, marked) in CASES.items():
         mesh, layout = md.Mesh.parse(mesh_spec), md.Layout(rules, params=prules)
         tree = jax.tree_util.tree_map
-        params = tree(lambda p: p if marked else md.NamedArray(p._array, p.dims), state, is_leaf=_is_named)
-        moments = tree(lambda p: md.param(md.NamedArray(p._array, p.dims)), state, is_leaf=_is_named)
+        params = tree(lambda p: p if marked else md.NamedArray(p.raw, p.dims), state, is_leaf=_is_named)
+        moments = tree(lambda p: md.param(md.NamedArray(p.raw, p.dims)), state, is_leaf=_is_named)
         step = adam_step(graphdef, marked)
         args = (params, moments, moments, batch)
         ma = md.lower(step, mesh, layout).lower(*args).compile().memory_analysis()

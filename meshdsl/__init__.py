@@ -2,7 +2,8 @@
 
 Write a model once over named dims; a :class:`Layout` maps dim names to the axes of a
 :class:`Mesh`; :func:`lower` rewrites the program into sharded einsums and explicit collectives,
-and :func:`explain` reports what they cost before compiling. See DESIGN.md for the contract.
+and :func:`explain` reports what they cost before compiling. This module is the public contract
+(``docs/contract.md``), re-exported; nothing else.
 """
 
 from . import random
@@ -13,10 +14,10 @@ from .explain import Report, explain
 from .layout import Layout
 from .lower import LoweredFunction, lower, place
 from .mesh import Mesh
-from .named import NamedArray, Placement, named, param
+from .named import NamedArray, named, param
 from .ops import (
     abs, add, arange, argmax, astype, clip, concat, cos, cumsum, divide, einsum, equal, erf, exp, expm1,
-    floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, log, log1p, logical_and,
+    floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, local_map, log, log1p, logical_and,
     logical_not, logical_or, logsumexp, max, maximum, mean, min, minimum, multiply, negative, not_equal,
     one_hot, ones, pad, power, relu, rename, reshape, round, rsqrt, scan, shift, sigmoid, sign, silu, sin,
     slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
@@ -25,3 +26,24 @@ from .ops import (
 from .plots import device_blocks, plot_placement, plot_reports
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # names and values
+    "Dim", "Shape", "shape", "NamedArray", "named", "param",
+    # mesh, layout, lowering, cost
+    "Mesh", "Layout", "lower", "LoweredFunction", "place", "explain", "Report",
+    # errors
+    "MeshDSLError", "LayoutError", "ShapeError", "MeshError",
+    # ops
+    "einsum", "add", "subtract", "multiply", "divide", "power", "negative", "maximum", "minimum",
+    "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "square", "abs", "sign", "tanh", "sigmoid", "relu",
+    "gelu", "silu", "softplus", "erf", "sin", "cos", "floor", "round", "isfinite", "clip", "astype",
+    "stop_gradient", "less", "less_equal", "greater", "greater_equal", "equal", "not_equal",
+    "logical_and", "logical_or", "logical_not", "where",
+    "sum", "mean", "max", "min", "softmax", "logsumexp", "argmax", "top_k", "cumsum",
+    "rename", "transpose", "reshape", "concat", "slice", "pad", "shift", "one_hot", "take",
+    "full", "zeros", "ones", "arange", "scan", "local_map", "random",
+    # notebook views
+    "register_treescope", "report_html", "reports_table", "device_blocks", "plot_placement", "plot_reports",
+    "__version__",
+]

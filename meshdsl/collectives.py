@@ -25,45 +25,54 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .context import varying_axes
+from .jaxcompat import varying_axes
 
 __all__ = ["psum", "pmax", "pmin", "cast", "psum_scatter", "all_gather", "take_block", "all_to_all",
-           "ppermute", "axis_index", "replicate"]
+           "ppermute", "axis_index", "replicate", "attributed_vjp"]
 
 
 def _differentiable(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def attributed_vjp(ctx, forward, backward):
+    """A ``jax.custom_vjp`` function ``f(*args) = forward(*args)[0]`` whose rules run attributed
+    to the op being lowered now: ``forward(*args) -> (out, residuals)`` (jax may run it later,
+    e.g. differentiating a scan body: same origin) and ``backward(residuals, ct) -> cotangents``
+    (recorded in the ``backward`` phase). Every hand-written derivative of the rewriter uses it,
+    so what it emits is attributed to the user's op and line."""
+    op, multiplier, phase = ctx.rec.capture()
+
+    @jax.custom_vjp
+    def f(*args):
+        return forward(*args)[0]
+
+    def f_fwd(*args):
+        with ctx.rec.origin(op, multiplier, phase):
+            return forward(*args)
+
+    def f_bwd(res, ct):
+        with ctx.rec.origin(op, multiplier, "backward"):
+            return backward(res, ct)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
 def _linear(ctx, x, forward, transpose):
     """Apply the linear map ``forward`` with backward ``transpose``, attributed to the current op."""
     if not _differentiable(x):
         return forward(x)
-    op, multiplier, phase = ctx.op, ctx.multiplier, ctx.phase
-
-    @jax.custom_vjp
-    def f(v):
-        return forward(v)
-
-    def f_fwd(v):  # jax may run this later (e.g. differentiating a scan body): same attribution
-        with ctx.origin(op, multiplier, phase):
-            return forward(v), None
-
-    def f_bwd(_, ct):
-        with ctx.origin(op, multiplier, "backward"):
-            return (transpose(ct),)
-
-    f.defvjp(f_fwd, f_bwd)
-    return f(x)
+    return attributed_vjp(ctx, lambda v: (forward(v), None), lambda _, ct: (transpose(ct),))(x)
 
 
 def _emit(ctx, kind, axes, v, primitive, tensor):
     """Run one collective under a unique name scope (so explain can match it to the compiled
     program and drop it if dead) and record it."""
-    tag = ctx.tag()
+    tag = ctx.rec.tag()
     with jax.named_scope(tag):
         out = primitive(v)
-    ctx.record(kind, axes, v, out, tensor, tag)
+    ctx.rec.record(kind, axes, v, out, tensor, tag)
     return out
 
 

@@ -19,8 +19,14 @@ from __future__ import annotations
 import html
 import math
 
+import jax
+
 from .cost import KINDS
-from .explain import _fmt_bytes, _fmt_flops
+from .explain import Report
+from .named import NamedArray
+from .tracing import current
+from .units import fmt_bytes as _fmt_bytes
+from .units import fmt_flops as _fmt_flops
 
 __all__ = ["KIND_COLORS", "Table", "named_array_html", "placement_of", "register_treescope", "report_html",
            "reports_table"]
@@ -43,9 +49,8 @@ def placement_of(x) -> dict | None:
     block shape, "pending": sorted axes of a pending sum}``. ``source`` is ``"rewriter"`` (inside
     ``md.lower``) or ``"sharding"`` (a global array with a jax ``NamedSharding``).
     """
-    arr = x._array
+    arr = x.raw
     if x.placement is not None:
-        from .context import current
         ctx = current()
         mesh = dict(ctx.mesh.shape) if getattr(ctx, "mesh", None) is not None else {}
         return {"source": "rewriter", "mesh": mesh, "axes": tuple(x.placement.axes),
@@ -62,7 +67,6 @@ def placement_of(x) -> dict | None:
 
 
 def _array_kind(arr) -> str:
-    import jax
     if isinstance(arr, jax.core.Tracer):
         return "traced"
     if isinstance(arr, jax.ShapeDtypeStruct):
@@ -76,7 +80,7 @@ def _array_kind(arr) -> str:
 
 def named_array_html(x) -> str:
     """A NamedArray as a small table: dims and sizes, dtype, parameter mark, placement if known."""
-    arr = x._array
+    arr = x.raw
     dtype = _esc(str(getattr(arr, "dtype", "?")))
     where = placement_of(x)
     badges = [f"<code>NamedArray</code> <b>{dtype}</b>"]
@@ -247,7 +251,6 @@ def register_treescope() -> bool:
         from treescope import ndarray_adapters, repr_lib, type_registries
     except ImportError:
         return False
-    from .named import NamedArray
 
     class NamedArrayAdapter(ndarray_adapters.NDArrayAdapter):
         """Delegates the data to the wrapped array's adapter; axes carry the dim names."""
@@ -255,29 +258,29 @@ def register_treescope() -> bool:
         @staticmethod
         def _inner(x):
             type_registries.update_registries_for_imports()  # treescope sets up jax's adapter lazily
-            return type_registries.lookup_ndarray_adapter(x._array)
+            return type_registries.lookup_ndarray_adapter(x.raw)
 
         def get_axis_info_for_array_data(self, array):
             return tuple(ndarray_adapters.NamedPositionalAxisInfo(i, d.name, d.size)
                          for i, d in enumerate(array.dims))
 
         def get_array_data_with_truncation(self, array, mask, edge_items_per_axis):
-            mask = mask._array if isinstance(mask, NamedArray) else mask
-            return self._inner(array).get_array_data_with_truncation(array._array, mask, edge_items_per_axis)
+            mask = mask.raw if isinstance(mask, NamedArray) else mask
+            return self._inner(array).get_array_data_with_truncation(array.raw, mask, edge_items_per_axis)
 
         def get_array_summary(self, array, fast):
             mark = " param" if array.is_param else ""
             return f"NamedArray {array.dtype}[{array.dims}]{mark}"
 
         def get_numpy_dtype(self, array):
-            return self._inner(array).get_numpy_dtype(array._array)
+            return self._inner(array).get_numpy_dtype(array.raw)
 
         def get_sharding_info_for_array_data(self, array):
-            return self._inner(array).get_sharding_info_for_array_data(array._array)
+            return self._inner(array).get_sharding_info_for_array_data(array.raw)
 
         def should_autovisualize(self, array):
             inner = self._inner(array)
-            return inner is not None and inner.should_autovisualize(array._array)
+            return inner is not None and inner.should_autovisualize(array.raw)
 
     def render(node, path, subtree_renderer):
         if not isinstance(node, NamedArray):
@@ -286,9 +289,14 @@ def register_treescope() -> bool:
         attributes = {"dims": str(node.dims), "is_param": node.is_param}
         if where is not None:
             attributes["split"] = {d.name: "+".join(a) for d, a in zip(node.dims, where["axes"]) if a}
-        attributes["array"] = node._array
+        attributes["array"] = node.raw
         return repr_lib.render_object_constructor(NamedArray, attributes, path, subtree_renderer)
 
     type_registries.NDARRAY_ADAPTER_REGISTRY[NamedArray] = NamedArrayAdapter()
     type_registries.TREESCOPE_HANDLER_REGISTRY[NamedArray] = render
     return True
+
+
+# Notebook views: installed here, so values and reports do not depend on the display layer.
+NamedArray._repr_html_ = named_array_html
+Report._repr_html_ = report_html

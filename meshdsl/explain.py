@@ -10,7 +10,8 @@ abstract shapes are fine, and an abstract mesh of any size works) and returns a 
 * matmul FLOPs per device and a memory estimate per device (:mod:`meshdsl.jaxpr_stats`).
 
 ``report.summary()`` has the same shape as ``hlo_comm``'s (kind -> count, bytes), so the two can be
-compared number for number. ``to_markdown()``, ``to_dict()`` and an HTML view for notebooks.
+compared number for number. ``to_markdown()``, ``to_dict()``; :mod:`meshdsl.display` adds an HTML
+view for notebooks.
 """
 
 from __future__ import annotations
@@ -20,22 +21,9 @@ import dataclasses
 from . import jaxpr_stats
 from .cost import KINDS
 from .lower import lower
+from .units import fmt_bytes, fmt_flops
 
 __all__ = ["explain", "Report"]
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_flops(n: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} FLOP"
 
 
 @dataclasses.dataclass
@@ -72,29 +60,25 @@ class Report:
     def _rows(self):
         for r in self.collectives:
             yield (r.phase, r.op, r.line, r.kind, "+".join(r.axes), "x".join(map(str, r.shape)) or "scalar",
-                   r.dtype, str(r.count), _fmt_bytes(r.total_bytes), r.tensor)
+                   r.dtype, str(r.count), fmt_bytes(r.total_bytes), r.tensor)
 
     _HEAD = ("phase", "op", "line", "kind", "axes", "local shape", "dtype", "count", "bytes/device", "what")
 
     def to_markdown(self) -> str:
         lines = [f"**mesh** {self.mesh} · **layout** `{self.layout}`", "",
-                 f"communication {_fmt_bytes(self.total_bytes)} per device · matmul {_fmt_flops(self.flops)} "
-                 f"per device · memory {_fmt_bytes(self.memory['peak'])} per device (arguments "
-                 f"{_fmt_bytes(self.memory['arguments'])}, outputs {_fmt_bytes(self.memory.get('outputs', 0))}, "
-                 f"temporaries {_fmt_bytes(self.memory['temporaries'])})", ""]
+                 f"communication {fmt_bytes(self.total_bytes)} per device · matmul {fmt_flops(self.flops)} "
+                 f"per device · memory {fmt_bytes(self.memory['peak'])} per device (arguments "
+                 f"{fmt_bytes(self.memory['arguments'])}, outputs {fmt_bytes(self.memory.get('outputs', 0))}, "
+                 f"temporaries {fmt_bytes(self.memory['temporaries'])})", ""]
         lines += ["| kind | count | bytes/device |", "| --- | ---: | ---: |"]
         for kind, row in self.summary().items():
-            lines.append(f"| {kind} | {row['count']} | {_fmt_bytes(row['bytes'])} |")
+            lines.append(f"| {kind} | {row['count']} | {fmt_bytes(row['bytes'])} |")
         if not self.collectives:
             lines.append("| (none) | 0 | 0 B |")
         if self.collectives:
             lines += ["", "| " + " | ".join(self._HEAD) + " |", "|" + " --- |" * len(self._HEAD)]
             lines += ["| " + " | ".join(row) + " |" for row in self._rows()]
         return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        from . import display
-        return display.report_html(self)
 
     def __str__(self) -> str:
         return self.to_markdown()
@@ -107,7 +91,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep") -> Report:
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
     kept = []
-    for r in ctx.records:  # as often as the program runs it: dead ones dropped, replays counted
+    for r in ctx.rec.records:  # as often as the program runs it: dead ones dropped, replays counted
         if runs[r.tag] == r.count:
             kept.append(r)
         elif runs[r.tag]:

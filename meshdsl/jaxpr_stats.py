@@ -20,6 +20,8 @@ from collections import Counter
 import numpy as np
 from jax.extend import core as jcore
 
+from .jaxcompat import dce
+
 __all__ = ["matmul_flops", "memory", "inner_body", "live", "name_scopes"]
 
 
@@ -140,9 +142,7 @@ def memory(jaxpr) -> dict:
 
 def live(jaxpr):
     """``jaxpr`` without the computations whose results are never used (as the compiler drops them)."""
-    from jax._src.interpreters import partial_eval as pe
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+    return dce(getattr(jaxpr, "jaxpr", jaxpr))
 
 
 def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter:

@@ -12,161 +12,28 @@
   lowered (``f.lower(*args)`` gives the jax ``Lowered``; ``.compile().as_text()`` the HLO).
 
 ``backend="explicit"`` (default) runs ``fn`` inside ``shard_map`` over every mesh axis with an
-:class:`~meshdsl.context.ExplicitContext`: the rewriter decides every collective. ``backend="gspmd"``
+:class:`~meshdsl.explicit.ExplicitContext`: the rewriter decides every collective. ``backend="gspmd"``
 runs ``fn`` on global arrays with one sharding constraint per op output and lets XLA decide: the
 baseline the explicit backend is measured against.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import collectives as C
-from .context import ExplicitContext, GspmdContext, using, varying_axes
 from .errors import LayoutError, MeshDSLError, MeshError, ShapeError, suggest
-from .layout import Layout, to_spec
+from .layout import Layout
 from .mesh import Mesh
-from .named import NamedArray, Placement
-from .placement import decide_gathers
+from .named import NamedArray, is_named
+from .param_gather import POLICIES
+from .program import Program
 
 __all__ = ["lower", "LoweredFunction", "place"]
 
 BACKENDS = ("explicit", "gspmd")
-PARAM_GATHER = ("keep", "regather", "auto")
-
-
-def _is_named(x) -> bool:
-    return isinstance(x, NamedArray)
-
-
-@dataclasses.dataclass
-class _Leaf:
-    named: bool
-    dims: object = None
-    is_param: bool = False
-    axes: tuple = ()
-    spec: PartitionSpec = PartitionSpec()
-
-
-class _Entry:
-    """One compiled variant: a fixed input structure, its placements, and the jitted function."""
-
-    def __init__(self, owner: LoweredFunction, treedef, leaves):
-        self.owner, self.treedef = owner, treedef
-        mesh, layout = owner.mesh, owner.layout
-        self.infos = []
-        for k, leaf in enumerate(leaves):
-            if _is_named(leaf):
-                axes = layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
-                                          what=f"argument {k} ({'parameter' if leaf.is_param else 'input'})")
-                self.infos.append(_Leaf(True, leaf.dims, leaf.is_param, axes, to_spec(axes)))
-            else:
-                self.infos.append(_Leaf(False))
-        self.out_specs: list = []
-        self.out_tree = None
-        self.out_templates: list = []
-        self.last_ctx = None
-        self.traces = 0
-        self.compiled = None
-        if not mesh.is_abstract:
-            self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
-            self.jitted = jax.jit(self.run, in_shardings=self.shardings)
-
-    # -- the traced program ----------------------------------------------------------------------
-
-    def run(self, *arrays):
-        self.traces += 1
-        owner = self.owner
-        if owner.backend == "gspmd":
-            return self._run_gspmd(arrays)
-        plan = self._gather_plan(arrays) if owner.param_gather == "auto" else None
-        return self._smap(functools.partial(self._body, gather_plan=plan), self.out_specs)(*arrays)
-
-    def _smap(self, body, out_specs):
-        """``body`` over local blocks; ``out_specs`` is a list the body fills while it is traced."""
-        return jax.shard_map(body, mesh=self.owner.mesh.jax_mesh, in_specs=tuple(i.spec for i in self.infos),
-                             out_specs=out_specs, check_vma=True)
-
-    def _gather_plan(self, arrays) -> list:
-        """``param_gather="auto"``: trace once (shapes only) to collect what gathering or not
-        gathering each stored parameter costs, and decide per parameter."""
-        probe, specs = [], []
-        smap = self._smap(functools.partial(self._body, probe=probe, out_specs=specs), specs)
-        jax.eval_shape(smap, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
-        return decide_gathers(probe)
-
-    def _args(self, arrays, explicit: bool):
-        leaves = [NamedArray(a, i.dims, is_param=i.is_param, placement=Placement(i.axes) if explicit else None)
-                  if i.named else a for a, i in zip(arrays, self.infos)]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-    def _body(self, *arrays, gather_plan=None, probe=None, out_specs=None):
-        owner = self.owner
-        ctx = ExplicitContext(owner.mesh, owner.layout, param_gather=owner.param_gather)
-        if probe is None:
-            self.last_ctx = ctx
-            ctx.gather_plan = None if gather_plan is None else list(gather_plan)
-        else:
-            ctx.gather_probe = probe
-        ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
-        ctx.param_axes = frozenset(a for i in self.infos if i.named and not i.is_param for ax in i.axes for a in ax)
-        with using(ctx):
-            out = owner.fn(*self._args(arrays, True))
-            leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_named)
-            results, specs, self.out_templates = [], [], []
-            ctx.op = ("output", "return value")
-            for k, leaf in enumerate(leaves):
-                if _is_named(leaf):
-                    axes = owner.layout.tensor_axes(leaf.dims, owner.mesh, storage=leaf.is_param,
-                                                    what=f"output {k}")
-                    results.append(finalize(ctx, leaf, axes))
-                    specs.append(to_spec(axes))
-                    self.out_templates.append((leaf.dims, leaf.is_param))
-                else:
-                    arr = jnp.asarray(leaf)
-                    if varying_axes(arr):
-                        raise LayoutError(
-                            f"output {k} is a plain jax array that differs between devices (it varies over "
-                            f"{sorted(varying_axes(arr))}); return NamedArrays so the layout can place them")
-                    results.append(arr)
-                    specs.append(PartitionSpec())
-                    self.out_templates.append(None)
-            ctx.op = None
-            _check_unused_rules(owner.layout, ctx.dims_seen)
-        ctx.tracing = False
-        if ctx.gather_plan:
-            raise AssertionError(f"internal: {len(ctx.gather_plan)} parameter-gather decisions left unused")
-        (self.out_specs if probe is None else out_specs)[:] = specs
-        return results
-
-    def _run_gspmd(self, arrays):
-        owner = self.owner
-        ctx = GspmdContext(owner.mesh, owner.layout)
-        ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
-        with using(ctx):
-            out = owner.fn(*self._args(arrays, False))
-            leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_named)
-            results, self.out_templates = [], []
-            for k, leaf in enumerate(leaves):
-                if _is_named(leaf):
-                    spec = owner.layout.spec(leaf.dims, owner.mesh, storage=leaf.is_param)
-                    results.append(jax.lax.with_sharding_constraint(
-                        leaf._array, NamedSharding(owner.mesh.jax_mesh, spec)))
-                    self.out_templates.append((leaf.dims, leaf.is_param))
-                else:
-                    results.append(jnp.asarray(leaf))
-                    self.out_templates.append(None)
-            _check_unused_rules(owner.layout, ctx.dims_seen)
-        return results
-
-    def rebuild(self, arrays):
-        leaves = [a if t is None else NamedArray(a, t[0], is_param=t[1]) for a, t in zip(arrays, self.out_templates)]
-        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+PARAM_GATHER = tuple(POLICIES)
 
 
 def _put(a, sharding):
@@ -177,31 +44,6 @@ def _put(a, sharding):
         return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(a), sharding),
                                         impl=jax.random.key_impl(a))
     return jax.device_put(a, sharding)
-
-
-def finalize(ctx, leaf, axes):
-    """``leaf``'s local block placed by ``axes``, pending sums reduced, and typed invariant
-    wherever it is replicated (a value equal on every device that jax types varying - computed from
-    parameters cast for a data-parallel op - is typed invariant with one all-reduce)."""
-    target = dict(zip(leaf.names, axes))
-    split = frozenset(a for ax in axes for a in ax)
-    arr = ctx.local(leaf, target, split)
-    extra = tuple(a for a in ctx.mesh.axis_names if a in varying_axes(arr) - split)
-    if extra:
-        arr = ctx.cached(arr, ("replicate", extra), lambda: C.replicate(
-            ctx, arr, extra, f"[{leaf.dims}] replicated value typed varying over {list(extra)}"))
-    return arr
-
-
-def _check_unused_rules(layout: Layout, seen: set) -> None:
-    """A rule for a dim the program never has is fine (a shared layout), unless it looks like a
-    typo of a dim the program has and the layout does not place: it would be silently ignored."""
-    unplaced = seen - layout.dim_names()
-    for dim in sorted(layout.dim_names() - seen):
-        hint = suggest(dim, unplaced, cutoff=0.8)
-        if hint:
-            raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
-                              f"fix the dim name in the layout")
 
 
 class LoweredFunction:
@@ -224,33 +66,33 @@ class LoweredFunction:
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.backend, self.param_gather = backend, param_gather
-        self._entries: dict = {}
+        self._programs: dict = {}  # input signature -> Program
 
-    def _entry(self, args):
-        leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_named)
+    def _program(self, args):
+        leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_named)
         sig = []
         for leaf in leaves:
-            if _is_named(leaf):
-                sig.append((leaf.dims, leaf.is_param, tuple(leaf._array.shape), str(leaf._array.dtype)))
+            if is_named(leaf):
+                sig.append((leaf.dims, leaf.is_param, tuple(leaf.raw.shape), str(leaf.raw.dtype)))
             else:
                 a = leaf if hasattr(leaf, "shape") else jnp.asarray(leaf)
                 sig.append((tuple(a.shape), str(a.dtype)))
         key = (treedef, tuple(sig))
-        entry = self._entries.get(key)
-        if entry is None:
+        prog = self._programs.get(key)
+        if prog is None:
             for k, leaf in enumerate(leaves):
-                if _is_named(leaf) and tuple(leaf._array.shape) != leaf.dims.sizes:
+                if is_named(leaf) and tuple(leaf.raw.shape) != leaf.dims.sizes:
                     raise ShapeError(f"md.lower: argument {k} [{leaf.dims}] holds an array of shape "
-                                     f"{tuple(leaf._array.shape)}; pass global arrays (the whole value)")
-            entry = self._entries[key] = _Entry(self, treedef, leaves)
-        return entry, leaves
+                                     f"{tuple(leaf.raw.shape)}; pass global arrays (the whole value)")
+            prog = self._programs[key] = Program(self, treedef, leaves)
+        return prog, leaves
 
-    def _arrays(self, entry, leaves, place: bool):
-        arrays = [leaf._array if _is_named(leaf) else leaf for leaf in leaves]
+    def _arrays(self, prog, leaves, place: bool):
+        arrays = [leaf.raw if is_named(leaf) else leaf for leaf in leaves]
         if not place:
             return arrays
         return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else _put(a, s)
-                for a, s in zip(arrays, entry.shardings)]
+                for a, s in zip(arrays, prog.shardings)]
 
     def _check_concrete(self, what: str):
         if self.mesh.is_abstract:
@@ -258,33 +100,33 @@ class LoweredFunction:
 
     def __call__(self, *args):
         self._check_concrete("run")
-        entry, leaves = self._entry(args)
-        arrays = self._arrays(entry, leaves, True)
+        prog, leaves = self._program(args)
+        arrays = self._arrays(prog, leaves, True)
         traced = any(isinstance(a, jax.core.Tracer) for a in arrays)
-        run = entry.jitted if traced or entry.compiled is None else entry.compiled
-        return entry.rebuild(run(*arrays))
+        run = prog.jitted if traced or prog.compiled is None else prog.compiled
+        return prog.rebuild(run(*arrays))
 
     def compile(self, *args):
         """The compiled executable for these arguments; later calls with them reuse it (no second
         compilation after inspecting the HLO)."""
         self._check_concrete("compiled")
-        entry, leaves = self._entry(args)
-        if entry.compiled is None:
-            entry.compiled = entry.jitted.lower(*self._arrays(entry, leaves, False)).compile()
-        return entry.compiled
+        prog, leaves = self._program(args)
+        if prog.compiled is None:
+            prog.compiled = prog.jitted.lower(*self._arrays(prog, leaves, False)).compile()
+        return prog.compiled
 
     def lower(self, *args):
         """The jax ``Lowered`` for these arguments (``.compile().as_text()`` is the HLO)."""
         self._check_concrete("lowered or run")
-        entry, leaves = self._entry(args)
-        return entry.jitted.lower(*self._arrays(entry, leaves, False))
+        prog, leaves = self._program(args)
+        return prog.jitted.lower(*self._arrays(prog, leaves, False))
 
     def trace(self, *args):
-        """Trace without compiling: ``(closed jaxpr, explicit context, entry)``."""
-        entry, leaves = self._entry(args)
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._arrays(entry, leaves, False)]
-        jaxpr = jax.make_jaxpr(entry.run)(*avals)
-        return jaxpr, entry.last_ctx, entry
+        """Trace without compiling: ``(closed jaxpr, explicit context, program)``."""
+        prog, leaves = self._program(args)
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._arrays(prog, leaves, False)]
+        jaxpr = jax.make_jaxpr(prog.run)(*avals)
+        return jaxpr, prog.last_ctx, prog
 
     def __repr__(self) -> str:
         return f"md.lower({getattr(self.fn, '__name__', self.fn)!r}, {self.mesh!r}, {self.layout!r}, backend={self.backend!r})"
@@ -309,10 +151,10 @@ def place(tree, mesh: Mesh, layout: Layout):
     layout.check_mesh(mesh)
 
     def put(leaf):
-        if _is_named(leaf):
+        if is_named(leaf):
             spec = layout.spec(leaf.dims, mesh, storage=leaf.is_param)
-            return NamedArray(jax.device_put(leaf._array, NamedSharding(mesh.jax_mesh, spec)), leaf.dims,
+            return NamedArray(jax.device_put(leaf.raw, NamedSharding(mesh.jax_mesh, spec)), leaf.dims,
                               is_param=leaf.is_param)
         return jax.device_put(leaf, NamedSharding(mesh.jax_mesh, PartitionSpec()))
 
-    return jax.tree_util.tree_map(put, tree, is_leaf=_is_named)
+    return jax.tree_util.tree_map(put, tree, is_leaf=is_named)

@@ -7,7 +7,9 @@ and which axes hold pending partial sums). ``md.param`` marks parameters: the ma
 data, so ``jax.grad`` and optax updates carry it, and the storage layout follows it.
 
 NamedArray is a jax pytree: its only child is the array; dims, the parameter mark and the placement
-are static. Operators (``+``, ``*``, ``-x``, comparisons) broadcast by name through :mod:`meshdsl.ops`.
+are static. Operators (``+``, ``*``, ``-x``, comparisons) broadcast by name: :mod:`meshdsl.ops`
+installs them. Inside ``md.lower``, ``md.named`` makes a *whole* value (the same on every device);
+the active context (:mod:`meshdsl.tracing`) places it, and refuses a device's local block.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import numpy as np
 
 from .dims import Dim, Shape, parse_dims
 from .errors import ShapeError, user_line
+from .tracing import current
 
-__all__ = ["NamedArray", "Placement", "named", "param"]
+__all__ = ["NamedArray", "Placement", "named", "param", "is_named"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,24 +78,16 @@ class NamedArray:
         current placement, typed exactly: a pending partial sum is reduced first, and a value equal
         on every device of an axis is typed invariant there - so ``jax.grad`` of a scalar loss's
         ``.array`` counts the loss once, not once per device."""
-        placement = self.placement
-        if placement is None:
-            return self._array
-        from .context import current
         ctx = current()
-        if not ctx.explicit:
+        if self.placement is None or ctx is None:
             return self._array
-        from .lower import finalize
-        saved = ctx.op
-        ctx.op = saved or ("array", "x.array")
-        try:
-            return finalize(ctx, self, placement.axes)
-        finally:
-            ctx.op = saved
+        return ctx.read(self)
 
-    @array.setter
-    def array(self, value):
-        self._array = value
+    @property
+    def raw(self):
+        """The array as stored, for lowering rules: the global value outside ``md.lower``; inside,
+        this device's block as it is (pending partial sums not yet reduced)."""
+        return self._array
 
     # -- descriptive properties ------------------------------------------------------------------
 
@@ -120,89 +115,14 @@ class NamedArray:
     def dim(self, name: str) -> Dim:
         return self.dims[name]
 
-    def astype(self, dtype) -> NamedArray:
-        from . import ops
-        return ops.astype(self, dtype)
-
     def __repr__(self) -> str:
         dt = getattr(self._array, "dtype", "?")
         mark = ", param" if self.is_param else ""
         where = f", {self.placement.describe(self.dims)}" if self.placement is not None else ""
         return f"NamedArray({dt}[{self.dims}]{mark}{where})"
 
-    def _repr_html_(self) -> str:
-        from . import display
-        return display.named_array_html(self)
-
-    # -- operators (broadcast by name) -----------------------------------------------------------
-
-    def __add__(self, other):
-        from . import ops
-        return ops.add(self, other)
-
-    def __radd__(self, other):
-        from . import ops
-        return ops.add(other, self)
-
-    def __sub__(self, other):
-        from . import ops
-        return ops.subtract(self, other)
-
-    def __rsub__(self, other):
-        from . import ops
-        return ops.subtract(other, self)
-
-    def __mul__(self, other):
-        from . import ops
-        return ops.multiply(self, other)
-
-    def __rmul__(self, other):
-        from . import ops
-        return ops.multiply(other, self)
-
-    def __truediv__(self, other):
-        from . import ops
-        return ops.divide(self, other)
-
-    def __rtruediv__(self, other):
-        from . import ops
-        return ops.divide(other, self)
-
-    def __pow__(self, other):
-        from . import ops
-        return ops.power(self, other)
-
-    def __neg__(self):
-        from . import ops
-        return ops.negative(self)
-
-    def __lt__(self, other):
-        from . import ops
-        return ops.less(self, other)
-
-    def __le__(self, other):
-        from . import ops
-        return ops.less_equal(self, other)
-
-    def __gt__(self, other):
-        from . import ops
-        return ops.greater(self, other)
-
-    def __ge__(self, other):
-        from . import ops
-        return ops.greater_equal(self, other)
-
-    def __and__(self, other):
-        from . import ops
-        return ops.logical_and(self, other)
-
-    def __or__(self, other):
-        from . import ops
-        return ops.logical_or(self, other)
-
-    def __invert__(self):
-        from . import ops
-        return ops.logical_not(self)
+    # Operators (+, *, -x, <, &, ...) and astype() broadcast by name: meshdsl.ops installs them,
+    # as jax installs its array methods. display installs _repr_html_.
 
     __hash__ = object.__hash__  # identity: == is not overloaded (use md.equal)
 
@@ -221,6 +141,11 @@ def _unflatten(aux, children):
 
 
 jax.tree_util.register_pytree_with_keys(NamedArray, _flatten_with_keys, _unflatten, _flatten)
+
+
+def is_named(x) -> bool:
+    """Is ``x`` a NamedArray? (the ``is_leaf`` of pytree walks that stop at NamedArrays)"""
+    return isinstance(x, NamedArray)
 
 
 def named(array, dims, *, is_param: bool = False) -> NamedArray:
@@ -251,12 +176,9 @@ def named(array, dims, *, is_param: bool = False) -> NamedArray:
         dims_ = Shape(out_dims)
     except ShapeError as e:
         raise ShapeError(f"{where}: {e}") from None
-    from .context import current
     ctx = current()
-    if ctx.explicit:  # a tensor made inside md.lower must fit the layout too
-        ctx.layout.tensor_axes(dims_, ctx.mesh, what=where)
-        ctx.dims_seen.update(dims_.names)
-    return NamedArray(array, dims_, is_param=is_param, placement=ctx.whole_placement(dims_))
+    placement = None if ctx is None else ctx.adopt(array, dims_, where)
+    return NamedArray(array, dims_, is_param=is_param, placement=placement)
 
 
 def param(x: NamedArray) -> NamedArray:

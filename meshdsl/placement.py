@@ -13,13 +13,9 @@ Rule of thumb, applied by every op the same way so that communication is predict
    the layout places both claim it (only possible inside an op, e.g. a contracted and a kept dim
    of an einsum), the op's ``prefer`` order decides and the others are left whole on that axis.
 
-5. A parameter stored split (``params=`` rules) is all-gathered where an op needs it whole. With
-   ``md.lower(..., param_gather="auto")`` it is gathered only where that moves fewer bytes than
-   leaving it as stored and moving the other operands and the result (:func:`stationary`): a tied
-   embedding [vocab, d_model] stored ``d_model:data`` is not gathered for the lookup of a small
-   batch's tokens or for its logits; the ids are gathered, the rows move with one all-to-all and
-   the logits are reduce-scattered. The op still returns its result where rules 1-4 put it, so
-   what follows does not change.
+5. A parameter stored split (``params=`` rules) is all-gathered where an op needs it whole; the
+   ``param_gather`` policy (:mod:`meshdsl.param_gather`) may instead leave it where it is stored
+   and move the other operands and the result.
 
 Operands are then relaid (:mod:`meshdsl.relayout`) to the chosen placement. A value keeps its
 current placement as long as no op needs it elsewhere; at the end of ``md.lower`` every output is
@@ -30,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["plan", "stationary"]
+__all__ = ["plan"]
 
 
 def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False) -> dict[str, tuple]:
@@ -86,58 +82,3 @@ def _gather_bytes(ctx, x, name, target) -> float:
     lost = [a for a in have if a not in target]
     local = x.size * x.dtype.itemsize / max(1, ctx.axes_size(ctx.placement(x).split_axes()))
     return (ctx.axes_size(lost) - 1) * local
-
-
-def stationary(ctx, dims, operands, axes, result_bytes):
-    """A plan for an op over ``dims`` that leaves the parameters ``axes`` would gather where they
-    are stored, or ``None`` to gather them.
-
-    Dims of the parameters keep their stored split; other dims give up the mesh axes those use.
-    ``result_bytes(alt)``: bytes to bring the op's result from plan ``alt`` to where ``axes``
-    puts it. Backward passes mirror forward ones (gather / reduce-scatter, all-to-all both ways),
-    so comparing forward bytes compares the step.
-
-    A gathered parameter is reused by every later op that reads it, so the choice is made per
-    parameter, not per op: ``md.lower`` first traces the program once to collect, for every
-    such op, the bytes of gathering and of staying (``ctx.gather_probe``), then decides per
-    parameter (:func:`decide_gathers`) and traces again following the decisions
-    (``ctx.gather_plan``, consumed in program order)."""
-    from .relayout import needs_gather, relayout_bytes
-    params = [x for x in operands if x.is_param and needs_gather(ctx, x, axes)]
-    if not params:
-        return None
-    alt = dict(axes)
-    fixed = {}
-    for p in params:
-        for d, held in zip(p.dims, ctx.placement(p).axes):
-            if fixed.setdefault(d.name, held) != held:
-                return None  # two parameters stored differently: no single stationary plan
-            alt[d.name] = held
-    used = {a for held in fixed.values() for a in held}
-    for name, held in alt.items():
-        if name not in fixed:
-            cut = next((i for i, a in enumerate(held) if a in used), len(held))
-            alt[name] = held[:cut]
-    if ctx.gather_plan is not None:
-        return None if ctx.gather_plan.pop(0) else alt
-
-    def moved(x, p):
-        return relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, frozenset(),
-                              tuple(p.get(d.name, ()) for d in x.dims))
-
-    others = [x for x in operands if not any(x is q for q in params)]
-    gather = sum(moved(x, axes) * ctx.executions_of(x._array) for x in params)
-    stay = (sum(moved(x, alt) for x in operands) + result_bytes(alt) - sum(moved(x, axes) for x in others))
-    ctx.gather_probe.append((frozenset(id(x._array) for x in params), gather, stay * ctx.multiplier))
-    return None if gather <= stay * ctx.multiplier else alt
-
-
-def decide_gathers(probe) -> list[bool]:
-    """Per decision point of a probe trace: gather (True) or stay (False). A parameter (group of
-    parameters read together) is gathered once for all its ops, or stays for all of them."""
-    total = defaultdict(float)
-    gather = defaultdict(float)
-    for key, g, stay in probe:
-        total[key] += stay
-        gather[key] = max(gather[key], g)
-    return [gather[key] <= total[key] for key, _, _ in probe]

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from .cost import KINDS
 from .dims import Dim, Shape, parse_dims
 from .display import KIND_COLORS
 from .errors import ShapeError
@@ -156,8 +157,6 @@ def plot_placement(x_or_dims, mesh, layout, *, storage: bool | None = None, titl
     its block and labelled with its device id and index ranges (labels only up to ``max_labels``
     devices). ``tensor=False`` leaves out the tensor panel; ``cell``: inches per device.
     """
-    from matplotlib.patches import Rectangle
-
     dims, mesh_, layout_ = _as_dims(x_or_dims), _as_mesh(mesh), _as_layout(layout)
     if storage is None:
         storage = isinstance(x_or_dims, NamedArray) and x_or_dims.is_param
@@ -168,7 +167,6 @@ def plot_placement(x_or_dims, mesh, layout, *, storage: bool | None = None, titl
     names, sizes = list(mesh_.shape), list(mesh_.shape.values())
     if len(names) == 1:
         names, sizes = ["", *names], [1, *sizes]
-    lead_names = names[:-2]
     ri, ci = len(names) - 2, len(names) - 1          # coordinates drawn as rows and columns
     if sizes[ri] > 16 and sizes[ri] > sizes[ci]:      # a long first axis reads better across
         ri, ci = ci, ri
@@ -191,45 +189,72 @@ def plot_placement(x_or_dims, mesh, layout, *, storage: bool | None = None, titl
 
     if show_tensor:
         _draw_tensor(fig.add_subplot(grid[0, 0]), dims, axes, split, blocks, color, mesh_)
+    geometry = _Grid(names, ri, ci, n_rows, n_cols, offset, cell, fontsize, labels)
     for k, lead in enumerate(panels):
-        ax = fig.add_subplot(grid[0, k + int(show_tensor)])
-        for b in blocks:
-            coords = (0,) * offset + b.coords
-            if lead_names and coords[:len(lead_names)] != lead:
-                continue
-            r, c = coords[ri], coords[ci]
-            ax.add_patch(Rectangle((c, r), 1, 1, facecolor=color[b.block_id], edgecolor="white",
-                                   lw=1.5 if cell > 0.3 else 0.3))
-            if labels:
-                ax.text(c + 0.5, r + 0.5, _block_text(dims, axes, b), ha="center", va="center",
-                        fontsize=fontsize, color="black",
-                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.75))
-        ax.set_xlim(0, n_cols), ax.set_ylim(n_rows, 0), ax.set_aspect("equal")
-        step_c, step_r = max(1, n_cols // 16), max(1, n_rows // 16)
-        ax.set_xticks([i + 0.5 for i in range(0, n_cols, step_c)], [str(i) for i in range(0, n_cols, step_c)])
-        ax.set_yticks([i + 0.5 for i in range(0, n_rows, step_r)], [str(i) for i in range(0, n_rows, step_r)])
-        ax.tick_params(length=0, labelsize=8)
-        ax.xaxis.set_label_position("top"), ax.xaxis.tick_top()
-        ax.set_xlabel(f"mesh axis {names[ci]} ({n_cols})")
-        if names[ri]:
-            ax.set_ylabel(f"mesh axis {names[ri]} ({n_rows})")
-        else:
-            ax.set_yticks([])
-        if lead_names:
-            ax.set_title(", ".join(f"{a} = {i}" for a, i in zip(lead_names, lead)), fontsize=9, y=-0.12, pad=-4)
-        for spine in ax.spines.values():
-            spine.set_visible(False)
+        _draw_devices(fig.add_subplot(grid[0, k + int(show_tensor)]), lead, geometry, blocks, color, dims, axes)
 
+    fig.suptitle(_placement_title(dims, axes, blocks, len(ids), mesh_, storage, title), fontsize=10)
+    return fig
+
+
+@dataclasses.dataclass
+class _Grid:
+    """How the mesh is drawn: which mesh axes are rows and columns, and the sizes of things."""
+
+    names: list
+    ri: int
+    ci: int
+    n_rows: int
+    n_cols: int
+    offset: int
+    cell: float
+    fontsize: float
+    labels: bool
+
+
+def _draw_devices(ax, lead, g: _Grid, blocks, color, dims, axes):
+    """One panel of the device grid (one index of the leading mesh axes)."""
+    from matplotlib.patches import Rectangle
+
+    lead_names = g.names[:-2]
+    for b in blocks:
+        coords = (0,) * g.offset + b.coords
+        if lead_names and coords[:len(lead_names)] != lead:
+            continue
+        r, c = coords[g.ri], coords[g.ci]
+        ax.add_patch(Rectangle((c, r), 1, 1, facecolor=color[b.block_id], edgecolor="white",
+                               lw=1.5 if g.cell > 0.3 else 0.3))
+        if g.labels:
+            ax.text(c + 0.5, r + 0.5, _block_text(dims, axes, b), ha="center", va="center",
+                    fontsize=g.fontsize, color="black",
+                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.75))
+    ax.set_xlim(0, g.n_cols), ax.set_ylim(g.n_rows, 0), ax.set_aspect("equal")
+    step_c, step_r = max(1, g.n_cols // 16), max(1, g.n_rows // 16)
+    ax.set_xticks([i + 0.5 for i in range(0, g.n_cols, step_c)], [str(i) for i in range(0, g.n_cols, step_c)])
+    ax.set_yticks([i + 0.5 for i in range(0, g.n_rows, step_r)], [str(i) for i in range(0, g.n_rows, step_r)])
+    ax.tick_params(length=0, labelsize=8)
+    ax.xaxis.set_label_position("top"), ax.xaxis.tick_top()
+    ax.set_xlabel(f"mesh axis {g.names[g.ci]} ({g.n_cols})")
+    if g.names[g.ri]:
+        ax.set_ylabel(f"mesh axis {g.names[g.ri]} ({g.n_rows})")
+    else:
+        ax.set_yticks([])
+    if lead_names:
+        ax.set_title(", ".join(f"{a} = {i}" for a, i in zip(lead_names, lead)), fontsize=9, y=-0.12, pad=-4)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def _placement_title(dims, axes, blocks, n_ids, mesh, storage, title) -> str:
     used = {a for ax in axes for a in ax}
-    replicated = [a for a in mesh_.shape if a not in used]
+    replicated = [a for a in mesh.shape if a not in used]
     rule = ", ".join(f"{d.name}->{'+'.join(ax)}" for d, ax in zip(dims, axes) if ax) or "replicated"
-    copies = len(blocks) // len(ids)
-    sub = f"{len(ids)} block{'s' * (len(ids) > 1)}, {copies} cop{'ies' if copies > 1 else 'y'} each"
+    copies = len(blocks) // n_ids
+    sub = f"{n_ids} block{'s' * (n_ids > 1)}, {copies} cop{'ies' if copies > 1 else 'y'} each"
     if replicated:
         sub += f" (replicated over {', '.join(replicated)})"
-    head = title or f"[{dims}]{' stored (params rules)' if storage else ''} on mesh {mesh_}"
-    fig.suptitle(f"{head}\n{rule}  ·  {sub}", fontsize=10)
-    return fig
+    head = title or f"[{dims}]{' stored (params rules)' if storage else ''} on mesh {mesh}"
+    return f"{head}\n{rule}  ·  {sub}"
 
 
 def _draw_tensor(ax, dims, axes, split, blocks, color, mesh):
@@ -306,8 +331,6 @@ def plot_reports(reports, *, measured=None, log: bool = False, title: str | None
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    from .cost import KINDS
-
     groups = {k: v for k, v in reports.items()} if all(isinstance(v, dict) for v in reports.values()) \
         else {None: reports}
     measured = measured or {}
@@ -318,47 +341,7 @@ def plot_reports(reports, *, measured=None, log: bool = False, title: str | None
     grid = fig.subplots(len(groups), 3, squeeze=False)
     kinds_seen = set()
     for row, (group, reps) in zip(grid, groups.items()):
-        names = list(reps)
-        x = np.arange(len(names))
-        summaries = [reps[n].summary() for n in names]
-        meas = {n: _measured_bytes(m) for n, m in (measured.get(group) or {}).items()}
-        unit, scale = _unit([reps[n].total_bytes for n in names] + [sum(m.values()) for m in meas.values()], "bytes")
-        bottom = np.zeros(len(names))
-        for kind in KINDS:
-            vals = np.array([s.get(kind, {}).get("bytes", 0.0) for s in summaries]) / scale
-            if vals.any():
-                kinds_seen.add(kind)
-                row[0].bar(x, vals, bottom=bottom, color=KIND_COLORS[kind])
-                bottom += vals
-        for i, n in enumerate(names):
-            if n in meas:
-                row[0].plot([i], [sum(meas[n].values()) / scale], marker="D", color="black", ms=5, ls="none")
-        _annotate(row[0], x, bottom)
-        row[0].set_ylabel(f"bytes moved / device ({unit})" + (f"\n{group}" if group is not None else ""))
-
-        mem_unit, mem_scale = _unit([reps[n].memory["peak"] for n in names], "bytes")
-        args = np.array([reps[n].memory["arguments"] for n in names]) / mem_scale
-        temps = np.array([reps[n].memory["temporaries"] + reps[n].memory.get("outputs", 0) for n in names]) / mem_scale
-        row[1].bar(x, args, color="#9d9d9d")
-        row[1].bar(x, temps, bottom=args, color="#72b7b2")
-        _annotate(row[1], x, args + temps)
-        row[1].set_ylabel(f"memory / device ({mem_unit})")
-
-        f_unit, f_scale = _unit([reps[n].flops for n in names], "flops")
-        flops = np.array([reps[n].flops for n in names]) / f_scale
-        row[2].bar(x, flops, color="#eeca3b")
-        _annotate(row[2], x, flops)
-        row[2].set_ylabel(f"matmul / device ({f_unit})")
-        for ax in row:
-            ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-            ax.tick_params(axis="y", labelsize=8)
-            ax.spines[["top", "right"]].set_visible(False)
-            if log:
-                ax.set_yscale("log")
-                low, high = ax.get_ylim()
-                ax.set_ylim(low, high * 2.5)
-            else:
-                ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+        _plot_group(row, group, reps, measured.get(group) or {}, log, kinds_seen)
     for ax, name in zip(grid[0], ("communication", "memory (peak)", "compute")):
         ax.set_title(name, fontsize=10)
     handles = [Patch(color=KIND_COLORS[k], label=k) for k in KINDS if k in kinds_seen]
@@ -369,6 +352,51 @@ def plot_reports(reports, *, measured=None, log: bool = False, title: str | None
     if title:
         fig.suptitle(title, fontsize=11)
     return fig
+
+
+def _plot_group(row, group, reps, measured, log, kinds_seen):
+    """One row of :func:`plot_reports`: bytes by kind (and measured markers), memory, FLOPs."""
+    names = list(reps)
+    x = np.arange(len(names))
+    summaries = [reps[n].summary() for n in names]
+    meas = {n: _measured_bytes(m) for n, m in measured.items()}
+    unit, scale = _unit([reps[n].total_bytes for n in names] + [sum(m.values()) for m in meas.values()], "bytes")
+    bottom = np.zeros(len(names))
+    for kind in KINDS:
+        vals = np.array([s.get(kind, {}).get("bytes", 0.0) for s in summaries]) / scale
+        if vals.any():
+            kinds_seen.add(kind)
+            row[0].bar(x, vals, bottom=bottom, color=KIND_COLORS[kind])
+            bottom += vals
+    for i, n in enumerate(names):
+        if n in meas:
+            row[0].plot([i], [sum(meas[n].values()) / scale], marker="D", color="black", ms=5, ls="none")
+    _annotate(row[0], x, bottom)
+    row[0].set_ylabel(f"bytes moved / device ({unit})" + (f"\n{group}" if group is not None else ""))
+
+    mem_unit, mem_scale = _unit([reps[n].memory["peak"] for n in names], "bytes")
+    args = np.array([reps[n].memory["arguments"] for n in names]) / mem_scale
+    temps = np.array([reps[n].memory["temporaries"] + reps[n].memory.get("outputs", 0) for n in names]) / mem_scale
+    row[1].bar(x, args, color="#9d9d9d")
+    row[1].bar(x, temps, bottom=args, color="#72b7b2")
+    _annotate(row[1], x, args + temps)
+    row[1].set_ylabel(f"memory / device ({mem_unit})")
+
+    f_unit, f_scale = _unit([reps[n].flops for n in names], "flops")
+    flops = np.array([reps[n].flops for n in names]) / f_scale
+    row[2].bar(x, flops, color="#eeca3b")
+    _annotate(row[2], x, flops)
+    row[2].set_ylabel(f"matmul / device ({f_unit})")
+    for ax in row:
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+        if log:
+            ax.set_yscale("log")
+            low, high = ax.get_ylim()
+            ax.set_ylim(low, high * 2.5)
+        else:
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
 
 
 def _annotate(ax, x, tops):

@@ -24,9 +24,10 @@ activation relay it once, and its cotangent is reduced once.
 from __future__ import annotations
 
 from . import collectives as C
-from .context import varying_axes
+from .cost import moved_bytes
+from .jaxcompat import varying_axes
 
-__all__ = ["relayout", "relayout_bytes"]
+__all__ = ["relayout", "relayout_bytes", "needs_gather"]
 
 
 def relayout(ctx, x, target, vary, keep_pending):
@@ -34,95 +35,108 @@ def relayout(ctx, x, target, vary, keep_pending):
     outside ``keep_pending`` resolved, and typed varying over ``vary``."""
     src = ctx.placement(x)
     vary = vary | {a for axes in target for a in axes} | (src.pending & keep_pending)
-    if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x._array):
-        return x._array
+    if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x.raw):
+        return x.raw
     key = ("relayout", src, tuple(target), vary, keep_pending)
-    return ctx.cached(x._array, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
+    return ctx.cached(x.raw, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
 
 
 def _relayout(ctx, x, src, target, vary, keep_pending):
-    arr = x._array
-    cur = [list(axes) for axes in src.axes]
-    pend = set(src.pending) - set(keep_pending)
-    names = x.names
-    source = ctx.made_by(x._array)
-    shape_txt = f"[{x.dims}]" + (f" from {source}" if source else "")
+    move = _Move(ctx, x, src, target, vary, keep_pending)
+    move.slice_free_axes()     # 1. local slices possible now: less data for everything after
+    move.reduce_pending()      # 2. pending sums: reduce-scatter onto a dim that takes the axis, else psum
+    move.move_splits()         # 3. splits that must leave a dim: all-to-all, else all-gather
+    move.slice_free_axes()     # 4. the remaining local slices
+    assert [tuple(c) for c in move.cur] == list(target), (move.cur, target)
+    # 5. Type the block as varying over every axis the consuming op varies over.
+    return C.cast(ctx, move.arr, tuple(a for a in ctx.mesh.axis_names if a in vary), move.shape_txt)
 
-    def owner(a):
-        for i, axes in enumerate(cur):
+
+class _Move:
+    """The state of one relayout: the block so far and the axes each dim is split over now."""
+
+    def __init__(self, ctx, x, src, target, vary, keep_pending):
+        self.ctx, self.arr, self.target, self.vary = ctx, x.raw, target, vary
+        self.keep_pending = keep_pending
+        self.cur = [list(axes) for axes in src.axes]
+        self.pend = set(src.pending) - set(keep_pending)
+        self.names = x.names
+        source = ctx.made_by(x.raw)
+        self.shape_txt = f"[{x.dims}]" + (f" from {source}" if source else "")
+
+    def owner(self, a):
+        for i, axes in enumerate(self.cur):
             if a in axes:
                 return i
         return None
 
-    def next_axis(i):
+    def next_axis(self, i):
         """The axis dim ``i`` gains next, if its current axes are a prefix of its target."""
-        k = len(cur[i])
-        if cur[i] == list(target[i][:k]) and k < len(target[i]):
-            return target[i][k]
+        k = len(self.cur[i])
+        if self.cur[i] == list(self.target[i][:k]) and k < len(self.target[i]):
+            return self.target[i][k]
         return None
 
-    def slice_free_axes():
-        nonlocal arr
+    def slice_free_axes(self):
         progress = True
         while progress:
             progress = False
-            for i in range(len(cur)):
-                a = next_axis(i)
-                if a is not None and owner(a) is None and a not in pend and a not in keep_pending:
-                    arr = C.take_block(ctx, arr, (a,), i, f"{shape_txt} slice {names[i]}")
-                    cur[i].append(a)
+            for i in range(len(self.cur)):
+                a = self.next_axis(i)
+                if a is not None and self.owner(a) is None and a not in self.pend and a not in self.keep_pending:
+                    self.arr = C.take_block(self.ctx, self.arr, (a,), i, f"{self.shape_txt} slice {self.names[i]}")
+                    self.cur[i].append(a)
                     progress = True
 
-    # 1. Local slices that are possible now: less data for everything after.
-    slice_free_axes()
+    def reduce_pending(self):
+        """Reduce-scatter onto a dim that needs the axis next, else all-reduce."""
+        for i in range(len(self.cur)):
+            run = []
+            k = len(self.cur[i])
+            if self.cur[i] == list(self.target[i][:k]):
+                while (k < len(self.target[i]) and self.target[i][k] in self.pend
+                       and self.owner(self.target[i][k]) is None):
+                    run.append(self.target[i][k])
+                    k += 1
+            if run:
+                self.arr = C.psum_scatter(self.ctx, self.arr, tuple(run), i,
+                                          f"{self.shape_txt} reduce-scatter onto {self.names[i]}")
+                self.cur[i].extend(run)
+                self.pend -= set(run)
+        if self.pend:
+            rest = tuple(a for a in self.ctx.mesh.axis_names if a in self.pend)
+            self.arr = C.psum(self.ctx, self.arr, rest, f"{self.shape_txt} pending sum")
+            self.pend.clear()
 
-    # 2. Pending sums: reduce-scatter onto a dim that needs the axis next, else all-reduce.
-    for i in range(len(cur)):
-        run = []
-        k = len(cur[i])
-        if cur[i] == list(target[i][:k]):
-            while k < len(target[i]) and target[i][k] in pend and owner(target[i][k]) is None:
-                run.append(target[i][k])
-                k += 1
-        if run:
-            arr = C.psum_scatter(ctx, arr, tuple(run), i, f"{shape_txt} reduce-scatter onto {names[i]}")
-            cur[i].extend(run)
-            pend -= set(run)
-    if pend:
-        rest = tuple(a for a in ctx.mesh.axis_names if a in pend)
-        arr = C.psum(ctx, arr, rest, f"{shape_txt} pending sum")
-        pend.clear()
+    def move_splits(self):
+        """All-to-all where another dim takes the axis next, else gather."""
+        for i in range(len(self.cur)):
+            while self.cur[i] != list(self.target[i][:len(self.cur[i])]):
+                a = self.cur[i][-1]
+                dest = next((j for j in range(len(self.cur)) if j != i and self.next_axis(j) == a), None)
+                if dest is not None:
+                    self.arr = C.all_to_all(self.ctx, self.arr, (a,), dest, i,
+                                            f"{self.shape_txt} move {a} {self.names[i]}->{self.names[dest]}")
+                    self.cur[i].pop()
+                    self.cur[dest].append(a)
+                else:
+                    self.gather_trailing(i)
 
-    # 3. Splits that must leave a dim: all-to-all where another dim takes the axis next, else gather.
-    for i in range(len(cur)):
-        while cur[i] != list(target[i][:len(cur[i])]):
-            a = cur[i][-1]
-            dest = next((j for j in range(len(cur)) if j != i and next_axis(j) == a), None)
-            if dest is not None:
-                arr = C.all_to_all(ctx, arr, (a,), dest, i, f"{shape_txt} move {a} {names[i]}->{names[dest]}")
-                cur[i].pop()
-                cur[dest].append(a)
-                continue
-            # Gather the longest run of trailing axes that nobody takes next, in one collective.
-            p = 0
-            while p < len(cur[i]) and p < len(target[i]) and cur[i][p] == target[i][p]:
-                p += 1
-            run = cur[i][p:]
-            while len(run) > 1 and any(next_axis(j) == run[0] for j in range(len(cur)) if j != i):
-                run = run[1:]
-            # A run whose axes differ in type (one varying, one not) is gathered axis by axis.
-            if len({a in vary for a in run}) > 1:
-                run = run[-1:]
-            arr = C.all_gather(ctx, arr, tuple(run), i, invariant=run[0] not in vary,
-                               tensor=f"{shape_txt} gather {names[i]}")
-            del cur[i][len(cur[i]) - len(run):]
-
-    # 4. The remaining local slices.
-    slice_free_axes()
-    assert [tuple(c) for c in cur] == list(target), (cur, target)
-
-    # 5. Type the block as varying over every axis the consuming op varies over.
-    return C.cast(ctx, arr, tuple(a for a in ctx.mesh.axis_names if a in vary), f"{shape_txt}")
+    def gather_trailing(self, i):
+        """Gather the longest run of trailing axes of dim ``i`` that nobody takes next, in one
+        collective (axis by axis where their types differ: one varying, one not)."""
+        cur, target = self.cur[i], self.target[i]
+        p = 0
+        while p < len(cur) and p < len(target) and cur[p] == target[p]:
+            p += 1
+        run = cur[p:]
+        while len(run) > 1 and any(self.next_axis(j) == run[0] for j in range(len(self.cur)) if j != i):
+            run = run[1:]
+        if len({a in self.vary for a in run}) > 1:
+            run = run[-1:]
+        self.arr = C.all_gather(self.ctx, self.arr, tuple(run), i, invariant=run[0] not in self.vary,
+                                tensor=f"{self.shape_txt} gather {self.names[i]}")
+        del cur[len(cur) - len(run):]
 
 
 def needs_gather(ctx, x, axes_by_name) -> bool:
@@ -135,7 +149,6 @@ def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pend
     """Estimated bytes one device moves to relay a tensor of ``dims`` from ``src_axes`` (axes per
     dim, with pending sums ``src_pending``) to ``target`` (axes per dim), keeping ``keep_pending``.
     Used to choose between plans before emitting anything (ring formulas of :mod:`meshdsl.cost`)."""
-    from .cost import moved_bytes
     total = itemsize
     for d in dims:
         total *= d.size

@@ -61,7 +61,7 @@ def latest_step(directory: str) -> int | None:
 
 def _spec(x: NamedArray, mesh, layout) -> PartitionSpec:
     """The layout's spec for ``x``; for a reduced optimizer statistic, that of the dims it kept."""
-    shape = tuple(x._array.shape)
+    shape = tuple(x.raw.shape)
     if shape == x.dims.sizes:
         return layout.spec(x.dims, mesh, storage=x.is_param)
     if len(shape) == len(x.dims) - 1:
@@ -86,7 +86,7 @@ def abstract_like(tree, mesh, layout):
     """``tree`` as ShapeDtypeStructs carrying the shardings ``layout`` gives on ``mesh``."""
     def leaf(x):
         spec = _spec(x, mesh, layout) if _is_named(x) else PartitionSpec()
-        arr = x._array if _is_named(x) else x
+        arr = x.raw if _is_named(x) else x
         struct = jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=NamedSharding(mesh.jax_mesh, spec))
         return NamedArray(struct, x.dims, is_param=x.is_param) if _is_named(x) else struct
     return jax.tree_util.tree_map(leaf, tree, is_leaf=_is_named)

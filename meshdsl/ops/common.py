@@ -14,6 +14,7 @@ __all__ = ["where_", "as_named", "union_dims", "names_in", "align", "new_dims", 
 
 
 def where_(ctx) -> str:
+    """``"einsum at model.py:12"``: the op being lowered, for messages."""
     return f"{ctx.op[0]} at {ctx.op[1]}" if ctx.op else "op"
 
 

@@ -16,29 +16,23 @@ contraction does not split, and the result is no larger than that operand, the s
 through the einsum and is reduced later, on the smaller result (MoE's combine after a split-d_ff
 expert FFN). Other pending sums are reduced before the contraction.
 
-Parameters stored split (``params=`` rules) are all-gathered for the contraction; the backward
-pass reduce-scatters their gradients. With ``param_gather="auto"``, where that moves more bytes than leaving the parameter as
-stored and moving the activations (:func:`meshdsl.placement.stationary`: the logits against a
-tied embedding stored ``d_model:data``), the contraction runs in the parameter's placement and
-its result is relaid to the planned placement (an all-to-all of the input, a reduce-scatter of
-the result; their duals backward), and the gradient is born where the parameter is stored. With ``md.lower(..., param_gather="regather")`` the gathered
-parameter is not kept for the backward pass: it is gathered again there (ZeRO-3's memory saving,
-and the choice GSPMD does not offer inside a scan).
+Parameters stored split (``params=`` rules) are all-gathered for the contraction and their
+gradients reduce-scattered, unless the ``param_gather`` policy (:mod:`meshdsl.param_gather`)
+decides otherwise: ``"auto"`` may run the contraction where the parameter is stored and relay the
+result to the planned placement; ``"regather"`` gathers the parameter again in the backward pass
+instead of keeping the gathered value.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 import math
 
-import jax
+import jax.numpy as jnp
 
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..named import NamedArray
-from ..placement import stationary
-from ..relayout import needs_gather, relayout_bytes
+from ..relayout import relayout_bytes
 from .common import as_named, union_dims, where_
 from .registry import op
 
@@ -76,13 +70,11 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
     def pending_of(plan):
         return frozenset(a for n in contracted for a in plan[n]) | kept(plan)
 
-    axes = target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
-    if ctx.explicit and ctx.param_gather == "auto":
-        itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
-        out_axes = [target[n] for n in out_names]
-        alt = stationary(ctx, dims, xs, target, lambda p: relayout_bytes(
-            ctx, out_dims, itemsize, [p[n] for n in out_names], pending_of(p), out_axes, pending_of(target)))
-        axes = alt or target
+    target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
+    itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
+    out_axes = [target[n] for n in out_names]
+    axes = ctx.params.place(ctx, dims, xs, target, lambda p: relayout_bytes(
+        ctx, out_dims, itemsize, [p[n] for n in out_names], pending_of(p), out_axes, pending_of(target)))
     keep = kept(axes)
     vary = ctx.vary(axes.values(), xs, keep)
     letter = {d.name: _LETTERS[i] for i, d in enumerate(dims)}
@@ -94,10 +86,7 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
                  for a, x in zip(arrays, xs)]
         return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
 
-    regather = ctx.explicit and ctx.param_gather == "regather" and any(
-        x.is_param and needs_gather(ctx, x, axes) for x in xs)
-    raw = [x._array for x in xs]
-    result = _regathered(ctx, contract, raw) if regather else contract(*raw)
+    result = ctx.params.compute(ctx, contract, [x.raw for x in xs], xs, axes)
     result = ctx.out(result, out_dims, axes, pending_of(axes))
     if axes is target:
         return result
@@ -116,25 +105,3 @@ def _linear_pending(ctx, xs, out_dims) -> frozenset:
         if len(holders) == 1 and math.prod(d.size for d in out_dims) <= holders[0].size:
             keep.add(a)
     return frozenset(keep)
-
-
-def _regathered(ctx, contract, arrays):
-    """``contract(*arrays)`` whose backward pass runs ``contract`` again (gathering the parameters
-    again) instead of keeping the gathered parameters as residuals."""
-    op, multiplier = ctx.op, ctx.multiplier
-
-    @jax.custom_vjp
-    def f(*a):
-        return contract(*a)
-
-    def f_fwd(*a):
-        with ctx.origin(op, multiplier, "forward"):
-            return contract(*a), a
-
-    def f_bwd(saved, ct):
-        with ctx.origin(op, multiplier, "backward"):
-            _, vjp = jax.vjp(contract, *saved)
-            return vjp(ct)
-
-    f.defvjp(f_fwd, f_bwd)
-    return f(*arrays)

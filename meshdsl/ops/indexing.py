@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from .. import collectives as C
 from ..dims import Dim, Shape
 from ..errors import ShapeError
-from ..placement import stationary
 from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, new_dims, where_
 from .registry import op
+from .shaping import rename, reshape
 
 __all__ = ["one_hot", "take", "top_k", "argmax", "cumsum", "shift"]
 
@@ -77,7 +77,6 @@ def take(ctx, table, ids, dim):
                          "(ids.astype(jnp.int32))")
     name = _one(ctx, table, dim, "take dim")
     if name in ids.names:  # the ids' own dim of that name: look up under another name, rename back
-        from .shaping import rename
         inner = f"{name}_ids_"
         while inner in ids.names or inner in table.names:
             inner += "_"
@@ -88,13 +87,13 @@ def take(ctx, table, ids, dim):
         raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] and table [{table.dims}] share dims {clash}; "
                          "rename one side")
     out = Shape((*ids.dims, *rest))
-    axes = target = ctx.plan(Shape((*out, table.dims[name])), [table, ids])
-    if ctx.explicit and ctx.param_gather == "auto":  # a table stored split on a row dim: look up there, move the rows (not the table)
-        out_axes = [target[d.name] for d in out]
-        alt = stationary(ctx, Shape((*out, table.dims[name])), [table, ids], target, lambda p: relayout_bytes(
-            ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]), out_axes,
-            frozenset(target[name])))
-        axes = alt or target
+    space = Shape((*out, table.dims[name]))
+    target = ctx.plan(space, [table, ids])
+    out_axes = [target[d.name] for d in out]
+    # A table stored split on a row dim may stay there (param_gather="auto"): look up there, move the rows.
+    axes = ctx.params.place(ctx, space, [table, ids], target, lambda p: relayout_bytes(
+        ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]), out_axes,
+        frozenset(target[name])))
     vary = ctx.vary(axes.values(), [table, ids])
     t_local = ctx.local(table, axes, vary)
     i_local = ctx.local(ids, axes, vary)
@@ -153,7 +152,6 @@ def top_k(ctx, x, dim, k: int, out: str = "k"):
 
 def argmax(x, dim):
     """Global position of the maximum along ``dim`` (int32), without the dim."""
-    from .shaping import reshape
     _, idx = top_k(x, dim, 1, out="argmax_k_")
     return reshape(idx, [d for d in idx.dims if d.name != "argmax_k_"])
 

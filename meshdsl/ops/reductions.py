@@ -71,27 +71,19 @@ def _extreme(ctx, x, dims, what, is_max: bool):
         # pmin, not -pmax(-m): negation is wrong for unsigned ints and the int minimum
         return (C.pmax if is_max else C.pmin)(ctx, m, split)
 
-    @jax.custom_vjp
-    def f(v):
-        return combine(v)
-
-    op_, multiplier, phase = ctx.op, ctx.multiplier, ctx.phase
-
-    def f_fwd(v):
-        with ctx.origin(op_, multiplier, phase):
-            m = combine(v)
+    def forward(v):
+        m = combine(v)
         return m, (v, m)
 
-    def f_bwd(res, ct):
+    def backward(res, ct):
         v, m = res
-        with ctx.origin(op_, multiplier, "backward"):
-            ct, m = C.cast(ctx, ct, split), C.cast(ctx, m, split)
-            mask = v == jnp.expand_dims(m, pos)
-            count = C.psum(ctx, jnp.sum(mask, axis=pos).astype(v.dtype), split, f"[{x.dims}] tie count")
-            count = C.cast(ctx, count, split)  # ties share the gradient, as jnp.max's do
+        ct, m = C.cast(ctx, ct, split), C.cast(ctx, m, split)
+        mask = v == jnp.expand_dims(m, pos)
+        count = C.psum(ctx, jnp.sum(mask, axis=pos).astype(v.dtype), split, f"[{x.dims}] tie count")
+        count = C.cast(ctx, count, split)  # ties share the gradient, as jnp.max's do
         return (jnp.where(mask, jnp.expand_dims(ct / count, pos), 0).astype(v.dtype),)
 
-    f.defvjp(f_fwd, f_bwd)
+    f = C.attributed_vjp(ctx, forward, backward)
     y = f(local) if jnp.issubdtype(local.dtype, jnp.floating) else combine(local)
     return ctx.out(y, out_dims, axes)
 

@@ -22,16 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from .. import collectives as C
-from ..context import current, varying_axes
+from ..contexts import active
 from ..dims import Dim, Shape
 from ..errors import LayoutError, ShapeError, user_line
-from ..named import NamedArray, Placement
+from ..jaxcompat import varying_axes
+from ..named import NamedArray, Placement, is_named as _is_named
+from .shaping import transpose
 
 __all__ = ["scan"]
-
-
-def _is_named(x) -> bool:
-    return isinstance(x, NamedArray)
 
 
 class _Widen(Exception):
@@ -44,7 +42,7 @@ class _Widen(Exception):
 
 def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll: int = 1):
     """Scan ``step`` over ``dim`` of the NamedArrays in ``xs``; returns ``(carry, ys)``."""
-    ctx = current()
+    ctx = active()
     line = user_line(2)
     where = f"md.scan at {line}"
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs, is_leaf=_is_named)
@@ -66,13 +64,8 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
             f"order on every device; remove the rule for {dim!r} (a params= rule may still store it split)")
 
     c_leaves, c_tree = jax.tree_util.tree_flatten(carry, is_leaf=_is_named)
-    if ctx.explicit and ctx.op is None:  # relayouts of the carry and xs are the scan's own
-        ctx.op = ("scan", line)
-        try:
-            return _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
-        finally:
-            ctx.op = None
-    return _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
+    with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
+        return _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
 
 
 def _scan(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where):
@@ -93,28 +86,66 @@ def _order(ctx, axes):
 
 
 def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, reverse, unroll, where):
-    # Carry: layout placement, typed varying over its splits (and whatever a previous try needed).
-    c_arrays, c_templates = [], []
+    c_arrays, c_templates = _enter_carry(ctx, c_leaves, widen)
+    carry_vary = frozenset().union(*(varying_axes(a) for a in c_arrays)) if ctx.explicit else frozenset()
+    x_arrays, x_templates = _enter_xs(ctx, x_leaves, dim, carry_vary)
+    y_templates = []
+
+    def body(c_arrs, x_arrs):
+        carry = _rebuild(c_tree, c_arrs, c_templates)
+        xs = _rebuild(x_tree, x_arrs, x_templates)
+        with ctx.rec.loop(length):
+            new_carry, ys = step(carry, xs)
+            new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)
+            if new_tree != c_tree:
+                raise ShapeError(f"{where}: the step returned a carry of structure {new_tree}, "
+                                 f"but it entered as {c_tree}")
+            out_c = [_carry_out(ctx, i, leaf, old, t, where)
+                     for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
+            y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
+            y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
+            y_templates.append(y_tree)
+            return out_c, [y.raw if _is_named(y) else y for y in y_leaves]
+
+    c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
+    y_tree = y_templates.pop()
+    return _rebuild(c_tree, c_out, c_templates), _stack_ys(dim, length, y_tree, y_arrays, y_templates)
+
+
+def _rebuild(tree, arrays, templates):
+    """NamedArrays (where a template says so) from local arrays."""
+    return jax.tree_util.tree_unflatten(
+        tree, [a if t is None else NamedArray(a, t[0], is_param=t[1], placement=t[2])
+               for a, t in zip(arrays, templates)])
+
+
+def _enter_carry(ctx, c_leaves, widen):
+    """The carry in its layout placement, typed varying over its splits (and whatever a previous
+    try needed); templates to rebuild it."""
+    arrays, templates = [], []
     for i, leaf in enumerate(c_leaves):
         if _is_named(leaf):
             if ctx.explicit:
                 axes = ctx.canonical(leaf.dims)
                 vary = frozenset(a for ax in axes for a in ax) | widen.get(i, frozenset())
                 arr = ctx.local(leaf, dict(zip(leaf.names, axes)), vary)
-                c_templates.append((leaf.dims, leaf.is_param, Placement(axes)))
+                templates.append((leaf.dims, leaf.is_param, Placement(axes)))
             else:
-                arr = leaf._array
-                c_templates.append((leaf.dims, leaf.is_param, None))
+                arr = leaf.raw
+                templates.append((leaf.dims, leaf.is_param, None))
         else:
             arr = jnp.asarray(leaf)
             if ctx.explicit and widen.get(i):
                 arr = C.cast(ctx, arr, _order(ctx, widen[i]))
-            c_templates.append(None)
-        c_arrays.append(arr)
-    carry_vary = frozenset().union(*(varying_axes(a) for a in c_arrays)) if ctx.explicit else frozenset()
+            templates.append(None)
+        arrays.append(arr)
+    return arrays, templates
 
-    # xs: the scanned dim whole and first; cast once to vary like the carry.
-    x_arrays, x_templates = [], []
+
+def _enter_xs(ctx, x_leaves, dim, carry_vary):
+    """The stacked xs with the scanned dim whole and first, cast once (before the loop) to vary
+    like the carry; templates of one step's slices."""
+    arrays, templates = [], []
     for leaf in x_leaves:
         pos = leaf.names.index(dim)
         inner = Shape(d for d in leaf.dims if d.name != dim)
@@ -126,44 +157,14 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             arr = ctx.local(leaf, axes, vary, keep_pending=pl.pending)
             inner_pl = Placement(tuple(a for d, a in zip(leaf.dims, pl.axes) if d.name != dim), pl.pending)
         else:
-            arr, inner_pl = leaf._array, None
-        x_arrays.append(jnp.moveaxis(arr, pos, 0))
-        x_templates.append((inner, leaf.is_param, inner_pl))
+            arr, inner_pl = leaf.raw, None
+        arrays.append(jnp.moveaxis(arr, pos, 0))
+        templates.append((inner, leaf.is_param, inner_pl))
+    return arrays, templates
 
-    y_templates = []
 
-    def body(c_arrs, x_arrs):
-        carry = jax.tree_util.tree_unflatten(
-            c_tree, [a if t is None else NamedArray(a, t[0], is_param=t[1], placement=t[2])
-                     for a, t in zip(c_arrs, c_templates)])
-        xs = jax.tree_util.tree_unflatten(
-            x_tree, [NamedArray(a, t[0], is_param=t[1], placement=t[2]) for a, t in zip(x_arrs, x_templates)])
-        saved = (ctx.multiplier, ctx.op) if ctx.explicit else None
-        if ctx.explicit:
-            ctx.multiplier, ctx.op = saved[0] * length, None
-            ctx.enter_loop(ctx.multiplier)
-        try:
-            new_carry, ys = step(carry, xs)
-            new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)
-            if new_tree != c_tree:
-                raise ShapeError(f"{where}: the step returned a carry of structure {new_tree}, "
-                                 f"but it entered as {c_tree}")
-            out_c = [_carry_out(ctx, i, leaf, old, t, where)
-                     for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
-            y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
-            y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
-            y_templates.append(y_tree)
-            return out_c, [y._array if _is_named(y) else y for y in y_leaves]
-        finally:
-            if ctx.explicit:
-                ctx.multiplier, ctx.op = saved
-
-    c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
-
-    carry = jax.tree_util.tree_unflatten(
-        c_tree, [a if t is None else NamedArray(a, t[0], is_param=t[1], placement=t[2])
-                 for a, t in zip(c_out, c_templates)])
-    y_tree = y_templates.pop()
+def _stack_ys(dim, length, y_tree, y_arrays, y_templates):
+    """The steps' outputs as NamedArrays stacked along ``dim`` (first)."""
     ys = []
     for a, t in zip(y_arrays, y_templates):
         if t is None:
@@ -173,7 +174,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
         stacked = Shape((Dim(dim, length), *dims))
         ys.append(NamedArray(a, stacked, is_param=is_param,
                              placement=None if pl is None else Placement(((), *pl.axes), pl.pending)))
-    return carry, jax.tree_util.tree_unflatten(y_tree, ys)
+    return jax.tree_util.tree_unflatten(y_tree, ys)
 
 
 def _carry_out(ctx, i, leaf, old, template, where):
@@ -185,7 +186,6 @@ def _carry_out(ctx, i, leaf, old, template, where):
     else:
         dims, _, pl = template
         if _is_named(leaf) and leaf.dims != dims and set(leaf.dims) == set(dims) and len(leaf.dims) == len(dims):
-            from .shaping import transpose  # same dims in another order: matched by name
             leaf = transpose(leaf, dims.names)
         if not _is_named(leaf) or leaf.dims != dims:
             got = f"[{leaf.dims}]" if _is_named(leaf) else type(leaf).__name__
@@ -195,7 +195,7 @@ def _carry_out(ctx, i, leaf, old, template, where):
             raise ShapeError(f"{where}: carry entry {i} [{dims}] entered as {old.dtype} and left as "
                              f"{leaf.dtype}; cast it back (x.astype(...)) before returning it")
         if not ctx.explicit:
-            return leaf._array
+            return leaf.raw
         arr = ctx.local(leaf, dict(zip(leaf.names, pl.axes)), varying_axes(old))
     if ctx.explicit:
         extra = varying_axes(arr) - varying_axes(old)

@@ -22,6 +22,7 @@ import numpy as np
 from .. import collectives as C
 from ..dims import Dim, Shape, parse_dims
 from ..errors import ShapeError, suggest
+from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, where_
 from .registry import op
 
@@ -54,7 +55,7 @@ def rename(ctx, x, mapping, new=None):
         raise ShapeError(f"{where_(ctx)}: renaming [{x.dims}] with {mapping} gives two dims named {dupes[0]!r}")
     dims = Shape(Dim(mapping.get(d.name, d.name), d.size) for d in x.dims)
     axes, pending = _renamed_axes(ctx, x, mapping)
-    return ctx.out(x._array, dims, axes, pending, is_param=x.is_param)
+    return ctx.out(x.raw, dims, axes, pending, is_param=x.is_param)
 
 
 @op("transpose")
@@ -67,7 +68,7 @@ def transpose(ctx, x, dims):
         raise ShapeError(f"{where_(ctx)}: new dim order {list(order)} misses {missing} of [{x.dims}]")
     new = Shape(x.dims[n] for n in order)
     axes, pending = _renamed_axes(ctx, x, {})
-    return ctx.out(align(x._array, x.dims, new), new, axes, pending, is_param=x.is_param)
+    return ctx.out(align(x.raw, x.dims, new), new, axes, pending, is_param=x.is_param)
 
 
 def _groups(old, new):
@@ -119,7 +120,7 @@ def reshape(ctx, x, dims):
     groups = _groups(list(x.dims), list(new))
     pl = ctx.placement(x)
     if pl is None:
-        return ctx.out(jnp.reshape(x._array, new.sizes), new, is_param=x.is_param)
+        return ctx.out(jnp.reshape(x.raw, new.sizes), new, is_param=x.is_param)
     current = dict(zip(x.names, pl.axes))
     src_target, out_axes = {}, {}
     for old_g, new_g in groups:
@@ -209,7 +210,6 @@ def _cheapest_along(ctx, xs, name, keep, out_size, shifts):
     axes ``A``, the cheapest by bytes: ``("window", axes)``: move only the rows that change owner
     (ppermutes); ``("move", axes)``: move the split to another dim (all-to-all), work along the
     whole dim, and the result goes back by all-to-all; ``None``: gather the dim (the rule table)."""
-    from ..relayout import relayout_bytes
     axes = _split_along(ctx, xs, name, keep)
     if axes is None:
         return None

@@ -1,0 +1,129 @@
+"""The two contexts without a rewriter: the unsharded reference and the ``gspmd`` backend.
+
+* :class:`GlobalContext` - outside ``md.lower``: every dim whole, no communication. This is the
+  unsharded reference every layout must reproduce. Rules see it when :func:`meshdsl.tracing.current`
+  is ``None`` (:func:`active` returns the shared :data:`GLOBAL`).
+* :class:`GspmdContext` - ``backend="gspmd"``: global arrays plus one sharding constraint per op
+  output; the compiler chooses the communication. The baseline benchmarks compare against.
+
+The rewriter's context is :class:`meshdsl.explicit.ExplicitContext`. All three implement
+:class:`meshdsl.tracing.LoweringContext`.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+
+from . import param_gather
+from .layout import check_axes, to_spec
+from .named import NamedArray
+from .recorder import Recorder
+from .tracing import current
+
+__all__ = ["GlobalContext", "LayoutContext", "GspmdContext", "GLOBAL", "active"]
+
+
+class GlobalContext:
+    """Whole arrays, nothing to place, nothing to communicate."""
+
+    explicit = False
+    mesh = None
+    layout = None
+    params = param_gather.KEEP
+
+    def __init__(self):
+        self.rec = Recorder(self.mesh)
+
+    @property
+    def op(self):
+        """(name, user line) of the outermost named op being lowered, or ``None``."""
+        return self.rec.op
+
+    def at(self, name: str, line: str):
+        return self.rec.at(name, line)
+
+    def whole_placement(self, dims):
+        return None
+
+    def placement(self, x: NamedArray):
+        return None
+
+    def pending(self, x: NamedArray) -> frozenset:
+        return frozenset()
+
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
+        return {d.name: () for d in dims}
+
+    def vary(self, planned, operands=(), keep_pending=frozenset()):
+        return frozenset()
+
+    def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
+        return x.raw
+
+    def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
+        return NamedArray(array, dims, is_param=is_param)
+
+    def axes_size(self, axes) -> int:
+        return 1
+
+    def layout_axes(self, name: str) -> tuple:
+        return ()
+
+    def read(self, x: NamedArray):
+        return x.raw
+
+    def adopt(self, array, dims, where: str):
+        return None
+
+    def where(self) -> str:
+        """``"einsum at model.py:12"`` for the op being lowered (for messages)."""
+        return f"{self.op[0]} at {self.op[1]}" if self.op else "tensor"
+
+
+GLOBAL = GlobalContext()
+
+
+def active():
+    """The context rules run in: the innermost ``md.lower``'s, or :data:`GLOBAL` outside."""
+    ctx = current()
+    return GLOBAL if ctx is None else ctx
+
+
+class LayoutContext(GlobalContext):
+    """A context with a mesh and a layout: the base of the gspmd and explicit backends."""
+
+    def __init__(self, mesh, layout):
+        self.mesh, self.layout = mesh, layout
+        super().__init__()
+        self.dims_seen: set[str] = set()   # every dim name the program used (typo check of rules)
+        self._checked: dict = {}
+
+    def layout_axes(self, name: str) -> tuple:
+        return self.layout.axes(name)
+
+    def canonical(self, dims) -> tuple:
+        """The layout's axes per dim of ``dims``; LayoutError (naming the op) if impossible."""
+        hit = self._checked.get(dims)
+        if hit is None:
+            hit = tuple(self.layout.axes(d.name) for d in dims)
+            check_axes(dims, hit, self.mesh, what=f"{self.where()}: result")
+            self._checked[dims] = hit
+        return hit
+
+
+class GspmdContext(LayoutContext):
+    """Global arrays under ``jax.jit``; each op output is constrained to the layout."""
+
+    def adopt(self, array, dims, where: str):
+        self.dims_seen.update(dims.names)
+        return None
+
+    def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
+        x = NamedArray(array, dims, is_param=is_param)
+        self.dims_seen.update(x.names)
+        axes = self.canonical(x.dims)
+        if any(axes):
+            constrained = jax.lax.with_sharding_constraint(array, NamedSharding(self.mesh.jax_mesh, to_spec(axes)))
+            x = NamedArray(constrained, x.dims, is_param=is_param)
+        return x

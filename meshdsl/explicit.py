@@ -1,0 +1,183 @@
+"""The explicit rewriter's context: local blocks, placements, recorded collectives.
+
+Inside ``shard_map`` every NamedArray holds this device's block and a
+:class:`~meshdsl.named.Placement` (which mesh axes split which dim, which hold pending partial
+sums). Rules ask :meth:`ExplicitContext.plan` where to compute (:mod:`meshdsl.placement`) and
+:meth:`ExplicitContext.local` for operands placed so (:mod:`meshdsl.relayout`, which emits the
+collectives of :mod:`meshdsl.collectives`); the :class:`~meshdsl.recorder.Recorder` keeps what was
+emitted for ``md.explain``.
+
+Relayouts are cached per (source value, target) for the trace that owns the source: a value
+read by several ops is relaid once and its cotangent reduced once; a value a ``md.scan`` step
+captures from outside is relaid outside the loop (hoisted), once.
+"""
+
+from __future__ import annotations
+
+from . import collectives as C
+from . import jaxcompat
+from . import param_gather
+from .contexts import LayoutContext
+from .errors import LayoutError
+from .jaxcompat import varying_axes
+from .layout import check_axes
+from .named import NamedArray, Placement
+from .placement import plan
+from .relayout import relayout
+
+__all__ = ["ExplicitContext"]
+
+
+class ExplicitContext(LayoutContext):
+    """Inside ``shard_map``: local blocks, placements, explicit recorded collectives.
+
+    ``params``: the param-gather policy (:mod:`meshdsl.param_gather`). ``param_axes``: the mesh
+    axes the program's (non-parameter) inputs are split over (see :meth:`vary`)."""
+
+    explicit = True
+
+    def __init__(self, mesh, layout, *, params=None):
+        super().__init__(mesh, layout)
+        self.params = params or param_gather.KEEP
+        self.param_axes: frozenset = frozenset()
+        self._cache: dict = {}       # relayout / cast results, per jax trace
+        self._cache_log: list = []   # cache keys in insertion order (for rollback)
+        self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
+        self._keepalive: list = []   # keeps the ids above unique while the context lives
+
+    # -- placements ------------------------------------------------------------------------------
+
+    def whole_placement(self, dims):
+        return Placement(tuple(() for _ in dims))
+
+    def placement(self, x: NamedArray) -> Placement:
+        return x.placement if x.placement is not None else self.whole_placement(x.dims)
+
+    def pending(self, x: NamedArray) -> frozenset:
+        return self.placement(x).pending
+
+    def axes_size(self, axes) -> int:
+        return self.mesh.axes_size(axes)
+
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
+        return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending, cheapest=cheapest)
+
+    def vary(self, planned, operands=(), keep_pending=frozenset()):
+        """Mesh axes an op's local computation varies over: every axis the plan splits a dim on
+        (``planned``: axes tuples), the pending sums it keeps, and any axis an operand already
+        varies over beyond its placement (a replicated value typed varying).
+
+        An op reading a parameter also varies over the axes the program's inputs are split over
+        (``param_axes``, e.g. ``data``): a parameter's gradient is then summed over them where the
+        parameter is read - the smallest place - not on some larger value computed from it (a
+        position bias [heads, seq, kv_seq] from its table [buckets, heads])."""
+        out = set(keep_pending)
+        for axes in planned:
+            out.update(axes)
+        for x in operands:
+            pl = self.placement(x)
+            out |= varying_axes(x.raw) - pl.used_axes()
+            if x.is_param:
+                out |= self.param_axes
+        return frozenset(out)
+
+    def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
+        pl = self.placement(x)
+        target = tuple(pl.of(x.dims, d.name) if axes_by_name is None else axes_by_name.get(d.name, ())
+                       for d in x.dims)
+        return relayout(self, x, target, frozenset(vary), frozenset(keep_pending))
+
+    def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
+        x = NamedArray(array, dims, is_param=is_param)
+        self.canonical(x.dims)  # every tensor must be valid under the layout, used or not
+        self.dims_seen.update(x.names)
+        axes = tuple((axes_by_name or {}).get(d.name, ()) for d in x.dims)
+        what = self.where()
+        check_axes(x.dims, axes, self.mesh, what=f"{what}: result (as placed)")
+        overlap = set(pending) & {a for ax in axes for a in ax}
+        if overlap:
+            raise LayoutError(f"internal: {what} result both split and pending over {sorted(overlap)}")
+        x.placement = Placement(axes, frozenset(pending))
+        if self.op:
+            self._made_by[id(array)] = what
+            self._keepalive.append(array)
+        return x
+
+    def made_by(self, array) -> str:
+        """``"einsum at model.py:12"`` for a value an op produced (``""`` for inputs)."""
+        return self._made_by.get(id(array), "")
+
+    # -- values entering and leaving the rewriter ----------------------------------------------
+
+    def adopt(self, array, dims, where: str):
+        """``md.named`` inside the lowering: a whole value, valid under the layout. A device's
+        local block (a value that varies between devices) is refused: it is not the global value."""
+        self.layout.tensor_axes(dims, self.mesh, what=where)
+        self.dims_seen.update(dims.names)
+        vary = varying_axes(array)
+        if vary:
+            raise LayoutError(
+                f"{where}: the array differs between devices (it varies over mesh axes {sorted(vary)}): "
+                f"it is a device's local block, not the global value [{dims}]. Inside md.lower, x.array "
+                "is a local block; run plain jax/flax code on named values with "
+                "md.local_map(fn, x, out='...'), which gives fn whole values")
+        return self.whole_placement(dims)
+
+    def read(self, x: NamedArray):
+        """``x.array`` inside the lowering: the block in its placement, pending sums reduced."""
+        with self.at("array", "x.array"):
+            return self.finalize(x, x.placement.axes)
+
+    def finalize(self, leaf: NamedArray, axes):
+        """``leaf``'s local block placed by ``axes``, pending sums reduced, and typed invariant
+        wherever it is replicated (a value equal on every device that jax types varying - computed
+        from parameters cast for a data-parallel op - is typed invariant with one all-reduce)."""
+        target = dict(zip(leaf.names, axes))
+        split = frozenset(a for ax in axes for a in ax)
+        arr = self.local(leaf, target, split)
+        extra = tuple(a for a in self.mesh.axis_names if a in varying_axes(arr) - split)
+        if extra:
+            arr = self.cached(arr, ("replicate", extra), lambda: C.replicate(
+                self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {list(extra)}"))
+        return arr
+
+    # -- per-trace cache -------------------------------------------------------------------------
+
+    def cached(self, source, key, make):
+        """``make()`` once per (``source`` array, key); later callers share the result, so a value
+        used by several ops is relaid / cast once and its cotangents are summed once (one backward
+        collective, not one per use).
+
+        When ``source`` belongs to a jax trace enclosing the current one - a value captured by a
+        ``md.scan`` step - ``make()`` runs in that enclosing trace: the relayout is hoisted out of
+        the loop, done once instead of once per step, and its backward collective too."""
+        trace = jaxcompat.current_trace()
+        owner = jaxcompat.enclosing_trace(source, trace)
+        full = (id(source), key, id(owner))
+        hit = self._cache.get(full)
+        if hit is None:
+            if owner is trace:
+                hit = make()
+            else:
+                saved = self.rec.multiplier
+                self.rec.multiplier = self.rec.multiplier_of(owner)
+                try:
+                    with jaxcompat.in_trace(owner):
+                        hit = make()
+                finally:
+                    self.rec.multiplier = saved
+            self._cache[full] = hit
+            self._cache_log.append(full)
+            self._keepalive.append((source, owner))  # ids stay unique while the cache lives
+        return hit
+
+    def checkpoint(self):
+        """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
+        return len(self.rec.records), len(self._cache_log)
+
+    def rollback(self, mark) -> None:
+        n_records, n_cache = mark
+        del self.rec.records[n_records:]
+        for full in self._cache_log[n_cache:]:
+            self._cache.pop(full, None)
+        del self._cache_log[n_cache:]

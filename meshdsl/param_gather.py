@@ -1,0 +1,154 @@
+"""The ``param_gather`` policy: what happens to a parameter stored split where an op needs it.
+
+A parameter stored split by ``params=`` rules (ZeRO-3 / FSDP) is all-gathered where an op needs
+it whole. ``md.lower(..., param_gather=...)`` chooses how; rules that read parameters (einsum,
+take) ask the context's policy through one hook each and have no backend branches:
+
+* ``policy.place(ctx, dims, operands, target, result_bytes)``: the placement the op computes in
+  (``target``, or a plan that leaves the parameters where they are stored);
+* ``policy.compute(ctx, contract, arrays, operands, axes)``: run the op's local computation
+  (possibly so that the backward pass gathers the parameters again).
+
+Policies:
+
+* ``"keep"`` (ZeRO-3 as written): gather at use; inside ``md.scan`` the gathered value is kept
+  for the backward pass (the minimum bytes, more memory).
+* ``"regather"``: the backward pass gathers the parameters again instead of keeping them
+  (ZeRO-3's memory saving; GSPMD gives no such choice inside a scan).
+* ``"auto"``: gather a parameter only where that moves fewer bytes than leaving it where it is
+  stored and moving the activations: a tied embedding [vocab, d_model] stored ``d_model:data`` is
+  not gathered for a small batch's lookups or logits; its ids, rows and logits move instead. The
+  choice is made per parameter over every op that reads it: ``md.lower`` traces once to collect
+  the bytes of both choices at each op (``probe``), decides per parameter
+  (:func:`decide_gathers`), and traces again following the decisions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import jax
+
+from . import collectives as C
+from .relayout import needs_gather, relayout_bytes
+
+__all__ = ["POLICIES", "Keep", "Regather", "Auto", "make", "decide_gathers"]
+
+
+class Keep:
+    """Gather at use and keep the gathered value for the backward pass."""
+
+    name = "keep"
+
+    def place(self, ctx, dims, operands, target, result_bytes):
+        return target
+
+    def compute(self, ctx, contract, arrays, operands, axes):
+        return contract(*arrays)
+
+    def finish(self) -> None:
+        """Called when the trace is over."""
+
+
+class Regather(Keep):
+    """Gather at use; the backward pass gathers again instead of keeping the gathered value."""
+
+    name = "regather"
+
+    def compute(self, ctx, contract, arrays, operands, axes):
+        if not any(x.is_param and needs_gather(ctx, x, axes) for x in operands):
+            return contract(*arrays)
+        # The residuals are the stored (split) parameters: the backward runs contract again.
+        return C.attributed_vjp(
+            ctx, lambda *a: (contract(*a), a),
+            lambda saved, ct: _vjp(contract, saved, ct))(*arrays)
+
+
+def _vjp(fn, primals, ct):
+    return jax.vjp(fn, *primals)[1](ct)
+
+
+class Auto(Keep):
+    """Gather a parameter only where that moves fewer bytes than leaving it stored.
+
+    ``decisions``: per decision point of the probe trace, gather (True) or stay (False), consumed
+    in program order; ``None`` while probing, when ``probe`` collects (parameters, gather bytes,
+    stay bytes) per decision point."""
+
+    name = "auto"
+
+    def __init__(self, decisions=None, probe=None):
+        self.decisions = None if decisions is None else list(decisions)
+        self.probe = probe if probe is not None else []
+
+    def place(self, ctx, dims, operands, target, result_bytes):
+        return self._stationary(ctx, operands, target, result_bytes) or target
+
+    def finish(self) -> None:
+        if self.decisions:
+            raise AssertionError(f"internal: {len(self.decisions)} parameter-gather decisions left unused")
+
+    def _stationary(self, ctx, operands, axes, result_bytes):
+        """A plan that leaves the parameters ``axes`` would gather where they are stored, or
+        ``None`` to gather them. Dims of the parameters keep their stored split; other dims give
+        up the mesh axes those use. ``result_bytes(alt)``: bytes to bring the op's result from
+        plan ``alt`` to where ``axes`` puts it. Backward passes mirror forward ones (gather /
+        reduce-scatter, all-to-all both ways), so comparing forward bytes compares the step."""
+        params = [x for x in operands if x.is_param and needs_gather(ctx, x, axes)]
+        if not params:
+            return None
+        alt = _stored_plan(ctx, params, axes)
+        if alt is None:
+            return None
+        if self.decisions is not None:
+            return None if self.decisions.pop(0) else alt
+
+        def moved(x, p):
+            return relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, frozenset(),
+                                  tuple(p.get(d.name, ()) for d in x.dims))
+
+        others = [x for x in operands if not any(x is q for q in params)]
+        gather = sum(moved(x, axes) * ctx.rec.executions_of(x.raw) for x in params)
+        stay = sum(moved(x, alt) for x in operands) + result_bytes(alt) - sum(moved(x, axes) for x in others)
+        stay *= ctx.rec.multiplier
+        self.probe.append((frozenset(id(x.raw) for x in params), gather, stay))
+        return None if gather <= stay else alt
+
+
+def _stored_plan(ctx, params, axes):
+    """``axes`` with the parameters' dims where they are stored and the other dims giving up the
+    mesh axes those use; ``None`` when two parameters are stored differently."""
+    alt = dict(axes)
+    fixed = {}
+    for p in params:
+        for d, held in zip(p.dims, ctx.placement(p).axes):
+            if fixed.setdefault(d.name, held) != held:
+                return None
+            alt[d.name] = held
+    used = {a for held in fixed.values() for a in held}
+    for name, held in alt.items():
+        if name not in fixed:
+            cut = next((i for i, a in enumerate(held) if a in used), len(held))
+            alt[name] = held[:cut]
+    return alt
+
+
+def decide_gathers(probe) -> list[bool]:
+    """Per decision point of a probe trace: gather (True) or stay (False). A parameter (group of
+    parameters read together) is gathered once for all its ops, or stays for all of them."""
+    total = defaultdict(float)
+    gather = defaultdict(float)
+    for key, g, stay in probe:
+        total[key] += stay
+        gather[key] = max(gather[key], g)
+    return [gather[key] <= total[key] for key, _, _ in probe]
+
+
+POLICIES = {"keep": Keep, "regather": Regather, "auto": Auto}
+
+KEEP = Keep()
+
+
+def make(name: str, **kwargs) -> Keep:
+    """The policy called ``name`` (``"keep"``, ``"regather"`` or ``"auto"``)."""
+    return POLICIES[name](**kwargs)

@@ -1,0 +1,173 @@
+"""One compiled variant of a lowered function: the traced per-device program.
+
+:class:`Program` is what ``md.lower`` builds per input structure (tree, dims, shapes, dtypes):
+the placement of every input (parameters by the storage rules), and the function ``jax.jit``
+compiles. Traced, it runs the user's ``fn`` either
+
+* inside ``jax.shard_map`` over every mesh axis with an :class:`~meshdsl.explicit.ExplicitContext`
+  (``backend="explicit"``): the rewriter decides every collective; outputs are brought to the
+  layout's placement; with ``param_gather="auto"`` a first, shape-only trace collects the bytes of
+  gathering each stored parameter or not (:mod:`meshdsl.param_gather`); or
+* on global arrays with a :class:`~meshdsl.contexts.GspmdContext` (``backend="gspmd"``): one
+  sharding constraint per op output, the compiler decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import param_gather
+from .contexts import GspmdContext
+from .errors import LayoutError, suggest
+from .explicit import ExplicitContext
+from .jaxcompat import varying_axes
+from .layout import Layout, to_spec
+from .named import NamedArray, Placement, is_named
+from .tracing import using
+
+__all__ = ["Program"]
+
+
+@dataclasses.dataclass
+class _Leaf:
+    named: bool
+    dims: object = None
+    is_param: bool = False
+    axes: tuple = ()
+    spec: PartitionSpec = PartitionSpec()
+
+
+class Program:
+    """A fixed input structure of ``owner`` (a LoweredFunction), its placements, and the jitted
+    function. ``last_ctx``: the explicit context of the latest (non-probe) trace, for explain."""
+
+    def __init__(self, owner, treedef, leaves):
+        self.owner, self.treedef = owner, treedef
+        mesh, layout = owner.mesh, owner.layout
+        self.infos = []
+        for k, leaf in enumerate(leaves):
+            if is_named(leaf):
+                axes = layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
+                                          what=f"argument {k} ({'parameter' if leaf.is_param else 'input'})")
+                self.infos.append(_Leaf(True, leaf.dims, leaf.is_param, axes, to_spec(axes)))
+            else:
+                self.infos.append(_Leaf(False))
+        self.out_tree = None
+        self.out_templates: list = []
+        self.last_ctx = None
+        self.compiled = None
+        if not mesh.is_abstract:
+            self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
+            self.jitted = jax.jit(self.run, in_shardings=self.shardings)
+
+    # -- the traced program ----------------------------------------------------------------------
+
+    def run(self, *arrays):
+        if self.owner.backend == "gspmd":
+            return self._run_gspmd(arrays)
+        name = self.owner.param_gather
+        policy = param_gather.make(name, decisions=self._decide_gathers(arrays)) if name == "auto" \
+            else param_gather.make(name)
+        return self._run_explicit(arrays, policy)
+
+    def _run_explicit(self, arrays, policy, *, probe: bool = False):
+        # jax.shard_map reads out_specs once the body is traced: the body fills this list with the
+        # layout's placement of each output (known only from the outputs' dims).
+        specs: list = []
+        body = functools.partial(self._explicit_body, policy=policy, out_specs=specs, probe=probe)
+        smap = jax.shard_map(body, mesh=self.owner.mesh.jax_mesh, in_specs=tuple(i.spec for i in self.infos),
+                             out_specs=specs, check_vma=True)
+        if probe:
+            return jax.eval_shape(smap, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+        return smap(*arrays)
+
+    def _decide_gathers(self, arrays) -> list:
+        """``param_gather="auto"``: trace once (shapes only) to collect what gathering or not
+        gathering each stored parameter costs, and decide per parameter."""
+        policy = param_gather.make("auto")
+        self._run_explicit(arrays, policy, probe=True)
+        return param_gather.decide_gathers(policy.probe)
+
+    def _args(self, arrays, explicit: bool):
+        leaves = [NamedArray(a, i.dims, is_param=i.is_param, placement=Placement(i.axes) if explicit else None)
+                  if i.named else a for a, i in zip(arrays, self.infos)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _explicit_body(self, *arrays, policy, out_specs, probe):
+        owner = self.owner
+        ctx = ExplicitContext(owner.mesh, owner.layout, params=policy)
+        if not probe:
+            self.last_ctx = ctx
+        ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
+        ctx.param_axes = frozenset(a for i in self.infos if i.named and not i.is_param for ax in i.axes for a in ax)
+        with using(ctx):
+            out = owner.fn(*self._args(arrays, True))
+            with ctx.at("output", "return value"):
+                results, out_specs[:] = self._explicit_outputs(ctx, out)
+            _check_unused_rules(owner.layout, ctx.dims_seen)
+        ctx.rec.tracing = False
+        policy.finish()
+        return results
+
+    def _explicit_outputs(self, ctx, out):
+        """Local blocks of the outputs in the layout's placement, and their partition specs."""
+        leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_named)
+        results, specs, self.out_templates = [], [], []
+        for k, leaf in enumerate(leaves):
+            if is_named(leaf):
+                axes = self.owner.layout.tensor_axes(leaf.dims, self.owner.mesh, storage=leaf.is_param,
+                                                     what=f"output {k}")
+                results.append(ctx.finalize(leaf, axes))
+                specs.append(to_spec(axes))
+                self.out_templates.append((leaf.dims, leaf.is_param))
+                continue
+            arr = jnp.asarray(leaf)
+            if varying_axes(arr):
+                raise LayoutError(
+                    f"output {k} is a plain jax array that differs between devices (it varies over "
+                    f"{sorted(varying_axes(arr))}); return NamedArrays so the layout can place them")
+            results.append(arr)
+            specs.append(PartitionSpec())
+            self.out_templates.append(None)
+        return results, specs
+
+    def _run_gspmd(self, arrays):
+        owner = self.owner
+        ctx = GspmdContext(owner.mesh, owner.layout)
+        ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
+        with using(ctx):
+            out = owner.fn(*self._args(arrays, False))
+            leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_named)
+            results, self.out_templates = [], []
+            for leaf in leaves:
+                if is_named(leaf):
+                    spec = owner.layout.spec(leaf.dims, owner.mesh, storage=leaf.is_param)
+                    results.append(jax.lax.with_sharding_constraint(
+                        leaf.raw, NamedSharding(owner.mesh.jax_mesh, spec)))
+                    self.out_templates.append((leaf.dims, leaf.is_param))
+                else:
+                    results.append(jnp.asarray(leaf))
+                    self.out_templates.append(None)
+            _check_unused_rules(owner.layout, ctx.dims_seen)
+        return results
+
+    def rebuild(self, arrays):
+        """The user's output tree of global NamedArrays from the compiled function's arrays."""
+        leaves = [a if t is None else NamedArray(a, t[0], is_param=t[1]) for a, t in zip(arrays, self.out_templates)]
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
+
+def _check_unused_rules(layout: Layout, seen: set) -> None:
+    """A rule for a dim the program never has is fine (a shared layout), unless it looks like a
+    typo of a dim the program has and the layout does not place: it would be silently ignored."""
+    unplaced = seen - layout.dim_names()
+    for dim in sorted(layout.dim_names() - seen):
+        hint = suggest(dim, unplaced, cutoff=0.8)
+        if hint:
+            raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
+                              f"fix the dim name in the layout")

@@ -1,0 +1,138 @@
+"""The collective recorder: what the rewriter emitted, where, why, and how often it runs.
+
+Every collective :mod:`meshdsl.collectives` emits is recorded as a :class:`CollectiveRecord`
+(op and user source line, kind, mesh axes, local shape, dtype, bytes per device) under the
+*origin* active at that moment: the named op being lowered, the phase (``forward``, or
+``backward`` for a rule jax runs while differentiating) and the multiplier (executions of the
+code being traced: the trip counts of the ``md.scan`` loops around it). ``md.explain`` reads the
+records; each collective runs under a unique name scope (:meth:`Recorder.tag`) so that explain
+can match it to the traced program and drop it if the compiler would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from . import cost, jaxcompat
+
+__all__ = ["CollectiveRecord", "Recorder"]
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    """One collective the rewriter emitted (per device)."""
+
+    op: str            # the named op that needed it, e.g. "einsum"
+    line: str          # user source line of that op
+    kind: str          # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    axes: tuple        # mesh axes of the group
+    shape: tuple       # local operand shape
+    dtype: str
+    bytes: float       # bytes moved per device, one execution
+    count: int = 1     # executions (scan trip counts)
+    phase: str = "forward"
+    tensor: str = ""   # what moved, e.g. "[batch:8 d_ff:64] gather d_ff"
+    tag: str = ""      # name scope of the collective in the traced program
+
+    @property
+    def total_bytes(self) -> float:
+        return self.bytes * self.count
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+class Recorder:
+    """Records collectives for one trace of a program on ``mesh``."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.records: list[CollectiveRecord] = []
+        self.op: tuple | None = None   # (name, line) of the outermost named op being lowered
+        self.multiplier = 1            # executions of the code being traced (md.scan trip counts)
+        self.phase = "forward"
+        self.tracing = True            # False once the trace is over: late backward rules record nothing
+        self._tags = 0
+        self._loops: dict = {}         # id(loop body trace) -> executions
+        self._keepalive: list = []     # traces whose ids key _loops
+
+    def tag(self) -> str:
+        """A fresh name scope for one collective."""
+        self._tags += 1
+        return f"mdc{self._tags}"
+
+    def record(self, kind, axes, operand, result, tensor: str = "", tag: str = "") -> None:
+        """Record one collective of ``operand`` -> ``result`` over ``axes`` (no-op on 1 device)."""
+        if not self.tracing:
+            return
+        n = self.mesh.axes_size(axes)
+        if n <= 1:
+            return
+        platform = self.mesh.platform
+        op_b = cost.array_bytes(operand.shape, operand.dtype, platform)
+        res_b = cost.array_bytes(result.shape, result.dtype, platform)
+        name, line = self.op or ("?", "?")
+        self.records.append(CollectiveRecord(
+            op=name, line=line, kind=kind, axes=tuple(axes), shape=tuple(operand.shape),
+            dtype=str(operand.dtype), bytes=cost.moved_bytes(kind, op_b, res_b, n),
+            count=self.multiplier, phase=self.phase, tensor=tensor, tag=tag))
+
+    @contextlib.contextmanager
+    def at(self, name: str, line: str):
+        """Attribute what is emitted inside to op ``name`` at ``line``, unless an outer op is
+        already being lowered (a rule that calls other ops is attributed as a whole)."""
+        if self.op is not None:
+            yield
+            return
+        self.op = (name, line)
+        try:
+            yield
+        finally:
+            self.op = None
+
+    @contextlib.contextmanager
+    def origin(self, op, multiplier, phase):
+        """Attribute what is emitted inside (e.g. a backward rule jax runs later) to ``op``."""
+        saved = (self.op, self.multiplier, self.phase)
+        self.op, self.multiplier, self.phase = op, multiplier, phase
+        try:
+            yield
+        finally:
+            self.op, self.multiplier, self.phase = saved
+
+    def capture(self):
+        """The origin active now, to re-enter later with ``origin(*captured)``."""
+        return self.op, self.multiplier, self.phase
+
+    # -- loops -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def loop(self, length: int):
+        """A loop body's trace: what runs inside runs ``length`` times more often."""
+        saved = (self.multiplier, self.op)
+        self.multiplier, self.op = saved[0] * length, None
+        if self.mesh is not None:  # only a rewriter's trace counts executions
+            trace = jaxcompat.current_trace()
+            self._loops[id(trace)] = self.multiplier
+            self._keepalive.append(trace)
+        try:
+            yield
+        finally:
+            self.multiplier, self.op = saved
+
+    def multiplier_of(self, trace) -> int:
+        """Executions of code built into ``trace`` (the innermost loop body around it)."""
+        while trace is not None:
+            if id(trace) in self._loops:
+                return self._loops[id(trace)]
+            trace = jaxcompat.parent_trace(trace)
+        return 1
+
+    def executions_of(self, array) -> int:
+        """How often a relayout of ``array`` runs: hoisted to the trace that owns it, so a value a
+        loop body captures is relaid once, not once per step."""
+        trace = jaxcompat.current_trace()
+        return self.multiplier_of(jaxcompat.enclosing_trace(array, trace))

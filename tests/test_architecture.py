@@ -1,0 +1,158 @@
+"""The core's structure, as tested interface: imports only go downward (no cycles), no import
+hides inside a function body, modules and functions stay small, and the facade exports the
+contract. Reads the source with ``ast``: nothing is imported or compiled."""
+
+import ast
+import pathlib
+
+import pytest
+
+import meshdsl as md
+
+ROOT = pathlib.Path(md.__file__).parent
+OPTIONAL = {"matplotlib", "treescope"}           # heavy optional dependencies, imported on first use
+LARGE = {"hlo_comm.py"}  # the HLO measuring tool: one standalone file (its demo imports jax lazily)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, tree: ast.Module) -> set[str]:
+    """meshdsl modules that module ``name`` imports at its top level."""
+    is_pkg = MODULES[name].name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    deps = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                deps.add(sub if sub in MODULES else target)
+        elif isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names)
+    return {d for d in deps if d in MODULES and d != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: _imports(name, ast.parse(path.read_text())) for name, path in MODULES.items()}
+
+
+def _cycle(graph):
+    state, stack = {}, []
+
+    def visit(u):
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                return stack[stack.index(v):] + [v]
+            if v not in state:
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        state[u] = "done"
+        return None
+
+    for u in sorted(graph):
+        if u not in state:
+            found = visit(u)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_of_meshdsl_has_no_cycle():
+    graph = _graph()
+    assert len(graph) > 20
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_a_cycle_is_detected():  # the checker itself can fail
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_values_do_not_import_rules_backends_or_reports():
+    graph = _graph()
+
+    def reach(u, seen=None):
+        seen = set() if seen is None else seen
+        for v in graph[u]:
+            if v not in seen:
+                seen.add(v)
+                reach(v, seen)
+        return seen
+
+    low = {"meshdsl.dims", "meshdsl.errors", "meshdsl.named", "meshdsl.mesh", "meshdsl.layout",
+           "meshdsl.tracing", "meshdsl.cost", "meshdsl.units", "meshdsl.jaxcompat"}
+    for name in low:
+        assert reach(name) <= low, (name, sorted(reach(name) - low))
+
+
+def test_no_import_inside_a_function_body():
+    found = []
+    for name, path in MODULES.items():
+        if path.name in LARGE:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    top = (node.module or "") if isinstance(node, ast.ImportFrom) else node.names[0].name
+                    if getattr(node, "level", 0) or top.split(".")[0] not in OPTIONAL:
+                        found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
+def test_jax_internals_are_used_in_one_module():
+    users = sorted(p.name for p in MODULES.values() if "jax._src" in p.read_text() and p.name != "hlo_comm.py")
+    assert users == ["jaxcompat.py"], users
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_and_functions_are_small(name):
+    path = MODULES[name]
+    if path.name in LARGE:
+        return
+    lines = path.read_text().splitlines()
+    assert len(lines) <= 420, f"{path} has {len(lines)} lines: it holds two ideas, split it"
+    for fn in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = fn.end_lineno - fn.lineno + 1
+            assert n <= 62, f"{path.name}: {fn.name} has {n} lines"
+
+
+def test_the_facade_exports_the_contract_and_nothing_internal():
+    contract = """Dim named shape NamedArray param einsum add multiply exp relu sum mean max softmax logsumexp
+        rename reshape one_hot take top_k cumsum shift concat slice pad where random scan Mesh Layout
+        lower explain LayoutError ShapeError MeshError MeshDSLError""".split()
+    for name in contract:
+        assert name in md.__all__ and hasattr(md, name), name
+    assert set(md.__all__) <= set(dir(md))
+    assert "Placement" not in md.__all__ and not hasattr(md, "Placement")
+    assert md.random.normal and md.random.uniform and md.random.bernoulli
+
+
+def test_operators_and_views_are_installed_by_their_layers():
+    x = md.named([1.0, 2.0], "a")
+    assert (x + 1).names == ("a",) and (-x).names == ("a",) and x.astype("int32").dtype == "int32"
+    assert "<table" in x._repr_html_()
+    methods = [n.name for c in ast.walk(ast.parse((ROOT / "named.py").read_text()))
+               if isinstance(c, ast.ClassDef) and c.name == "NamedArray" for n in c.body
+               if isinstance(n, ast.FunctionDef)]
+    assert "__add__" not in methods and "_repr_html_" not in methods and "astype" not in methods

@@ -1,0 +1,135 @@
+"""Unit tests of the planner and the byte model, without compiling or tracing: ``cost`` ring
+formulas, ``relayout.relayout_bytes``, ``placement.plan`` and ``param_gather.decide_gathers``,
+on an abstract mesh with placements written by hand."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshdsl as md
+from meshdsl import cost, param_gather
+from meshdsl.explicit import ExplicitContext
+from meshdsl.named import NamedArray, Placement
+from meshdsl.relayout import needs_gather, relayout_bytes
+
+MESH = md.Mesh.abstract({"data": 2, "model": 4}, platform="cpu")
+
+
+def ctx_for(rules=None):
+    return ExplicitContext(MESH, md.Layout(rules or {}))
+
+
+def placed(spec, axes=None, pending=(), dtype=jnp.float32):
+    """A NamedArray of global dims ``spec`` placed by ``axes`` ({dim: axes}) with ``pending`` sums."""
+    dims = md.shape(spec)
+    axes = axes or {}
+    pl = Placement(tuple(tuple(axes.get(d.name, ())) for d in dims), frozenset(pending))
+    local = tuple(d.size // MESH.axes_size(pl.of(dims, d.name)) for d in dims)
+    return NamedArray(jax.ShapeDtypeStruct(local, dtype), dims, placement=pl)
+
+
+@pytest.mark.parametrize("kind, operand, result, n, want", [
+    ("all-reduce", 1024, 1024, 4, 1536.0),          # 2 (n-1)/n S
+    ("all-gather", 256, 1024, 4, 768.0),            # (n-1)/n S_full
+    ("reduce-scatter", 1024, 256, 4, 768.0),        # (n-1)/n S_full
+    ("all-to-all", 1024, 1024, 4, 768.0),           # (n-1)/n S
+    ("collective-permute", 1024, 1024, 4, 1024.0),  # S
+    ("all-reduce", 1024, 1024, 1, 0.0),             # one device moves nothing
+])
+def test_ring_formulas(kind, operand, result, n, want):
+    assert cost.moved_bytes(kind, operand, result, n) == want
+
+
+def test_bf16_moves_as_f32_on_cpu_only():
+    assert cost.element_bytes(jnp.bfloat16, "cpu") == 4
+    assert cost.element_bytes(jnp.bfloat16, "gpu") == 2
+    assert cost.array_bytes((8, 16), jnp.float32, "tpu") == 512
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        cost.moved_bytes("broadcast", 1, 1, 2)
+
+
+DIMS = md.shape("b:8 s:32 d:16")  # 4096 elements, 16 KiB in f32
+
+
+@pytest.mark.parametrize("src, pending, target, want", [
+    ((("data",), (), ()), (), (("data",), (), ()), 0.0),                       # nothing to do
+    (((), (), ()), (), (("data",), ("model",), ()), 0.0),                     # local slices only
+    ((("data",), (), ()), (), ((), (), ()), 1 / 2 * 16384),                   # gather b: (n-1)/n * S_full
+    ((), ("model",), ((), (), ()), 2 * 3 / 4 * 16384),                       # pending -> whole: all-reduce
+    ((), ("model",), ((), ("model",), ()), 3 / 4 * 16384),                   # pending -> split: reduce-scatter
+    ((("data",), (), ()), (), ((), ("data",), ()), 1 / 2 * 8192),             # move b -> s: all-to-all
+])
+def test_relayout_bytes(src, pending, target, want):
+    ctx = ctx_for()
+    src = src or ((), (), ())
+    got = relayout_bytes(ctx, DIMS, 4, src, frozenset(pending), target)
+    assert got == pytest.approx(want)
+
+
+def test_relayout_bytes_keeps_a_pending_sum_it_is_told_to_keep():
+    ctx = ctx_for()
+    assert relayout_bytes(ctx, DIMS, 4, ((), (), ()), frozenset({"model"}), ((), (), ()),
+                          keep_pending=frozenset({"model"})) == 0.0
+
+
+def test_needs_gather():
+    ctx = ctx_for()
+    w = placed("d:16 f:64", {"d": ("data",), "f": ("model",)})
+    assert needs_gather(ctx, w, {"f": ("model",)})            # d loses data
+    assert not needs_gather(ctx, w, {"d": ("data",), "f": ("model",)})
+    assert not needs_gather(ctx, w, {"d": ("data", "model"), "f": ("model",)})  # only slices further
+
+
+def test_plan_keeps_the_split_operands_agree_on():
+    ctx = ctx_for({"b": "model"})
+    x = placed("b:8 d:16", {"b": ("data",)})
+    y = placed("b:8 d:16", {"b": ("data",)})
+    assert ctx.plan(md.shape("b:8 d:16"), [x, y]) == {"b": ("data",), "d": ()}
+
+
+def test_plan_lets_the_layout_decide_where_operands_disagree():
+    ctx = ctx_for({"b": "model"})
+    x = placed("b:8 d:16", {"b": ("data",)})
+    y = placed("b:8 d:16")
+    assert ctx.plan(md.shape("b:8 d:16"), [x, y]) == {"b": ("model",), "d": ()}
+
+
+def test_plan_for_elementwise_takes_the_cheapest_placement():
+    ctx = ctx_for({})  # the layout replicates b: gathering x would cost bytes, slicing y costs none
+    x = placed("b:8 d:16", {"b": ("data",)})
+    y = placed("b:8 d:16")
+    assert ctx.plan(md.shape("b:8 d:16"), [x, y], cheapest=True) == {"b": ("data",), "d": ()}
+
+
+def test_plan_puts_a_pending_sum_where_the_layout_wants_it():
+    ctx = ctx_for({"d": "model"})
+    x = placed("b:8 d:16", pending={"model"})   # must be reduced: reduce-scatter onto d
+    assert ctx.plan(md.shape("b:8 d:16"), [x]) == {"b": (), "d": ("model",)}
+
+
+def test_plan_resolves_two_dims_on_one_axis_by_preference():
+    ctx = ctx_for({"b": "data", "d": "data"})   # both dims disagree between operands: the layout
+    x = placed("b:8 d:16", {"b": ("data",)})    # decides, and puts both on data; d is preferred
+    y = placed("b:8 d:16", {"d": ("model",)})
+    assert ctx.plan(md.shape("b:8 d:16"), [x, y], prefer=("d",)) == {"b": (), "d": ("data",)}
+    assert ctx.plan(md.shape("b:8 d:16"), [x, y], prefer=("b",)) == {"b": ("data",), "d": ()}
+
+
+def test_decide_gathers_decides_per_parameter_over_all_its_ops():
+    table, other = frozenset({1}), frozenset({2})
+    probe = [(table, 100.0, 30.0), (table, 100.0, 30.0), (other, 10.0, 50.0)]
+    # table: gathering once (100) beats staying at both ops (60)? no: 100 > 60 -> stay at both
+    assert param_gather.decide_gathers(probe) == [False, False, True]
+    probe = [(table, 100.0, 60.0), (table, 100.0, 60.0)]
+    assert param_gather.decide_gathers(probe) == [True, True]
+
+
+def test_policies_by_name():
+    assert isinstance(param_gather.make("keep"), param_gather.Keep)
+    assert isinstance(param_gather.make("regather"), param_gather.Regather)
+    auto = param_gather.make("auto", decisions=[True])
+    with pytest.raises(AssertionError, match="1 parameter-gather decisions left unused"):
+        auto.finish()

@@ -76,17 +76,19 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
     axes = ctx.params.place(ctx, dims, xs, target, lambda p: relayout_bytes(
         ctx, out_dims, itemsize, [p[n] for n in out_names], pending_of(p), out_axes, pending_of(target)))
     keep = kept(axes)
-    vary = ctx.vary(axes.values(), xs, keep)
+    vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out_dims.sizes))
     letter = {d.name: _LETTERS[i] for i, d in enumerate(dims)}
     spec = ",".join("".join(letter[n] for n in x.names) for x in xs) + "->" + "".join(letter[n] for n in out_names)
 
-    def contract(*arrays):
-        local = [ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary,
-                           keep_pending=keep)
-                 for a, x in zip(arrays, xs)]
+    def relay(i, a):
+        x = xs[i]
+        return ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary,
+                         keep_pending=keep)
+
+    def contract(*local):
         return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
 
-    result = ctx.params.compute(ctx, contract, [x.raw for x in xs], xs, axes)
+    result = ctx.params.compute(ctx, relay, contract, [x.raw for x in xs], xs, axes)
     result = ctx.out(result, out_dims, axes, pending_of(axes))
     if axes is target:
         return result

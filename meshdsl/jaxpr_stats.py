@@ -166,7 +166,11 @@ def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter
 def _scan_body_scopes(eqn, pattern, multiplier) -> Counter:
     body = eqn.params["jaxpr"].jaxpr
     length, n_consts = int(eqn.params["length"]), int(eqn.params["num_consts"])
-    variant = set(body.invars[n_consts:])
+    n_carry = int(eqn.params["num_carry"])
+    # A carry the body passes through unchanged is loop-invariant too (XLA hoists what reads it).
+    passed = {v for k, v in enumerate(body.invars[n_consts:n_consts + n_carry])
+              if k < len(body.outvars) and body.outvars[k] is v}
+    variant = set(body.invars[n_consts:]) - passed
     out = Counter()
     for inner in body.eqns:
         loop_variant = any(isinstance(v, jcore.Var) and v in variant for v in inner.invars)

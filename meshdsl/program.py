@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import param_gather
@@ -68,13 +69,13 @@ class Program:
 
     def jitted(self, arrays):
         """``jax.jit`` of the program with the inputs' and the outputs' shardings. The outputs'
-        are known once traced (from their dims), so the first call traces shapes only to learn
+        are known once traced (from their dims), so the first call traces (shapes only) to learn
         them: a jit without ``out_shardings`` hits a jax 0.10.2 cache bug when another mesh
         shape with the same axis names ran before (gradients around the function fail)."""
-        if self._jitted is None:
-            jax.eval_shape(self.run, *[_aval(a) for a in arrays])
+        if self._jitted is None:  # traced once: the jit compiles the traced program
+            closed = jax.make_jaxpr(self.run)(*[_aval(a) for a in arrays])
             outs = [NamedSharding(self.owner.mesh.jax_mesh, spec) for spec in self.out_specs]
-            self._jitted = jax.jit(self.run, in_shardings=self.shardings, out_shardings=outs)
+            self._jitted = jax.jit(jaxpr_as_fun(closed), in_shardings=self.shardings, out_shardings=outs)
         return self._jitted
 
     # -- the traced program ----------------------------------------------------------------------

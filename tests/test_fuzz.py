@@ -84,7 +84,7 @@ def _check_invalid(prog, args):
 
 
 @_seeded
-@_settings(small=14, long=3000)
+@_settings(small=25, long=3000)
 @given(prog=programs())
 def test_fuzz_values_and_gradients(prog):
     note(prog.describe())
@@ -122,7 +122,7 @@ def _bytes(prog, fn, args):
 
 
 @_seeded
-@_settings(small=10, long=1500)
+@_settings(small=20, long=1500)
 @given(prog=programs(allow_invalid=False))
 def test_fuzz_bytes_never_worse_and_explained(prog):
     note(prog.describe())
@@ -137,13 +137,23 @@ def test_fuzz_bytes_never_worse_and_explained(prog):
 
 
 def test_fuzz_generator_covers_every_op():
-    """The generator reaches every op family and makes both valid and invalid layouts (a fuzzer
-    that silently stopped producing some op would test nothing about it)."""
-    from hypothesis import find
+    """The generator reaches every op family, every param_gather mode, two-axis splits, parameters
+    and both valid and invalid layouts (a fuzzer that silently stopped producing some case would
+    test nothing about it)."""
     from fuzz_programs import OPS
-    for op in set(OPS):
-        find(programs(), lambda p, op=op: any(s[0] == op for s in p.steps),
-             settings=settings(database=None, max_examples=2000, derandomize=True))
-    find(programs(), lambda p: not p.layout_valid(), settings=settings(database=None, derandomize=True))
-    find(programs(), lambda p: p.layout_valid() and any(len(a) == 2 for a in p.layout.values()),
-         settings=settings(database=None, derandomize=True))
+    seen = set()
+
+    @settings(max_examples=400, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(prog=programs())
+    def collect(prog):
+        seen.update(op for op, _, _ in prog.steps)
+        seen.add(("valid", prog.layout_valid()))
+        seen.add(("param_gather", prog.param_gather))
+        seen.update(("two axes", len(a) == 2) for a in prog.layout.values())
+        seen.update(("param", is_param) for _, _, is_param, _ in prog.inputs)
+
+    collect()
+    want = set(OPS) | {("valid", True), ("valid", False), ("two axes", True), ("param", True)}
+    want |= {("param_gather", m) for m in ("keep", "regather", "auto")}
+    assert want <= seen, want - seen

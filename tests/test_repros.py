@@ -355,3 +355,17 @@ def test_16_scan_carry_dim_order():
     np.testing.assert_allclose(np.asarray(want.array), np.asarray(h.array) + np.asarray(bias.array).sum(0))
     for layout in ({"b": "data"}, {"d": "model", "b": "data"}):
         _same(fn, {"data": 2, "model": 4}, layout, h, bias)
+
+
+# -- new bugs found by the fuzzer (tests/test_fuzz.py) ------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_fuzz_top_k_candidates_larger_than_blocks(k):
+    """top_k over a split dim gathered k candidates and their indices per device even when that
+    is more than the blocks themselves (k=4 over blocks of 2: 2x gspmd's bytes)."""
+    x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((3, 16)), jnp.float32), "r b")
+    fn = lambda x: md.top_k(x, "b", k=k, out="k")
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"b": "data"})
+    moved = _moved(fn, mesh, layout, x)
+    assert moved["explicit"] <= moved["gspmd"], moved
+    _same(fn, {"data": 8}, {"b": "data"}, x)

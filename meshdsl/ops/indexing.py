@@ -132,6 +132,11 @@ def top_k(ctx, x, dim, k: int, out: str = "k"):
     split = axes[name]
     if not split:
         values, idx = jax.lax.top_k(local, k)
+    elif 2 * min(k, n // ctx.axes_size(split)) >= n // ctx.axes_size(split):
+        # The candidates (values and indices) would be no smaller than the blocks: gather the
+        # values of the dim (positions are implicit) and take the top k of the whole.
+        whole = C.all_gather(ctx, local, split, local.ndim - 1, invariant=True, tensor=f"[{x.dims}] top_k over {name}")
+        values, idx = jax.lax.top_k(whole, k)
     else:
         block = n // ctx.axes_size(split)
         kk = min(k, block)

@@ -369,3 +369,19 @@ def test_fuzz_top_k_candidates_larger_than_blocks(k):
     moved = _moved(fn, mesh, layout, x)
     assert moved["explicit"] <= moved["gspmd"], moved
     _same(fn, {"data": 8}, {"b": "data"}, x)
+
+
+@pytest.mark.parametrize("op", ["logsumexp", "softmax", "cumsum", "shift", "top_k", "slice", "reshape"])
+def test_fuzz_parameter_only_value_all_reduced_to_fix_its_type(op):
+    """A value computed from a replicated parameter alone (logsumexp(w) next to an input split
+    over the mesh) was typed varying and all-reduced at the output (gspmd: no communication)."""
+    x = md.named(jnp.ones((8, 4)), "c d")
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32), "e"))
+    f = {"logsumexp": lambda w: md.logsumexp(w, "e"), "softmax": lambda w: md.softmax(w, "e"),
+         "cumsum": lambda w: md.cumsum(w, "e"), "shift": lambda w: md.shift(w, "e", 3),
+         "top_k": lambda w: md.top_k(w, "e", k=2)[0], "slice": lambda w: md.slice(w, "e", 2, 5),
+         "reshape": lambda w: md.reshape(w, "p:4 q:4")}[op]
+    fn = lambda x, w: (x * 2.0, f(w))
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"c": ("y", "x")})
+    assert _moved(fn, mesh, layout, x, w) == {"explicit": 0.0, "gspmd": 0.0}
+    _same(fn, {"x": 4, "y": 2}, {"c": ("y", "x")}, x, w)

@@ -127,7 +127,7 @@ def top_k(ctx, x, dim, k: int, out: str = "k"):
     if out in x.names and out != name:
         raise ShapeError(f"{where_(ctx)}: out dim {out!r} already exists in [{x.dims}]")
     axes = ctx.plan(x.dims, [x])
-    vary = ctx.vary(axes.values(), [x])
+    vary = ctx.vary(axes.values(), [x], out_size=x.size)
     local = jnp.moveaxis(ctx.local(x, axes, vary), x.names.index(name), -1)
     split = axes[name]
     if not split:
@@ -168,7 +168,7 @@ def cumsum(ctx, x, dim):
     name = _one(ctx, x, dim, "cumsum dim")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     keep = ctx.pending(x) - {a for a in axes[name]}
-    vary = ctx.vary(axes.values(), [x], keep)
+    vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)
     pos = x.names.index(name)
     y = jnp.cumsum(local, axis=pos)
@@ -212,7 +212,7 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False):
                          f"use |offset| < {size}, or wrap=True for a cyclic shift")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     keep = ctx.pending(x) - {a for a in axes[name]}
-    vary = ctx.vary(axes.values(), [x], keep)
+    vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)
     pos = x.names.index(name)
     split = axes[name]

@@ -114,7 +114,7 @@ def _stats(ctx, x, dim, what):
     x = as_named(ctx, x)
     name = _one_dim(ctx, x, dim, what)
     axes = ctx.plan(x.dims, [x])
-    vary = ctx.vary(axes.values(), [x])
+    vary = ctx.vary(axes.values(), [x], out_size=x.size)  # no larger than x: a parameter stays invariant
     local = ctx.local(x, axes, vary)
     pos = x.names.index(name)
     split = axes[name]

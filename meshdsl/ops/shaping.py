@@ -134,17 +134,17 @@ def reshape(ctx, x, dims):
             src_target[d.name] = major if k == 0 else ()
         for k, d in enumerate(new_g):
             out_axes[d.name] = major if k == 0 else ()
-    vary = ctx.vary(src_target.values(), [x], pl.pending)
+    vary = ctx.vary(src_target.values(), [x], pl.pending, out_size=x.size)
     local = ctx.local(x, src_target, vary, keep_pending=pl.pending)
     local_shape = [d.size // ctx.axes_size(out_axes[d.name]) for d in new]
     return ctx.out(jnp.reshape(local, local_shape), new, out_axes, pl.pending, is_param=x.is_param)
 
 
-def _whole_along(ctx, x, name, keep_pending):
+def _whole_along(ctx, x, name, keep_pending, out_size=None):
     """Plan for ``x`` with dim ``name`` whole (other dims stay where they are)."""
     axes = ctx.plan(x.dims, [x], keep_pending=keep_pending)
     axes[name] = ()
-    return axes, ctx.vary(axes.values(), [x], keep_pending)
+    return axes, ctx.vary(axes.values(), [x], keep_pending, out_size=out_size)
 
 
 def _split_along(ctx, xs, name, keep_pending):
@@ -282,7 +282,7 @@ def concat(ctx, xs, dim):
         axes = how[1]
         split = axes[name]
         keep = keep - {a for ax in axes.values() for a in ax}
-        vary = ctx.vary(axes.values(), xs, keep)
+        vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
         y = None
         for x, o in zip(xs, offsets):
             local = align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims)
@@ -293,13 +293,13 @@ def concat(ctx, xs, dim):
     if how is not None:  # the split moves to another dim and back
         axes = how[1]
         keep = keep - {a for ax in axes.values() for a in ax}
-        vary = ctx.vary(axes.values(), xs, keep)
+        vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
         local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
         return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
     axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs, keep_pending=keep)
     axes[name] = ()
     keep = keep - {a for ax in axes.values() for a in ax}  # a dim planned over a pending axis: reduce-scatter
-    vary = ctx.vary(axes.values(), xs, keep)
+    vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
     return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
 
@@ -317,15 +317,15 @@ def slice(ctx, x, dim, start: int, size: int):  # noqa: A001 - the op's name
     how = _cheapest_along(ctx, [x], name, keep, size, [start])
     if how is not None and how[0] == "window":
         axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep)
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
         local = ctx.local(x, axes, vary, keep_pending=keep)
         y, _ = _window(ctx, local, x.names.index(name), axes[name], n, size, start, f"[{x.dims}] slice of {name}")
         return ctx.out(y, out, axes, keep)
     if how is not None:
         axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep)
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
     else:
-        axes, vary = _whole_along(ctx, x, name, keep)
+        axes, vary = _whole_along(ctx, x, name, keep, math.prod(out.sizes))
     local = ctx.local(x, axes, vary, keep_pending=keep)
     y = jax.lax.slice_in_dim(local, start, start + size, axis=x.names.index(name))
     return ctx.out(y, out, axes, keep)
@@ -344,7 +344,7 @@ def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0):
     how = _cheapest_along(ctx, [x], name, keep, out[name].size, [-before])
     if how is not None and how[0] == "window":
         axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep)
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
         local = ctx.local(x, axes, vary, keep_pending=keep)
         y, inside = _window(ctx, local, x.names.index(name), axes[name], x.dims[name].size, out[name].size,
                             -before, f"[{x.dims}] pad of {name}")
@@ -353,8 +353,8 @@ def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0):
         return ctx.out(y, out, axes, keep)
     if how is not None:
         axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep)
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
     else:
-        axes, vary = _whole_along(ctx, x, name, keep)
+        axes, vary = _whole_along(ctx, x, name, keep, math.prod(out.sizes))
     local = ctx.local(x, axes, vary, keep_pending=keep)
     return ctx.out(jnp.pad(local, widths, constant_values=value), out, axes, keep)

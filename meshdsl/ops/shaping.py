@@ -162,42 +162,36 @@ def _split_along(ctx, xs, name, keep_pending):
 
 def _window_plan(n, in_size, out_size, c):
     """Static plan of ``y[j] = x[j + c]`` (``0 <= j + c < in_size``) for blocks over ``n`` devices:
-    per block distance, the (source, target) pairs, each source's window start, and each target's
-    row index into the window (with a mask); plus the rows of ``y`` that are in range."""
+    per block distance, the rows each source sends (as many as the largest piece of that
+    distance), the (source, target) pairs, each source's window start, and each target's row
+    index into the window (with a mask); plus the rows of ``y`` that are in range."""
     ib, ob = in_size // n, out_size // n
-    width = min(ib, ob)
     g = np.arange(n)[:, None] * ob + np.arange(ob)[None, :] + c
     valid = (g >= 0) & (g < in_size)
     src = np.where(valid, g // max(ib, 1), -1)
     moves = []
     for d in sorted(set((src - np.arange(n)[:, None])[valid].tolist())):
+        pairs = [(s, s - d) for s in range(n) if 0 <= s - d < n and (src[s - d] == s).any()]
+        width = max(int((src[t] == s).sum()) for s, t in pairs)
         lo = np.zeros(n, np.int32)
         idx = np.zeros((n, ob), np.int32)
         mask = np.zeros((n, ob), bool)
-        pairs = []
-        for s in range(n):
-            t = s - d
-            if not 0 <= t < n or not (src[t] == s).any():
-                continue
-            rows = g[t][src[t] == s]
-            lo[s] = min(rows.min() - s * ib, ib - width)
-            pairs.append((s, t))
-        for t in range(n):
-            s = t + d
+        for s, t in pairs:
+            lo[s] = min(g[t][src[t] == s].min() - s * ib, ib - width)
+        for s, t in pairs:
             sel = src[t] == s
-            if 0 <= s < n and sel.any():
-                idx[t][sel] = g[t][sel] - s * ib - lo[s]
-                mask[t][sel] = True
-        moves.append((d, pairs, lo, idx, mask))
-    return width, moves, valid
+            idx[t][sel] = g[t][sel] - s * ib - lo[s]
+            mask[t][sel] = True
+        moves.append((d, width, pairs, lo, idx, mask))
+    return moves, valid
 
 
 def _window_bytes(ctx, x, name, split, out_size, c):
     n = ctx.axes_size(split)
-    width, moves, _ = _window_plan(n, x.dims[name].size, out_size, c)
+    moves, _ = _window_plan(n, x.dims[name].size, out_size, c)
     row = x.size * x.dtype.itemsize / max(1, ctx.axes_size(ctx.placement(x).split_axes())) \
         / (x.dims[name].size // n)
-    return sum(width * row for d, pairs, *_ in moves if d != 0 and pairs)
+    return sum(width * row for d, width, pairs, *_ in moves if d != 0 and pairs)
 
 
 def _gather_bytes(ctx, x, name, split):
@@ -239,13 +233,13 @@ def _window(ctx, local, pos, split, in_size, out_size, c, tensor):
     rows. Rows that change owner move with one ``ppermute`` per block distance, of only the rows
     the receiver needs (never the whole dim)."""
     n = ctx.axes_size(split)
-    width, moves, valid = _window_plan(n, in_size, out_size, c)
+    moves, valid = _window_plan(n, in_size, out_size, c)
     me = C.axis_index(split)
     ob = out_size // n
     shape = [1] * local.ndim
     shape[pos] = ob
     out = None
-    for d, pairs, lo, idx, mask in moves:
+    for d, width, pairs, lo, idx, mask in moves:
         if not pairs:
             continue
         win = jax.lax.dynamic_slice_in_dim(local, jnp.asarray(lo)[me], width, axis=pos)

@@ -385,3 +385,15 @@ def test_fuzz_parameter_only_value_all_reduced_to_fix_its_type(op):
     mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"c": ("y", "x")})
     assert _moved(fn, mesh, layout, x, w) == {"explicit": 0.0, "gspmd": 0.0}
     _same(fn, {"x": 4, "y": 2}, {"c": ("y", "x")}, x, w)
+
+
+def test_fuzz_explain_counts_a_computation_the_program_repeats():
+    """Two identical einsums (and their all-reduces) in one program: XLA merges them (CSE), so
+    explain must count the all-reduce once, forward and backward."""
+    x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32), "b d")
+    fn = lambda v: (md.einsum(v, v, out=""), md.einsum(v, v, out=""))
+    grads = lambda x: jax.grad(lambda x: md.sum(md.tanh(fn(x)[0]) + md.tanh(fn(x)[1])).array)(x)
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"b": "y"})
+    for f in (fn, grads):
+        e, h = _explain_vs_hlo(f, mesh, layout, x)
+        assert e == h and e

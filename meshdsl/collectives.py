@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from .jaxcompat import varying_axes
 
-__all__ = ["psum", "pmax", "cast", "psum_scatter", "all_gather", "take_block", "all_to_all",
+__all__ = ["psum", "pmax", "pmin", "cast", "psum_scatter", "all_gather", "take_block", "all_to_all",
            "ppermute", "axis_index", "replicate", "attributed_vjp"]
 
 
@@ -121,6 +121,13 @@ def pmax(ctx, x, axes, tensor: str = ""):
     return _emit(ctx, "all-reduce", axes, x, lambda u: jax.lax.pmax(u, axes), tensor)
 
 
+def pmin(ctx, x, axes, tensor: str = ""):
+    """Minimum over ``axes`` of a statistic (no gradient: callers stop it)."""
+    axes = tuple(axes)
+    x = jax.lax.stop_gradient(_raw_vary(x, axes))
+    return _emit(ctx, "all-reduce", axes, x, lambda u: jax.lax.pmin(u, axes), tensor)
+
+
 def psum_scatter(ctx, x, axes, dim: int, tensor: str = ""):
     """Reduce-scatter: sum partial values over ``axes`` and keep this device's block of ``dim``."""
     axes = tuple(axes)
@@ -185,6 +192,23 @@ def ppermute(ctx, x, axes, perm, tensor: str = ""):
     indices); devices that receive nothing get zeros."""
     axes, perm = tuple(axes), tuple(perm)
     x = cast(ctx, x, axes, tensor)
+    # jax numbers ppermute's devices in mesh order, whatever order ``axes`` lists; ``perm`` uses
+    # the order of ``axes`` (a dim's block order, as axis_index / all_gather do): translate.
+    ordered = tuple(a for a in ctx.mesh.axis_names if a in axes)
+    if ordered != axes:
+        sizes = {a: ctx.axes_size((a,)) for a in axes}
+
+        def to_mesh_order(i):
+            coords = {}
+            for a in reversed(axes):
+                i, coords[a] = divmod(i, sizes[a])
+            j = 0
+            for a in ordered:
+                j = j * sizes[a] + coords[a]
+            return j
+
+        perm = tuple((to_mesh_order(s), to_mesh_order(t)) for s, t in perm)
+        axes = ordered
     name = axes if len(axes) > 1 else axes[0]
 
     def forward(v):

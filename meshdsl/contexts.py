@@ -56,7 +56,7 @@ class GlobalContext:
     def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
         return {d.name: () for d in dims}
 
-    def vary(self, planned, operands=(), keep_pending=frozenset()):
+    def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):
         return frozenset()
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):

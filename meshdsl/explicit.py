@@ -66,7 +66,7 @@ class ExplicitContext(LayoutContext):
     def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
         return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending, cheapest=cheapest)
 
-    def vary(self, planned, operands=(), keep_pending=frozenset()):
+    def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):
         """Mesh axes an op's local computation varies over: every axis the plan splits a dim on
         (``planned``: axes tuples), the pending sums it keeps, and any axis an operand already
         varies over beyond its placement (a replicated value typed varying).
@@ -74,14 +74,18 @@ class ExplicitContext(LayoutContext):
         An op reading a parameter also varies over the axes the program's inputs are split over
         (``param_axes``, e.g. ``data``): a parameter's gradient is then summed over them where the
         parameter is read - the smallest place - not on some larger value computed from it (a
-        position bias [heads, seq, kv_seq] from its table [buckets, heads])."""
+        position bias [heads, seq, kv_seq] from its table [buckets, heads]). Only where that is
+        smaller: when the op's result (``out_size`` elements, unknown = larger) is no larger than
+        the parameter, the parameter stays invariant, so a value computed from parameters alone
+        (an updated parameter ``w - lr * g``, ``tanh(w)``) stays typed replicated and is never
+        all-reduced to fix its type."""
         out = set(keep_pending)
         for axes in planned:
             out.update(axes)
         for x in operands:
             pl = self.placement(x)
             out |= varying_axes(x.raw) - pl.used_axes()
-            if x.is_param:
+            if x.is_param and (out_size is None or out_size > x.size):
                 out |= self.param_axes
         return frozenset(out)
 

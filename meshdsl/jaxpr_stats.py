@@ -141,8 +141,54 @@ def memory(jaxpr) -> dict:
 
 
 def live(jaxpr):
-    """``jaxpr`` without the computations whose results are never used (as the compiler drops them)."""
-    return dce(getattr(jaxpr, "jaxpr", jaxpr))
+    """``jaxpr`` without the computations whose results are never used and without repeated
+    identical computations (as the compiler drops them: DCE and CSE)."""
+    return dce(cse(getattr(jaxpr, "jaxpr", jaxpr)))
+
+
+def cse(jaxpr):
+    """``jaxpr`` with each pure equation that repeats an earlier one (same primitive, parameters and
+    inputs) replaced by the earlier one's results: a program that computes one value twice (two
+    identical einsums and their all-reduces) runs it once once XLA has merged them."""
+    subst, seen, eqns = {}, {}, []
+
+    def key_of(v):
+        if isinstance(v, jcore.Literal):
+            return ("literal", repr(v.val), str(v.aval))
+        v = subst.get(v, v)
+        return ("var", id(v))
+
+    def param_key(value):
+        if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+            return ("jaxpr", str(value))  # structure, not name scopes: tags differ, programs do not
+        if callable(value) or type(value).__name__ == "WrappedFun":  # rules (custom_vjp's fwd / bwd): the program is already differentiated
+            return "callable"
+        if isinstance(value, (tuple, list)):
+            return tuple(param_key(x) for x in value)
+        try:
+            hash(value)
+            return value
+        except TypeError:
+            return ("id", id(value))
+
+    for eqn in jaxpr.eqns:
+        invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
+        if any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):  # real side effects stay
+            eqns.append(eqn.replace(invars=invars))
+            continue
+        key = (eqn.primitive, tuple(key_of(v) for v in eqn.invars),
+               tuple(sorted((k, param_key(v)) for k, v in eqn.params.items())))
+        first = seen.get(key)
+        if first is not None and len(first.outvars) == len(eqn.outvars):
+            subst.update(zip(eqn.outvars, first.outvars))
+            continue
+        new = eqn.replace(invars=invars)
+        seen[key] = new
+        eqns.append(new)
+    if not subst:
+        return jaxpr
+    outvars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
 def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter:
@@ -166,7 +212,11 @@ def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter
 def _scan_body_scopes(eqn, pattern, multiplier) -> Counter:
     body = eqn.params["jaxpr"].jaxpr
     length, n_consts = int(eqn.params["length"]), int(eqn.params["num_consts"])
-    variant = set(body.invars[n_consts:])
+    n_carry = int(eqn.params["num_carry"])
+    # A carry the body passes through unchanged is loop-invariant too (XLA hoists what reads it).
+    passed = {v for k, v in enumerate(body.invars[n_consts:n_consts + n_carry])
+              if k < len(body.outvars) and body.outvars[k] is v}
+    variant = set(body.invars[n_consts:]) - passed
     out = Counter()
     for inner in body.eqns:
         loop_variant = any(isinstance(v, jcore.Var) and v in variant for v in inner.invars)

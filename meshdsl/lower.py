@@ -108,7 +108,7 @@ class LoweredFunction:
         prog, leaves = self._program(args)
         arrays = self._arrays(prog, leaves, True)
         traced = any(isinstance(a, jax.core.Tracer) for a in arrays)
-        run = prog.jitted if traced or prog.compiled is None else prog.compiled
+        run = prog.jitted(arrays) if traced or prog.compiled is None else prog.compiled
         return prog.rebuild(run(*arrays))
 
     def compile(self, *args):
@@ -117,14 +117,16 @@ class LoweredFunction:
         self._check_concrete("compiled")
         prog, leaves = self._program(args)
         if prog.compiled is None:
-            prog.compiled = prog.jitted.lower(*self._arrays(prog, leaves, False)).compile()
+            arrays = self._arrays(prog, leaves, False)
+            prog.compiled = prog.jitted(arrays).lower(*arrays).compile()
         return prog.compiled
 
     def lower(self, *args):
         """The jax ``Lowered`` for these arguments (``.compile().as_text()`` is the HLO)."""
         self._check_concrete("lowered or run")
         prog, leaves = self._program(args)
-        return prog.jitted.lower(*self._arrays(prog, leaves, False))
+        arrays = self._arrays(prog, leaves, False)
+        return prog.jitted(arrays).lower(*arrays)
 
     def trace(self, *args):
         """Trace without compiling: ``(closed jaxpr, explicit context, program)``."""

@@ -13,8 +13,10 @@ Policies:
 
 * ``"keep"`` (ZeRO-3 as written): gather at use; inside ``md.scan`` the gathered value is kept
   for the backward pass (the minimum bytes, more memory).
-* ``"regather"``: the backward pass gathers the parameters again instead of keeping them
-  (ZeRO-3's memory saving; GSPMD gives no such choice inside a scan).
+* ``"regather"``: inside ``md.scan`` the backward pass gathers the parameters again instead of
+  keeping them (ZeRO-3's memory saving; GSPMD gives no such choice inside a scan). Outside a loop
+  the compiler would merge the second gather with the first, so the gathered value is kept there
+  (as with ``"keep"``) and ``md.explain`` claims no re-gather.
 * ``"auto"``: gather a parameter only where that moves fewer bytes than leaving it where it is
   stored and moving the activations: a tied embedding [vocab, d_model] stored ``d_model:data`` is
   not gathered for a small batch's lookups or logits; its ids, rows and logits move instead. The
@@ -43,8 +45,9 @@ class Keep:
     def place(self, ctx, dims, operands, target, result_bytes):
         return target
 
-    def compute(self, ctx, contract, arrays, operands, axes):
-        return contract(*arrays)
+    def compute(self, ctx, relay, contract, arrays, operands, axes):
+        """``contract`` of the operands' local blocks; ``relay(i, array)`` places operand ``i``."""
+        return contract(*[relay(i, a) for i, a in enumerate(arrays)])
 
     def finish(self) -> None:
         """Called when the trace is over."""
@@ -55,13 +58,30 @@ class Regather(Keep):
 
     name = "regather"
 
-    def compute(self, ctx, contract, arrays, operands, axes):
-        if not any(x.is_param and needs_gather(ctx, x, axes) for x in operands):
-            return contract(*arrays)
-        # The residuals are the stored (split) parameters: the backward runs contract again.
-        return C.attributed_vjp(
-            ctx, lambda *a: (contract(*a), a),
-            lambda saved, ct: _vjp(contract, saved, ct))(*arrays)
+    def compute(self, ctx, relay, contract, arrays, operands, axes):
+        gathered = [i for i, x in enumerate(operands) if x.is_param and needs_gather(ctx, x, axes)]
+        local = [relay(i, a) for i, a in enumerate(arrays)]  # one forward gather per value, shared
+        if not gathered or ctx.rec.multiplier == 1:
+            # Outside a loop XLA merges a backward re-gather with the forward gather (CSE; its
+            # barriers are expanded first on CPU): keep the gathered value, and explain says so.
+            return contract(*local)
+        stored = tuple(arrays[i] for i in gathered)
+
+        def forward(stored, *local):
+            kept = tuple(None if i in gathered else v for i, v in enumerate(local))
+            return contract(*local), (stored, kept)  # the gathered blocks are not residuals
+
+        def backward(res, ct):
+            stored, kept = res
+            # The barrier keeps XLA from reusing the forward's gather: the backward gathers again.
+            stored = jax.lax.optimization_barrier(stored)
+            again = list(kept)
+            for k, i in enumerate(gathered):
+                again[i] = relay(i, stored[k])
+            cts = _vjp(contract, again, ct)
+            return (tuple(jax.numpy.zeros_like(s) for s in stored), *cts)
+
+        return C.attributed_vjp(ctx, forward, backward)(stored, *local)
 
 
 def _vjp(fn, primals, ct):

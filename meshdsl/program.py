@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import param_gather
@@ -61,9 +62,21 @@ class Program:
         self.out_templates: list = []
         self.last_ctx = None
         self.compiled = None
+        self.out_specs: list = []
+        self._jitted = None
         if not mesh.is_abstract:
             self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
-            self.jitted = jax.jit(self.run, in_shardings=self.shardings)
+
+    def jitted(self, arrays):
+        """``jax.jit`` of the program with the inputs' and the outputs' shardings. The outputs'
+        are known once traced (from their dims), so the first call traces (shapes only) to learn
+        them: a jit without ``out_shardings`` hits a jax 0.10.2 cache bug when another mesh
+        shape with the same axis names ran before (gradients around the function fail)."""
+        if self._jitted is None:  # traced once: the jit compiles the traced program
+            closed = jax.make_jaxpr(self.run)(*[_aval(a) for a in arrays])
+            outs = [NamedSharding(self.owner.mesh.jax_mesh, spec) for spec in self.out_specs]
+            self._jitted = jax.jit(jaxpr_as_fun(closed), in_shardings=self.shardings, out_shardings=outs)
+        return self._jitted
 
     # -- the traced program ----------------------------------------------------------------------
 
@@ -109,6 +122,7 @@ class Program:
             out = owner.fn(*self._args(arrays, True))
             with ctx.at("output", "return value"):
                 results, out_specs[:] = self._explicit_outputs(ctx, out)
+                self.out_specs = list(out_specs)
             _check_unused_rules(owner.layout, ctx.dims_seen)
         ctx.rec.tracing = False
         policy.finish()
@@ -143,16 +157,18 @@ class Program:
         with using(ctx):
             out = owner.fn(*self._args(arrays, False))
             leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_named)
-            results, self.out_templates = [], []
+            results, self.out_templates, self.out_specs = [], [], []
             for leaf in leaves:
                 if is_named(leaf):
                     spec = owner.layout.spec(leaf.dims, owner.mesh, storage=leaf.is_param)
                     results.append(jax.lax.with_sharding_constraint(
                         leaf.raw, NamedSharding(owner.mesh.jax_mesh, spec)))
                     self.out_templates.append((leaf.dims, leaf.is_param))
+                    self.out_specs.append(spec)
                 else:
                     results.append(jnp.asarray(leaf))
                     self.out_templates.append(None)
+                    self.out_specs.append(PartitionSpec())
             _check_unused_rules(owner.layout, ctx.dims_seen)
         return results
 
@@ -160,6 +176,14 @@ class Program:
         """The user's output tree of global NamedArrays from the compiled function's arrays."""
         leaves = [a if t is None else NamedArray(a, t[0], is_param=t[1]) for a, t in zip(arrays, self.out_templates)]
         return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
+
+def _aval(a):
+    """Shape and dtype of an argument (array, tracer, PRNG key or Python scalar)."""
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+    a = jnp.asarray(a)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
 def _check_unused_rules(layout: Layout, seen: set) -> None:

@@ -37,8 +37,17 @@ def relayout(ctx, x, target, vary, keep_pending):
     vary = vary | {a for axes in target for a in axes} | (src.pending & keep_pending)
     if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x.raw):
         return x.raw
-    key = ("relayout", src, tuple(target), vary, keep_pending)
-    return ctx.cached(x.raw, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
+    # The collectives depend on ``vary`` only where a split leaves a dim (a gather's type): ops
+    # that differ elsewhere share them, so one value's collective is emitted once, however many
+    # ops read it (XLA would merge the copies; explain must not count them twice).
+    leaving = {a for i, axes in enumerate(src.axes) for a in axes if a not in target[i]}
+    key = ("relayout", src, tuple(target), frozenset(vary & leaving), keep_pending)
+    moved = ctx.cached(x.raw, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
+    # Type the block as varying over every axis the consuming op varies over (once per value).
+    cast = tuple(a for a in ctx.mesh.axis_names if a in vary and a not in varying_axes(moved))
+    if not cast:
+        return moved
+    return ctx.cached(moved, ("cast", cast), lambda: C.cast(ctx, moved, cast, f"[{x.dims}]"))
 
 
 def _relayout(ctx, x, src, target, vary, keep_pending):
@@ -48,8 +57,7 @@ def _relayout(ctx, x, src, target, vary, keep_pending):
     move.move_splits()         # 3. splits that must leave a dim: all-to-all, else all-gather
     move.slice_free_axes()     # 4. the remaining local slices
     assert [tuple(c) for c in move.cur] == list(target), (move.cur, target)
-    # 5. Type the block as varying over every axis the consuming op varies over.
-    return C.cast(ctx, move.arr, tuple(a for a in ctx.mesh.axis_names if a in vary), move.shape_txt)
+    return move.arr
 
 
 class _Move:

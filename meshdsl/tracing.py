@@ -67,7 +67,7 @@ class LoweringContext(Protocol):
     def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False) -> dict:
         """Mesh axes per dim of an op's iteration space (see :mod:`meshdsl.placement`)."""
 
-    def vary(self, planned, operands=(), keep_pending=frozenset()) -> frozenset:
+    def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None) -> frozenset:
         """Mesh axes the op's local computation varies over."""
 
     def local(self, x, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):

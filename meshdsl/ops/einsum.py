@@ -34,6 +34,7 @@ from ..errors import ShapeError, suggest
 from ..named import NamedArray
 from ..relayout import relayout_bytes
 from .common import as_named, union_dims, where_
+from .reductions import sum as reduce_sum
 from .registry import op
 
 __all__ = ["einsum"]
@@ -72,27 +73,66 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
 
     target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
     itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
+    solo = _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending_of(target))
+    if solo:  # cheaper: sum those dims locally first (a pending sum), then contract the rest
+        return einsum(*[reduce_sum(x, s) if s else x for x, s in zip(xs, solo)], out=out_names,
+                      preferred_element_type=preferred_element_type)
     out_axes = [target[n] for n in out_names]
     axes = ctx.params.place(ctx, dims, xs, target, lambda p: relayout_bytes(
         ctx, out_dims, itemsize, [p[n] for n in out_names], pending_of(p), out_axes, pending_of(target)))
     keep = kept(axes)
-    vary = ctx.vary(axes.values(), xs, keep)
+    vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out_dims.sizes))
     letter = {d.name: _LETTERS[i] for i, d in enumerate(dims)}
     spec = ",".join("".join(letter[n] for n in x.names) for x in xs) + "->" + "".join(letter[n] for n in out_names)
 
-    def contract(*arrays):
-        local = [ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary,
-                           keep_pending=keep)
-                 for a, x in zip(arrays, xs)]
+    def relay(i, a):
+        x = xs[i]
+        return ctx.local(NamedArray(a, x.dims, is_param=x.is_param, placement=x.placement), axes, vary,
+                         keep_pending=keep)
+
+    def contract(*local):
         return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
 
-    result = ctx.params.compute(ctx, contract, [x.raw for x in xs], xs, axes)
+    result = ctx.params.compute(ctx, relay, contract, [x.raw for x in xs], xs, axes)
     result = ctx.out(result, out_dims, axes, pending_of(axes))
     if axes is target:
         return result
     # Parameters stayed where they are stored: bring the result where the plan puts it.
     local = ctx.local(result, target, vary, keep_pending=pending_of(target))
     return ctx.out(local, out_dims, target, pending_of(target))
+
+
+def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending):
+    """Per operand, the contracted dims only it has, to be summed before the contraction, or
+    ``None``. Considered where the contraction's plan takes a mesh axis from a kept dim the layout
+    splits over it (the contracted dim keeps the split, so the kept dim's operand is gathered):
+    summing the operand's own dims first leaves a small pending sum instead, and the kept dim
+    keeps its split. Chosen only when that moves fewer bytes (ring estimates)."""
+    if not ctx.explicit or len(xs) < 2:
+        return None
+    taken = {a for n in contracted for a in target[n]}
+    if not any(set(ctx.layout_axes(n)) & taken for n in out_names):
+        return None
+    solo = [[n for n in x.names if n in contracted and target[n] and sum(n in y.names for y in xs) == 1]
+            for x in xs]
+    if not any(solo):
+        return None
+    canon = {d.name: ctx.layout_axes(d.name) for x in xs for d in x.dims}
+
+    def moved(x, dims, src, pend, to):
+        return relayout_bytes(ctx, dims, x.dtype.itemsize, src, pend, tuple(to.get(d.name, ()) for d in dims))
+
+    now = sum(moved(x, x.dims, ctx.placement(x).axes, ctx.pending(x), target) for x in xs)
+    now += relayout_bytes(ctx, out_dims, itemsize, [target[n] for n in out_names], pending,
+                          [canon.get(n, ()) for n in out_names])
+    first = 0.0
+    for x, s in zip(xs, solo):
+        pl = ctx.placement(x)
+        dims = [d for d in x.dims if d.name not in s]
+        src = [a for d, a in zip(x.dims, pl.axes) if d.name not in s]
+        pend = ctx.pending(x) | {a for d, a in zip(x.dims, pl.axes) if d.name in s for a in a}
+        first += moved(x, dims, src, pend, canon)
+    return solo if first < now else None
 
 
 def _linear_pending(ctx, xs, out_dims) -> frozenset:

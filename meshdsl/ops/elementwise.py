@@ -16,6 +16,8 @@ reduce-scatter when the result is split over the same axis).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -44,7 +46,7 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve"):
             keep = pend[holders[0]]
     axes = ctx.plan(dims, xs, keep_pending=keep, cheapest=True)
     keep = keep - {a for ax in axes.values() for a in ax}
-    vary = ctx.vary(axes.values(), xs, keep)
+    vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(dims.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]
     return ctx.out(fn(*local), dims, axes, keep)
 

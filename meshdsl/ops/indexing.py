@@ -26,7 +26,7 @@ from ..errors import ShapeError
 from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, new_dims, where_
 from .registry import op
-from .shaping import reshape
+from .shaping import rename, reshape
 
 __all__ = ["one_hot", "take", "top_k", "argmax", "cumsum", "shift"]
 
@@ -64,13 +64,23 @@ def one_hot(ctx, ids, dim, dtype=jnp.float32):
 @op("take")
 def take(ctx, table, ids, dim):
     """Rows of ``table`` along ``dim`` picked by integer ``ids``: dims are ids' dims, then the
-    table's other dims. Over a split ``dim`` the result is a pending partial sum."""
+    table's other dims. Over a split ``dim`` the result is a pending partial sum.
+
+    Ids index numpy-style: an id in ``[-size, 0)`` counts from the end (``-1`` is the last row);
+    an id outside ``[-size, size)`` gives a row of zeros. Every layout, and the unsharded run,
+    gives the same values. ``ids`` may carry a dim named like ``dim`` (``out[b, v, e] =
+    table[ids[b, v], e]``)."""
     table = as_named(ctx, table, "table")
     ids = as_named(ctx, ids, "ids")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] are {ids.dtype}; take needs integer ids "
                          "(ids.astype(jnp.int32))")
     name = _one(ctx, table, dim, "take dim")
+    if name in ids.names:  # the ids' own dim of that name: look up under another name, rename back
+        inner = f"{name}_ids_"
+        while inner in ids.names or inner in table.names:
+            inner += "_"
+        return rename(take(table, rename(ids, {name: inner}), name), {inner: name})
     rest = [d for d in table.dims if d.name != name]
     clash = [d.name for d in rest if d.name in ids.names]
     if clash:
@@ -89,15 +99,14 @@ def take(ctx, table, ids, dim):
     i_local = ctx.local(ids, axes, vary)
     pos = table.names.index(name)
     split = axes[name]
-    if split:
-        block = table.dims[name].size // ctx.axes_size(split)
-        rel = i_local - _offset(ctx, split, block).astype(i_local.dtype)
-        inside = (rel >= 0) & (rel < block)
-        rows = jnp.take(t_local, jnp.clip(rel, 0, block - 1), axis=pos)
-        mask = jnp.expand_dims(inside, tuple(range(pos)) + tuple(range(pos + ids.ndim, len(rest) + ids.ndim)))
-        rows = jnp.where(mask, rows, jnp.zeros((), rows.dtype))
-    else:
-        rows = jnp.take(t_local, i_local, axis=pos)
+    size = table.dims[name].size
+    i_local = jnp.where(i_local < 0, i_local + size, i_local)  # numpy-style negative ids
+    block = size // ctx.axes_size(split)
+    rel = i_local - _offset(ctx, split, block).astype(i_local.dtype) if split else i_local
+    inside = (rel >= 0) & (rel < block)  # rows this device holds; ids out of range: zeros
+    rows = jnp.take(t_local, jnp.clip(rel, 0, block - 1), axis=pos)
+    mask = jnp.expand_dims(inside, tuple(range(pos)) + tuple(range(pos + ids.ndim, len(rest) + ids.ndim)))
+    rows = jnp.where(mask, rows, jnp.zeros((), rows.dtype))
     got = Shape((*table.dims[:pos], *ids.dims, *table.dims[pos + 1:]))
     result = ctx.out(align(rows, got, out), out, axes, frozenset(split))
     if axes is target:
@@ -118,11 +127,16 @@ def top_k(ctx, x, dim, k: int, out: str = "k"):
     if out in x.names and out != name:
         raise ShapeError(f"{where_(ctx)}: out dim {out!r} already exists in [{x.dims}]")
     axes = ctx.plan(x.dims, [x])
-    vary = ctx.vary(axes.values(), [x])
+    vary = ctx.vary(axes.values(), [x], out_size=x.size)
     local = jnp.moveaxis(ctx.local(x, axes, vary), x.names.index(name), -1)
     split = axes[name]
     if not split:
         values, idx = jax.lax.top_k(local, k)
+    elif 2 * min(k, n // ctx.axes_size(split)) >= n // ctx.axes_size(split):
+        # The candidates (values and indices) would be no smaller than the blocks: gather the
+        # values of the dim (positions are implicit) and take the top k of the whole.
+        whole = C.all_gather(ctx, local, split, local.ndim - 1, invariant=True, tensor=f"[{x.dims}] top_k over {name}")
+        values, idx = jax.lax.top_k(whole, k)
     else:
         block = n // ctx.axes_size(split)
         kk = min(k, block)
@@ -154,7 +168,7 @@ def cumsum(ctx, x, dim):
     name = _one(ctx, x, dim, "cumsum dim")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     keep = ctx.pending(x) - {a for a in axes[name]}
-    vary = ctx.vary(axes.values(), [x], keep)
+    vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)
     pos = x.names.index(name)
     y = jnp.cumsum(local, axis=pos)
@@ -198,7 +212,7 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False):
                          f"use |offset| < {size}, or wrap=True for a cyclic shift")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     keep = ctx.pending(x) - {a for a in axes[name]}
-    vary = ctx.vary(axes.values(), [x], keep)
+    vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)
     pos = x.names.index(name)
     split = axes[name]
@@ -212,8 +226,9 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False):
         pairs = [(s, (s + distance) % n if wrap else s + distance) for s in range(n)
                  if wrap or 0 <= s + distance < n]
         pairs = [(s, t) for s, t in pairs if s != t]
-        if not pairs:  # every device keeps its own block
-            return v if distance % n == 0 else jnp.zeros_like(v)
+        if not pairs:  # every device keeps its own block, or every block leaves the dim
+            keeps = distance % n == 0 if wrap else distance == 0
+            return v if keeps else jnp.zeros_like(v)
         return C.ppermute(ctx, v, split, pairs, tensor)
 
     head = jax.lax.slice_in_dim(local, 0, block - r, axis=pos)       # goes to [r:block]

@@ -21,6 +21,7 @@ from ..dims import Dim, Shape
 from ..errors import ShapeError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, Placement, is_named as _is_named
+from .shaping import transpose
 
 __all__ = ["run", "Widen", "order"]
 
@@ -152,6 +153,8 @@ def _carry_out(ctx, i, leaf, old, template, where):
         arr = jnp.asarray(leaf)
     else:
         dims, _, pl = template
+        if _is_named(leaf) and leaf.dims != dims and set(leaf.dims) == set(dims) and len(leaf.dims) == len(dims):
+            leaf = transpose(leaf, dims.names)   # the same dims in another order: matched by name
         if not _is_named(leaf) or leaf.dims != dims:
             got = f"[{leaf.dims}]" if _is_named(leaf) else type(leaf).__name__
             raise ShapeError(f"{where}: carry entry {i} entered as [{dims}] and left as {got}; "

@@ -11,6 +11,8 @@ Over a dim split on mesh axis ``a``:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -37,7 +39,7 @@ def sum(ctx, x, dims=None):  # noqa: A001 - the op's name
     x, names, axes = _reduce_setup(ctx, x, dims, "dims to sum", linear=True)
     planned = {a for ax in axes.values() for a in ax}
     keep = ctx.pending(x) - planned
-    vary = ctx.vary(axes.values(), [x], keep)
+    vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(d.size for d in x.dims if d.name not in names))
     local = ctx.local(x, axes, vary, keep_pending=keep)
     y = jnp.sum(local, axis=tuple(x.names.index(n) for n in names))
     out_dims = Shape(d for d in x.dims if d.name not in names)
@@ -53,7 +55,7 @@ def mean(x, dims=None):
 
 def _extreme(ctx, x, dims, what, is_max: bool):
     x, names, axes = _reduce_setup(ctx, x, dims, what)
-    vary = ctx.vary(axes.values(), [x])
+    vary = ctx.vary(axes.values(), [x], out_size=math.prod(d.size for d in x.dims if d.name not in names))
     local = ctx.local(x, axes, vary)
     pos = tuple(x.names.index(n) for n in names)
     split = tuple(a for n in names for a in axes[n])
@@ -65,7 +67,11 @@ def _extreme(ctx, x, dims, what, is_max: bool):
 
     def combine(v):
         m = reducer(v, axis=pos)
-        return C.pmax(ctx, m, split) if is_max else -C.pmax(ctx, -m, split)
+        if m.dtype == jnp.bool_:  # any / all: the collective runs on 0/1
+            m = m.astype(jnp.uint8)
+            return (C.pmax if is_max else C.pmin)(ctx, m, split).astype(jnp.bool_)
+        # pmin, not -pmax(-m): negation is wrong for unsigned ints and the int minimum
+        return (C.pmax if is_max else C.pmin)(ctx, m, split)
 
     def forward(v):
         m = combine(v)
@@ -108,7 +114,7 @@ def _stats(ctx, x, dim, what):
     x = as_named(ctx, x)
     name = _one_dim(ctx, x, dim, what)
     axes = ctx.plan(x.dims, [x])
-    vary = ctx.vary(axes.values(), [x])
+    vary = ctx.vary(axes.values(), [x], out_size=x.size)  # no larger than x: a parameter stays invariant
     local = ctx.local(x, axes, vary)
     pos = x.names.index(name)
     split = axes[name]

@@ -17,9 +17,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .. import collectives as C
 from ..dims import Dim, Shape, parse_dims
 from ..errors import ShapeError, suggest
+from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, where_
 from .registry import op
 
@@ -117,7 +120,7 @@ def reshape(ctx, x, dims):
     groups = _groups(list(x.dims), list(new))
     pl = ctx.placement(x)
     if pl is None:
-        return ctx.out(jnp.reshape(x.raw, new.sizes), new)
+        return ctx.out(jnp.reshape(x.raw, new.sizes), new, is_param=x.is_param)
     current = dict(zip(x.names, pl.axes))
     src_target, out_axes = {}, {}
     for old_g, new_g in groups:
@@ -131,17 +134,125 @@ def reshape(ctx, x, dims):
             src_target[d.name] = major if k == 0 else ()
         for k, d in enumerate(new_g):
             out_axes[d.name] = major if k == 0 else ()
-    vary = ctx.vary(src_target.values(), [x], pl.pending)
+    vary = ctx.vary(src_target.values(), [x], pl.pending, out_size=x.size)
     local = ctx.local(x, src_target, vary, keep_pending=pl.pending)
     local_shape = [d.size // ctx.axes_size(out_axes[d.name]) for d in new]
     return ctx.out(jnp.reshape(local, local_shape), new, out_axes, pl.pending, is_param=x.is_param)
 
 
-def _whole_along(ctx, x, name, keep_pending):
+def _whole_along(ctx, x, name, keep_pending, out_size=None):
     """Plan for ``x`` with dim ``name`` whole (other dims stay where they are)."""
     axes = ctx.plan(x.dims, [x], keep_pending=keep_pending)
     axes[name] = ()
-    return axes, ctx.vary(axes.values(), [x], keep_pending)
+    return axes, ctx.vary(axes.values(), [x], keep_pending, out_size=out_size)
+
+
+def _split_along(ctx, xs, name, keep_pending):
+    """Plan keeping dim ``name`` split where every operand holds it (as the layout places it), or
+    ``None``: then slice / pad / concat can move only the rows that change owner (``_window``)."""
+    if not ctx.explicit:
+        return None
+    held = {ctx.placement(x).of(x.dims, name) for x in xs}
+    split = held.pop() if len(held) == 1 else ()
+    if not split or split != ctx.layout_axes(name):
+        return None
+    axes = ctx.plan(xs[0].dims, xs, keep_pending=keep_pending)
+    return axes if axes[name] == split else None
+
+
+def _window_plan(n, in_size, out_size, c):
+    """Static plan of ``y[j] = x[j + c]`` (``0 <= j + c < in_size``) for blocks over ``n`` devices:
+    per block distance, the rows each source sends (as many as the largest piece of that
+    distance), the (source, target) pairs, each source's window start, and each target's row
+    index into the window (with a mask); plus the rows of ``y`` that are in range."""
+    ib, ob = in_size // n, out_size // n
+    g = np.arange(n)[:, None] * ob + np.arange(ob)[None, :] + c
+    valid = (g >= 0) & (g < in_size)
+    src = np.where(valid, g // max(ib, 1), -1)
+    moves = []
+    for d in sorted(set((src - np.arange(n)[:, None])[valid].tolist())):
+        pairs = [(s, s - d) for s in range(n) if 0 <= s - d < n and (src[s - d] == s).any()]
+        width = max(int((src[t] == s).sum()) for s, t in pairs)
+        lo = np.zeros(n, np.int32)
+        idx = np.zeros((n, ob), np.int32)
+        mask = np.zeros((n, ob), bool)
+        for s, t in pairs:
+            lo[s] = min(g[t][src[t] == s].min() - s * ib, ib - width)
+        for s, t in pairs:
+            sel = src[t] == s
+            idx[t][sel] = g[t][sel] - s * ib - lo[s]
+            mask[t][sel] = True
+        moves.append((d, width, pairs, lo, idx, mask))
+    return moves, valid
+
+
+def _window_bytes(ctx, x, name, split, out_size, c):
+    n = ctx.axes_size(split)
+    moves, _ = _window_plan(n, x.dims[name].size, out_size, c)
+    row = x.size * x.dtype.itemsize / max(1, ctx.axes_size(ctx.placement(x).split_axes())) \
+        / (x.dims[name].size // n)
+    return sum(width * row for d, width, pairs, *_ in moves if d != 0 and pairs)
+
+
+def _gather_bytes(ctx, x, name, split):
+    local = x.size * x.dtype.itemsize / max(1, ctx.axes_size(ctx.placement(x).split_axes()))
+    return (ctx.axes_size(split) - 1) * local
+
+
+def _cheapest_along(ctx, xs, name, keep, out_size, shifts):
+    """How slice / pad / concat (``y[j] = x_k[j + shifts[k]]``) handle a dim ``name`` split over
+    axes ``A``, the cheapest by bytes: ``("window", axes)``: move only the rows that change owner
+    (ppermutes); ``("move", axes)``: move the split to another dim (all-to-all), work along the
+    whole dim, and the result goes back by all-to-all; ``None``: gather the dim (the rule table)."""
+    axes = _split_along(ctx, xs, name, keep)
+    if axes is None:
+        return None
+    split = axes[name]
+    n = ctx.axes_size(split)
+    options = [(sum(_gather_bytes(ctx, x, name, split) for x in xs), 2, None)]
+    if all(x.dims[name].size % n == 0 for x in xs) and out_size % n == 0 and out_size:
+        options.append((sum(_window_bytes(ctx, x, name, split, out_size, c) for x, c in zip(xs, shifts)),
+                        0, ("window", axes)))
+    for d in xs[0].dims:
+        if d.name == name or set(axes[d.name]) & set(split) or d.size % (ctx.axes_size(axes[d.name]) * n):
+            continue
+        alt = dict(axes, **{name: (), d.name: axes[d.name] + split})
+        out_dims = Shape(Dim(name, out_size) if e.name == name else e for e in xs[0].dims)
+        cost = sum(relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, frozenset(),
+                                  tuple(alt[e.name] for e in x.dims)) for x in xs)
+        cost += relayout_bytes(ctx, out_dims, xs[0].dtype.itemsize, tuple(alt[e.name] for e in out_dims),
+                               frozenset(), tuple(axes[e.name] for e in out_dims))
+        options.append((cost, 1, ("move", alt)))
+        break
+    return min(options, key=lambda o: (o[0], o[1]))[2]
+
+
+def _window(ctx, local, pos, split, in_size, out_size, c, tensor):
+    """Local block of ``y`` (dim at ``pos`` of size ``out_size``, split over ``split`` as ``x``
+    is) with ``y[j] = x[j + c]`` where ``0 <= j + c < in_size``, else 0, and the mask of those
+    rows. Rows that change owner move with one ``ppermute`` per block distance, of only the rows
+    the receiver needs (never the whole dim)."""
+    n = ctx.axes_size(split)
+    moves, valid = _window_plan(n, in_size, out_size, c)
+    me = C.axis_index(split)
+    ob = out_size // n
+    shape = [1] * local.ndim
+    shape[pos] = ob
+    out = None
+    for d, width, pairs, lo, idx, mask in moves:
+        if not pairs:
+            continue
+        win = jax.lax.dynamic_slice_in_dim(local, jnp.asarray(lo)[me], width, axis=pos)
+        if d != 0:
+            win = C.ppermute(ctx, win, split, pairs, f"{tensor} rows from {d:+d} blocks")
+        rows = jnp.take(win, jnp.asarray(idx)[me], axis=pos)
+        rows = jnp.where(jnp.asarray(mask)[me].reshape(shape), rows, jnp.zeros((), rows.dtype))
+        out = rows if out is None else out + rows
+    if out is None:
+        full = list(local.shape)
+        full[pos] = ob
+        out = jnp.zeros(full, local.dtype)
+    return out, jnp.asarray(valid)[me].reshape(shape)
 
 
 @op("concat")
@@ -159,9 +270,30 @@ def concat(ctx, xs, dim):
     out = Shape(Dim(name, sum(x.dims[name].size for x in xs)) if d.name == name else d for d in first.dims)
     pend = {ctx.pending(x) for x in xs}
     keep = pend.pop() if len(pend) == 1 else frozenset()
+    offsets = [sum(x.dims[name].size for x in xs[:k]) for k in range(len(xs))]
+    how = _cheapest_along(ctx, xs, name, keep, out[name].size, [-o for o in offsets])
+    if how is not None and how[0] == "window":
+        axes = how[1]
+        split = axes[name]
+        keep = keep - {a for ax in axes.values() for a in ax}
+        vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
+        y = None
+        for x, o in zip(xs, offsets):
+            local = align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims)
+            part, _ = _window(ctx, local, first.names.index(name), split, x.dims[name].size,
+                              out[name].size, -o, f"[{x.dims}] concat along {name}")
+            y = part if y is None else y + part
+        return ctx.out(y, out, axes, keep)
+    if how is not None:  # the split moves to another dim and back
+        axes = how[1]
+        keep = keep - {a for ax in axes.values() for a in ax}
+        vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
+        local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
+        return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
     axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs, keep_pending=keep)
     axes[name] = ()
-    vary = ctx.vary(axes.values(), xs, keep)
+    keep = keep - {a for ax in axes.values() for a in ax}  # a dim planned over a pending axis: reduce-scatter
+    vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
     return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
 
@@ -175,9 +307,20 @@ def slice(ctx, x, dim, start: int, size: int):  # noqa: A001 - the op's name
     if not (0 <= start and size >= 0 and start + size <= n):
         raise ShapeError(f"{where_(ctx)}: slice [{start}:{start + size}] is outside {name}:{n}")
     keep = ctx.pending(x)
-    axes, vary = _whole_along(ctx, x, name, keep)
-    local = ctx.local(x, axes, vary, keep_pending=keep)
     out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
+    how = _cheapest_along(ctx, [x], name, keep, size, [start])
+    if how is not None and how[0] == "window":
+        axes = how[1]
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
+        local = ctx.local(x, axes, vary, keep_pending=keep)
+        y, _ = _window(ctx, local, x.names.index(name), axes[name], n, size, start, f"[{x.dims}] slice of {name}")
+        return ctx.out(y, out, axes, keep)
+    if how is not None:
+        axes = how[1]
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
+    else:
+        axes, vary = _whole_along(ctx, x, name, keep, math.prod(out.sizes))
+    local = ctx.local(x, axes, vary, keep_pending=keep)
     y = jax.lax.slice_in_dim(local, start, start + size, axis=x.names.index(name))
     return ctx.out(y, out, axes, keep)
 
@@ -190,8 +333,22 @@ def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0):
     if before < 0 or after < 0:
         raise ShapeError(f"{where_(ctx)}: pad widths must be >= 0, got {before}, {after}")
     keep = ctx.pending(x) if value == 0 else frozenset()
-    axes, vary = _whole_along(ctx, x, name, keep)
-    local = ctx.local(x, axes, vary, keep_pending=keep)
     widths = [(before, after) if d.name == name else (0, 0) for d in x.dims]
     out = Shape(Dim(name, d.size + before + after) if d.name == name else d for d in x.dims)
+    how = _cheapest_along(ctx, [x], name, keep, out[name].size, [-before])
+    if how is not None and how[0] == "window":
+        axes = how[1]
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
+        local = ctx.local(x, axes, vary, keep_pending=keep)
+        y, inside = _window(ctx, local, x.names.index(name), axes[name], x.dims[name].size, out[name].size,
+                            -before, f"[{x.dims}] pad of {name}")
+        if value != 0:
+            y = jnp.where(inside, y, jnp.asarray(value, y.dtype))
+        return ctx.out(y, out, axes, keep)
+    if how is not None:
+        axes = how[1]
+        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
+    else:
+        axes, vary = _whole_along(ctx, x, name, keep, math.prod(out.sizes))
+    local = ctx.local(x, axes, vary, keep_pending=keep)
     return ctx.out(jnp.pad(local, widths, constant_values=value), out, axes, keep)

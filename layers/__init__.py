@@ -15,10 +15,10 @@ from .moe import MoE
 from .norm import RMSNorm
 from .position import RelativePositionBias, relative_position_bucket
 from .router import Router, Routing, expert_capacity, route
-from .stack import REMAT_POLICIES, layer_at, scan_layers, with_remat
+from .stack import REMAT_POLICIES, layer_at, remat_policy, scan_layers, with_remat
 
 __all__ = [
     "ACTIVATIONS", "Attention", "Dense", "Dropout", "Embedding", "FeedForward", "MASK_VALUE", "MoE",
     "REMAT_POLICIES", "RMSNorm", "RelativePositionBias", "Router", "Routing", "dropout", "expert_capacity",
-    "layer_at", "relative_position_bucket", "route", "scan_layers", "with_remat",
+    "layer_at", "relative_position_bucket", "remat_policy", "route", "scan_layers", "with_remat",
 ]

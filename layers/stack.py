@@ -9,9 +9,13 @@ holds one copy of the layer's code whatever the depth: compile time does not gro
 
 ``ys`` come back stacked along ``layers``. With a ``key``, step ``l`` gets
 ``jax.random.fold_in(key, l)`` (the same keys :func:`layer_at` loops use), else ``None``.
-``remat`` trades compute for memory per step: ``"none"`` keeps the activations the backward pass
-needs, ``"full"`` recomputes the whole step (``jax.checkpoint``), ``"dots"`` keeps only matmul
-results without batch dims (``dots_with_no_batch_dims_saveable``).
+``remat`` trades compute for memory per step, by name (:data:`REMAT_POLICIES`): ``"none"`` keeps
+the activations the backward pass needs, ``"full"`` recomputes the whole step, ``"dots"`` keeps
+matmul results without batch dims, ``"einsums"`` keeps every einsum result, ``"collectives"`` keeps
+what collectives produced (recomputing never communicates again), ``"sequence-parallel"`` keeps all
+but gathered values (Megatron: keep the sequence shard, gather it again backward), or a list of
+value names to keep (``"einsum,all-reduce"``): the rewriter names einsum results ``"einsum"`` and
+collective results by kind.
 
 Communication is the layers' own, once per step (``md.explain`` counts it times ``L``); a layout
 must not split ``layers`` for computation, though a ``params=`` rule may store it split.
@@ -26,22 +30,48 @@ from flax import nnx
 
 import meshdsl as md
 
-__all__ = ["scan_layers", "layer_at", "with_remat", "REMAT_POLICIES"]
+__all__ = ["scan_layers", "layer_at", "with_remat", "remat_policy", "REMAT_POLICIES", "NAMES"]
+
+# Names the rewriter gives to values (meshdsl.collectives, the einsum rule): remat policies keep or
+# recompute them by name.
+NAMES = ("einsum", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = NAMES[1:]
 
 REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,                                                            # keep what autodiff keeps
+    "full": jax.checkpoint_policies.nothing_saveable,                       # recompute the whole step
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,       # keep weight matmuls
+    "einsums": jax.checkpoint_policies.save_only_these_names("einsum"),     # keep every einsum result
+    # keep what collectives produced: the backward pass recomputes, but never communicates again
+    "collectives": jax.checkpoint_policies.save_only_these_names(*COLLECTIVES),
+    # Megatron's sequence parallelism: keep the einsums and what every collective but the gather
+    # produced; the gathered sequence is not kept: the backward pass gathers the kept shard again
+    # (memory of one shard, bytes of one more all-gather)
+    "sequence-parallel": jax.checkpoint_policies.save_only_these_names(
+        "einsum", *(n for n in COLLECTIVES if n != "all-gather")),
 }
+
+
+def remat_policy(policy: str):
+    """The jax policy for a name of :data:`REMAT_POLICIES`, or for a comma-separated list of value
+    names to keep (``"einsum,all-gather"``; names in :data:`NAMES`)."""
+    if policy in REMAT_POLICIES:
+        return REMAT_POLICIES[policy]
+    names = [n.strip() for n in str(policy).split(",") if n.strip()]
+    unknown = [n for n in names if n not in NAMES]
+    if not names or unknown:
+        raise md.MeshDSLError(
+            f"remat policy must be one of {sorted(REMAT_POLICIES)} or a comma-separated list of value names "
+            f"to keep from {list(NAMES)}, got {policy!r}")
+    return jax.checkpoint_policies.save_only_these_names(*names)
 
 
 def with_remat(fn, policy: str = "none"):
     """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``"none"``: unchanged)."""
-    if policy not in REMAT_POLICIES:
-        raise md.MeshDSLError(f"remat policy must be one of {sorted(REMAT_POLICIES)}, got {policy!r}")
+    rule = remat_policy(policy)
     if policy == "none":
         return fn
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy])
+    return jax.checkpoint(fn, policy=rule)
 
 
 def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=None, remat: str = "none",

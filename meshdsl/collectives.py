@@ -18,12 +18,17 @@ mesh axis when every device along it holds the same value. Keeping those types e
 the backward pass communicate once per value instead of once per use: a replicated activation is
 cast to varying once (cached by the context) and every consumer shares the cast, so the cotangents
 are added locally and reduced by one psum.
+
+Each collective's result carries its kind as a ``checkpoint_name`` (``"all-gather"``, ...; einsum
+results are named ``"einsum"``), so remat policies choose by name what to keep for the backward
+pass and what to recompute (``meshdsl.layers.with_remat``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from .jaxcompat import varying_axes
 
@@ -59,11 +64,14 @@ def attributed_vjp(ctx, forward, backward):
     return f
 
 
-def _linear(ctx, x, forward, transpose):
-    """Apply the linear map ``forward`` with backward ``transpose``, attributed to the current op."""
+def _linear(ctx, x, forward, transpose, name: str | None = None):
+    """Apply the linear map ``forward`` with backward ``transpose``, attributed to the current op.
+    ``name``: the collective's kind, given to the result with ``checkpoint_name`` so that remat
+    policies can keep or recompute what a collective produced by name."""
     if not _differentiable(x):
         return forward(x)
-    return attributed_vjp(ctx, lambda v: (forward(v), None), lambda _, ct: (transpose(ct),))(x)
+    out = attributed_vjp(ctx, lambda v: (forward(v), None), lambda _, ct: (transpose(ct),))(x)
+    return checkpoint_name(out, name) if name else out
 
 
 def _emit(ctx, kind, axes, v, primitive, tensor):
@@ -111,7 +119,7 @@ def psum(ctx, x, axes, tensor: str = ""):
             ct = psum(ctx, ct, varying, tensor)
         return cast(ctx, ct, axes, tensor)
 
-    return _linear(ctx, x, forward, transpose)
+    return _linear(ctx, x, forward, transpose, "all-reduce")
 
 
 def pmax(ctx, x, axes, tensor: str = ""):
@@ -137,7 +145,8 @@ def psum_scatter(ctx, x, axes, dim: int, tensor: str = ""):
         return _emit(ctx, "reduce-scatter", axes, v,
                      lambda u: jax.lax.psum_scatter(u, axes, scatter_dimension=dim, tiled=True), tensor)
 
-    return _linear(ctx, x, forward, lambda ct: all_gather(ctx, ct, axes, dim, invariant=False, tensor=tensor))
+    return _linear(ctx, x, forward, lambda ct: all_gather(ctx, ct, axes, dim, invariant=False, tensor=tensor),
+                   "reduce-scatter")
 
 
 def all_gather(ctx, x, axes, dim: int, *, invariant: bool, tensor: str = ""):
@@ -154,8 +163,8 @@ def all_gather(ctx, x, axes, dim: int, *, invariant: bool, tensor: str = ""):
                      lambda u: jax.lax.all_gather(u, axes, axis=dim, tiled=True, to=to), tensor)
 
     if invariant:
-        return _linear(ctx, x, forward, lambda ct: take_block(ctx, ct, axes, dim, tensor))
-    return _linear(ctx, x, forward, lambda ct: psum_scatter(ctx, ct, axes, dim, tensor))
+        return _linear(ctx, x, forward, lambda ct: take_block(ctx, ct, axes, dim, tensor), "all-gather")
+    return _linear(ctx, x, forward, lambda ct: psum_scatter(ctx, ct, axes, dim, tensor), "all-gather")
 
 
 def _slice_block(v, axes, dim: int, block: int):
@@ -184,7 +193,8 @@ def all_to_all(ctx, x, axes, split_dim: int, concat_dim: int, tensor: str = ""):
         return _emit(ctx, "all-to-all", axes, v,
                      lambda u: jax.lax.all_to_all(u, axes, split_dim, concat_dim, tiled=True), tensor)
 
-    return _linear(ctx, x, forward, lambda ct: all_to_all(ctx, ct, axes, concat_dim, split_dim, tensor))
+    return _linear(ctx, x, forward, lambda ct: all_to_all(ctx, ct, axes, concat_dim, split_dim, tensor),
+                   "all-to-all")
 
 
 def ppermute(ctx, x, axes, perm, tensor: str = ""):
@@ -215,7 +225,7 @@ def ppermute(ctx, x, axes, perm, tensor: str = ""):
         return _emit(ctx, "collective-permute", axes, v, lambda u: jax.lax.ppermute(u, name, perm), tensor)
 
     inverse = tuple((t, s) for s, t in perm)
-    return _linear(ctx, x, forward, lambda ct: ppermute(ctx, ct, axes, inverse, tensor))
+    return _linear(ctx, x, forward, lambda ct: ppermute(ctx, ct, axes, inverse, tensor), "collective-permute")
 
 
 def replicate(ctx, x, axes, tensor: str = ""):

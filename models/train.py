@@ -95,12 +95,22 @@ def _step_signal(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"write STEP:SIGNAL, e.g. 3:TERM, got {text!r}") from None
 
 
+def _remat(text: str) -> str:
+    """A remat policy of meshdsl.layers (a name, or value names to keep), checked at parse time."""
+    from meshdsl.layers.stack import remat_policy
+    try:
+        remat_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 POSITIVE, NATURAL = _int_at_least(1), _int_at_least(0)
 #: options whose values a --config file may give: checked like the command line's
 _TYPES = {"steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
           "encoder_length": _int_at_least(2), "decoder_length": POSITIVE, "eval_every": NATURAL,
           "eval_batches": NATURAL, "eval_decode": NATURAL, "warmup": NATURAL, "ckpt_every": _int_at_least(-1), "lr": _positive_float,
-          "heartbeat_timeout": POSITIVE}
+          "heartbeat_timeout": POSITIVE, "remat": _remat}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="warmup steps (adafactor: 10000, T5's; adamw: 5%% of --steps)")
     a("--decay", default="cosine", choices=("cosine", "rsqrt"), help="adamw's decay after warmup")
     a("--accum", type=POSITIVE, default=1, help="gradient accumulation: microbatches per step")
-    a("--remat", default="none", choices=("none", "full", "dots"),
-      help="recompute each layer in the backward pass: nothing saved (full) or all but matmuls (dots)")
+    a("--remat", type=_remat, default="none",
+      help="what each layer keeps for the backward pass (the rest is recomputed): none (keep all), full "
+           "(keep nothing), dots, einsums, collectives (never communicate again), sequence-parallel (gather "
+           "the sequence shard again), or value names to keep: einsum,all-reduce,all-gather,...")
     a("--dtype", default="float32", choices=("float32", "bfloat16"),
       help="compute dtype: bfloat16 casts the parameters at use; gradients, parameters and optimizer state "
            "stay in --param-dtype")

@@ -256,6 +256,28 @@ def test_scan_equals_unrolled_python_loop_and_remat_policies(x):
         assert_same(grads, expected[1], rtol=1e-4, atol=1e-5)
 
 
+def test_remat_policies_by_name_choose_what_is_communicated_again(x):
+    """Under Megatron, recomputing a layer (full) runs its forward all-reduces again in the backward
+    pass; keeping what collectives produced (by name: "collectives" or "all-reduce") does not, and
+    costs no more bytes than keeping everything. The results stay the unsharded ones."""
+    modules = stacked_block(2, nnx.Rngs(5))
+    key = jax.random.key(9)
+    mesh, layout = layout_case("megatron")
+
+    def all_reduce_bytes(policy):
+        report = md.explain(with_grads(encoder(policy)), mesh, layout, modules, x, key)
+        return sum(r.total_bytes for r in report.collectives if r.kind == "all-reduce")
+
+    kept = all_reduce_bytes("none")
+    assert all_reduce_bytes("full") > kept
+    assert all_reduce_bytes("collectives") == kept
+    assert all_reduce_bytes("all-reduce") == kept
+    assert_same(md.lower(with_grads(encoder("collectives")), mesh, layout)(modules, x, key),
+                jax.jit(with_grads(encoder("none")))(modules, x, key), rtol=1e-4, atol=1e-5)
+    with pytest.raises(md.MeshDSLError, match="value names to keep from"):
+        L.remat_policy("einsum,all-gathr")
+
+
 def test_scan_program_size_does_not_grow_with_depth(x):
     sizes = []
     for n in (2, 5):

@@ -161,3 +161,25 @@ def test_param_gather_auto_gathers_a_parameter_only_where_cheaper(rules, stays, 
         assert not table and report.total_bytes < 0.8 * keep.total_bytes
     else:
         assert table and report.total_bytes == keep.total_bytes
+
+
+def test_remat_policies_under_sequence_parallelism():
+    """Megatron sequence parallel (length: model): "sequence-parallel" keeps the sequence shard and
+    gathers it again in the backward pass (more all-gather bytes, no more reduce-scatters, less
+    memory than keeping everything); "collectives" keeps what collectives made (no new bytes)."""
+    config = get_config("t5-tiny")
+    model = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(0)))
+    shapes = {"encoder_input_tokens": (16, 64), "decoder_input_tokens": (16, 16), "decoder_target_tokens": (16, 16)}
+    batch = {k: md.named(jax.ShapeDtypeStruct(s, jnp.int32), "batch inputs" if k.startswith("encoder")
+                         else "batch targets") for k, s in shapes.items()}
+    layout = md.Layout({"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model", "length": "model"})
+
+    def report(policy):
+        grads = lambda m, b: nnx.grad(lambda m: t5_loss(m, b, remat=policy)[0].array)(m)
+        rep = md.explain(grads, md.Mesh.abstract(MESH), layout, model, batch)
+        return {k: v["bytes"] for k, v in rep.summary().items()}, rep.memory["temporaries"]
+
+    (none, mem_none), (sp, mem_sp), (coll, mem_coll) = map(report, ("none", "sequence-parallel", "collectives"))
+    assert sp["all-gather"] > none["all-gather"] and sp["reduce-scatter"] == none["reduce-scatter"]
+    assert sp["all-reduce"] == none["all-reduce"] and mem_sp < mem_none
+    assert coll == none and mem_coll < mem_none

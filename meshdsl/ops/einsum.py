@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
@@ -94,6 +95,7 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
         return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
 
     result = ctx.params.compute(ctx, relay, contract, [x.raw for x in xs], xs, axes)
+    result = checkpoint_name(result, "einsum")  # remat policies keep or recompute einsums by name
     result = ctx.out(result, out_dims, axes, pending_of(axes))
     if axes is target:
         return result

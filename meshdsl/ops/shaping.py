@@ -72,9 +72,19 @@ def transpose(ctx, x, dims):
 
 
 def _groups(old, new):
-    """Pair runs of old and new dims whose sizes multiply to the same total (row-major)."""
+    """Pair runs of old and new dims whose sizes multiply to the same total (row-major). A dim of
+    size 1 (added or removed) is a group of its own: it moves no data, and the dims around it keep
+    their placement (dropping a decode step's ``seq:1`` gathers nothing)."""
     groups, i, j = [], 0, 0
     while i < len(old) or j < len(new):
+        if i < len(old) and old[i].size == 1 and not (j < len(new) and new[j].name == old[i].name):
+            groups.append(([old[i]], []))
+            i += 1
+            continue
+        if j < len(new) and new[j].size == 1 and not (i < len(old) and old[i].name == new[j].name):
+            groups.append(([], [new[j]]))
+            j += 1
+            continue
         gi, gj, po, pn = [], [], 1, 1
         if i < len(old):
             gi.append(old[i])

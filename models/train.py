@@ -107,7 +107,7 @@ def _remat(text: str) -> str:
 
 POSITIVE, NATURAL = _int_at_least(1), _int_at_least(0)
 #: options whose values a --config file may give: checked like the command line's
-_TYPES = {"steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
+_TYPES = {"microbatches": POSITIVE, "steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
           "encoder_length": _int_at_least(2), "decoder_length": POSITIVE, "eval_every": NATURAL,
           "eval_batches": NATURAL, "eval_decode": NATURAL, "warmup": NATURAL, "ckpt_every": _int_at_least(-1), "lr": _positive_float,
           "heartbeat_timeout": POSITIVE, "remat": _remat}
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mesh", default="data:-1", help="mesh axes, e.g. data:2,model:4 (-1: the remaining devices)")
     a("--layout", default=None, help="dim:axis rules; default batch:data (+ group:data;experts:data for MoE)")
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
+    a("--microbatches", type=POSITIVE, default=None,
+      help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
+           "microbatches along batch (GPipe schedule)")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
     a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")
@@ -323,6 +326,8 @@ def _run(args) -> dict:
                          f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
+    if args.microbatches:
+        layout = md.Layout(layout.rules, layout.param_rules, microbatches={"batch": args.microbatches})
     layout.check_mesh(mesh)
     for warning in faults.mesh_warnings(mesh, layout):
         say(warning)

@@ -148,3 +148,24 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step():
     mesh = md.Mesh({"pipe": 2, "data": 2, "model": 2})
     assert_same(md.lower(step, mesh, layout)(model, batch, key), jax.jit(step)(model, batch, key),
                 rtol=2e-4, atol=2e-5)
+
+
+def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
+    """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
+    --microbatches 2: the first losses equal data parallel's."""
+    import json
+
+    from meshdsl.models.train import main
+
+    common = ["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--batch", "8",
+              "--encoder-length", "32", "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", "3",
+              "--ckpt-every", "0"]
+    losses = []
+    for extra in (["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
+                  ["--mesh", "data:8", "--layout", "batch:data"]):
+        out = str(tmp_path / extra[1].replace(":", "").replace(",", "_"))
+        main([*common, *extra, "--out", out])
+        with open(f"{out}/metrics.jsonl") as f:
+            losses.append([json.loads(line)["loss"] for line in f])
+    assert len(losses[0]) == 3
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)

@@ -169,3 +169,65 @@ def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
             losses.append([json.loads(line)["loss"] for line in f])
     assert len(losses[0]) == 3
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+# -- the fuzzer's share: random pipelines ------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import os  # noqa: E402
+
+FUZZ_EXAMPLES = 60 if os.environ.get("MESHDSL_FUZZ") == "long" else 4
+
+
+def _random_pipeline(body, key):
+    def step(h, xs):
+        w, layer = xs["w"], xs["layer"]
+        f = md.einsum(h, w["w1"], out="batch d_ff")
+        if body == "softmax":
+            f = md.softmax(f, "d_ff")
+        else:
+            f = md.relu(f)
+        y = md.einsum(f, w["w2"], out="batch d_model")
+        if body == "captured":
+            y = y + xs["c"] if "c" in xs else y
+        if body == "dropout":
+            keep = md.random.bernoulli(jax.random.fold_in(key, layer.raw), 0.8, y.dims)
+            y = md.where(keep, y / 0.8, 0.0)
+        return h + y * 0.5, None
+    return step
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=os.environ.get("MESHDSL_FUZZ") != "long")
+@given(st.data())
+def test_random_pipelines_equal_the_unsharded_program(data):
+    """Random stage counts, microbatches, layouts inside the stage, storage rules and step bodies
+    (captured values, softmax, dropout): values and gradients equal the unsharded program and
+    md.explain's bytes equal the compiled program's, per collective kind."""
+    stages = data.draw(st.sampled_from([2, 4]), "stages")
+    mesh = md.Mesh({"pipe": stages, "data": 8 // stages})
+    micro = data.draw(st.sampled_from([1, 2, 4]), "microbatches")
+    inner = data.draw(st.sampled_from([{}, {"batch": "data"}, {"d_ff": "data"}, {"d_model": "data"}]), "inner rules")
+    params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if "d_ff" not in inner else None
+    body = data.draw(st.sampled_from(["mlp", "softmax", "captured", "dropout"]), "body")
+    layers = stages * data.draw(st.sampled_from([1, 2]), "layers per stage")
+    x, w1, w2 = inputs(batch=16, layers=layers, d=16)
+    c = md.named(jax.random.normal(jax.random.key(7), (16, 16)), "batch d_model")
+    key = jax.random.key(3)
+    step = _random_pipeline(body, key)
+
+    def loss(x, w1, w2, c):
+        xs = {"w": {"w1": w1, "w2": w2}, "layer": md.arange(md.Dim("layers", layers))}
+        h, _ = md.scan(step if body != "captured" else (lambda h, s: step(h, {**s, "c": c})), x, xs, dim="layers")
+        return md.mean(md.square(h))
+
+    def program(x, w1, w2, c):
+        return jax.value_and_grad(lambda x, w1: loss(x, w1, w2, c).array, argnums=(0, 1))(x, w1)
+
+    layout = md.Layout({"layers": "pipe", **inner}, params=params, microbatches={"batch": micro})
+    f = md.lower(program, mesh, layout)
+    assert_same(f(x, w1, w2, c), program(x, w1, w2, c), rtol=1e-4, atol=1e-6)
+    report = md.explain(program, mesh, layout, x, w1, w2, c)
+    assert report.pipeline["microbatches"] == micro and report.pipeline["stages"] == stages
+    assert bytes_by_kind(hlo_summary(f, x, w1, w2, c)) == bytes_by_kind(explain_summary(report))

@@ -76,7 +76,8 @@ class ExplicitContext(LayoutContext):
         parameter is read - the smallest place - not on some larger value computed from it (a
         position bias [heads, seq, kv_seq] from its table [buckets, heads]). Only where that is
         smaller: when the op's result (``out_size`` elements, unknown = larger) is no larger than
-        the parameter, the parameter stays invariant, so a value computed from parameters alone
+        the parameter, or when it meets only parameters and scalars (no data: ids, positions), the
+        parameter stays invariant, so a value computed from parameters alone
         (an updated parameter ``w - lr * g``, ``tanh(w)``) stays typed replicated and is never
         all-reduced to fix its type."""
         out = set(keep_pending)
@@ -85,7 +86,8 @@ class ExplicitContext(LayoutContext):
         for x in operands:
             pl = self.placement(x)
             out |= varying_axes(x.raw) - pl.used_axes()
-            if x.is_param and (out_size is None or out_size > x.size):
+            if x.is_param and (out_size is None or out_size > x.size) and any(
+                    not y.is_param and y.ndim for y in operands if y is not x):
                 out |= self.param_axes
         return frozenset(out)
 

@@ -250,7 +250,11 @@ def _check_microbatches(micro) -> dict[str, int]:
 
 
 def to_spec(axes_per_dim) -> PartitionSpec:
-    return PartitionSpec(*[None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes_per_dim])
+    """A jax PartitionSpec (trailing replicated dims left out, as jax writes specs)."""
+    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes_per_dim]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def describe_axes(axes: Axes, mesh) -> str:

@@ -74,7 +74,8 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
 
     target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
     itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
-    solo = _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending_of(target))
+    solo = _whole_own_dims(ctx, xs, contracted, target) or \
+        _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending_of(target))
     if solo:  # cheaper: sum those dims locally first (a pending sum), then contract the rest
         return einsum(*[reduce_sum(x, s) if s else x for x, s in zip(xs, solo)], out=out_names,
                       preferred_element_type=preferred_element_type)
@@ -102,6 +103,18 @@ def einsum(ctx, *operands, out, preferred_element_type=None):
     # Parameters stayed where they are stored: bring the result where the plan puts it.
     local = ctx.local(result, target, vary, keep_pending=pending_of(target))
     return ctx.out(local, out_dims, target, pending_of(target))
+
+
+def _whole_own_dims(ctx, xs, contracted, target):
+    """Per operand, the contracted dims only it has and that are whole (in the plan and on this
+    device), or ``None``: summed locally first, they never reach a relayout, a cast or, backward,
+    the all-reduce of that operand's gradient (a parameter [a, e] contracted with data over a and
+    e: its gradient is reduced as [a], not [a, e]). Local work only: never more bytes."""
+    if not ctx.explicit or len(xs) < 2:
+        return None
+    solo = [[n for n in x.names if n in contracted and not target[n] and not ctx.placement(x).of(x.dims, n)
+             and sum(n in y.names for y in xs) == 1] for x in xs]
+    return solo if any(solo) else None
 
 
 def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending):

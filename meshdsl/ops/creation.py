@@ -19,6 +19,7 @@ from jax.extend.random import threefry2x32_p
 from .. import collectives as C
 from ..errors import ShapeError
 from .common import new_dims, where_
+from ..named import NamedArray
 from .registry import op
 
 __all__ = ["full", "zeros", "ones", "arange", "normal", "uniform", "bernoulli"]
@@ -41,7 +42,7 @@ def _global_iota(ctx, dims, axes, local, k, dtype):
 
 
 @op("full")
-def full(ctx, dims, value, dtype=None):
+def full(ctx, dims, value, dtype=None) -> NamedArray:
     """A tensor of ``value`` with the given dims (sizes written: ``"batch:8 d_model:16"``)."""
     dims = new_dims(ctx, dims, "dims")
     axes, local, vary = _blocks(ctx, dims)
@@ -57,7 +58,7 @@ def ones(dims, dtype=jnp.float32):
 
 
 @op("arange")
-def arange(ctx, dim, dtype=jnp.int32):
+def arange(ctx, dim, dtype=jnp.int32) -> NamedArray:
     """``0 .. size-1`` along one new dim (positions, e.g. for relative position buckets)."""
     dims = new_dims(ctx, dim, "arange dim")
     if len(dims) != 1:
@@ -110,7 +111,7 @@ def _uniform01(bits):
 
 
 @op("uniform")
-def uniform(ctx, key, dims, minval=0.0, maxval=1.0, dtype=jnp.float32):
+def uniform(ctx, key, dims, minval=0.0, maxval=1.0, dtype=jnp.float32) -> NamedArray:
     """Uniform in [minval, maxval), the same global values under every layout."""
     bits, dims, axes = _bits(ctx, key, dims)
     u = _uniform01(bits)
@@ -119,7 +120,7 @@ def uniform(ctx, key, dims, minval=0.0, maxval=1.0, dtype=jnp.float32):
 
 
 @op("normal")
-def normal(ctx, key, dims, dtype=jnp.float32):
+def normal(ctx, key, dims, dtype=jnp.float32) -> NamedArray:
     """Standard normal, the same global values under every layout."""
     bits, dims, axes = _bits(ctx, key, dims)
     lo = np.nextafter(np.float32(-1.0), np.float32(np.inf))
@@ -129,7 +130,7 @@ def normal(ctx, key, dims, dtype=jnp.float32):
 
 
 @op("bernoulli")
-def bernoulli(ctx, key, p, dims):
+def bernoulli(ctx, key, p, dims) -> NamedArray:
     """True with probability ``p`` (a Python/0-d value), the same global mask under every layout."""
     if getattr(p, "ndim", 0) != 0:
         raise ShapeError(f"{where_(ctx)}: p must be a Python number or a 0-d array, got "

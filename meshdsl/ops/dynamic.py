@@ -57,7 +57,7 @@ def _block_offset(ctx, split, block):
 
 
 @op("dynamic_slice")
-def dynamic_slice(ctx, x, dim, start, size: int | None):
+def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
     """``size`` entries of ``dim`` from the traced position ``start`` (clamped into the dim);
     ``size=None``: the one entry at ``start``, without ``dim``."""
     x = as_named(ctx, x)
@@ -93,7 +93,7 @@ def dynamic_slice(ctx, x, dim, start, size: int | None):
 
 
 @op("dynamic_update_slice")
-def dynamic_update_slice(ctx, x, update, dim, start):
+def dynamic_update_slice(ctx, x, update, dim, start) -> NamedArray:
     """``x`` with ``update`` written along ``dim`` from the traced position ``start`` (clamped).
     ``update`` has the dims of ``x`` (any order), ``dim`` of any size up to ``x``'s, or no ``dim``
     (one entry)."""

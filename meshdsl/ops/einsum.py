@@ -44,7 +44,7 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 @op("einsum")
-def einsum(ctx, *operands, out, preferred_element_type=None):
+def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     """Contract ``operands`` by name into dims ``out`` (a string of names, Dims or a list)."""
     if not operands:
         raise ShapeError(f"{where_(ctx)}: no operands")

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .common import align, as_named, union_dims
+from ..named import NamedArray
 from .registry import op
 
 __all__ = [
@@ -53,7 +54,7 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve"):
 
 def _unary(name, fn, pending_rule="resolve"):
     @op(name)
-    def rule(ctx, x):
+    def rule(ctx, x) -> NamedArray:
         return _apply(ctx, fn, (x,), pending_rule)
 
     rule.__doc__ = f"Elementwise ``{name}``."
@@ -62,7 +63,7 @@ def _unary(name, fn, pending_rule="resolve"):
 
 def _binary(name, fn, pending_rule="resolve"):
     @op(name)
-    def rule(ctx, x, y):
+    def rule(ctx, x, y) -> NamedArray:
         return _apply(ctx, fn, (x, y), pending_rule)
 
     rule.__doc__ = f"Elementwise ``{name}``, broadcasting by dim name."
@@ -111,24 +112,24 @@ logical_not = _unary("logical_not", jnp.logical_not)
 
 
 @op("gelu")
-def gelu(ctx, x, approximate: bool = True):
+def gelu(ctx, x, approximate: bool = True) -> NamedArray:
     """GELU; ``approximate=True`` is the tanh form (T5's ``gelu_new``)."""
     return _apply(ctx, lambda v: jax.nn.gelu(v, approximate=approximate), (x,))
 
 
 @op("where")
-def where(ctx, cond, x, y):
+def where(ctx, cond, x, y) -> NamedArray:
     """``x`` where ``cond`` else ``y``, broadcasting by name."""
     return _apply(ctx, jnp.where, (cond, x, y))
 
 
 @op("clip")
-def clip(ctx, x, lo=None, hi=None):
+def clip(ctx, x, lo=None, hi=None) -> NamedArray:
     return _apply(ctx, lambda v: jnp.clip(v, lo, hi), (x,))
 
 
 @op("astype")
-def astype(ctx, x, dtype):
+def astype(ctx, x, dtype) -> NamedArray:
     """Cast to ``dtype``; a pending sum stays pending between floating types."""
     x = as_named(ctx, x)
     linear = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)

@@ -25,6 +25,7 @@ from ..dims import Dim, Shape
 from ..errors import ShapeError
 from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, new_dims, where_
+from ..named import NamedArray
 from .registry import op
 from .shaping import rename, reshape
 
@@ -44,7 +45,7 @@ def _one(ctx, x, dim, what) -> str:
 
 
 @op("one_hot")
-def one_hot(ctx, ids, dim, dtype=jnp.float32):
+def one_hot(ctx, ids, dim, dtype=jnp.float32) -> NamedArray:
     """``out[..., v] = (ids[...] == v)`` with a new dim ``dim`` (a ``Dim`` or ``"name:size"``)."""
     ids = as_named(ctx, ids, "ids")
     (new,) = new_dims(ctx, dim, "one_hot dim")
@@ -62,7 +63,7 @@ def one_hot(ctx, ids, dim, dtype=jnp.float32):
 
 
 @op("take")
-def take(ctx, table, ids, dim):
+def take(ctx, table, ids, dim) -> NamedArray:
     """Rows of ``table`` along ``dim`` picked by integer ``ids``: dims are ids' dims, then the
     table's other dims. Over a split ``dim`` the result is a pending partial sum.
 
@@ -116,7 +117,7 @@ def take(ctx, table, ids, dim):
 
 
 @op("top_k")
-def top_k(ctx, x, dim, k: int, out: str = "k"):
+def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     """The ``k`` largest entries along ``dim``: ``(values, indices)`` with dim ``out`` (size k)
     in place of ``dim``; indices are global positions along ``dim`` (int32)."""
     x = as_named(ctx, x)
@@ -162,7 +163,7 @@ def argmax(x, dim):
 
 
 @op("cumsum")
-def cumsum(ctx, x, dim):
+def cumsum(ctx, x, dim) -> NamedArray:
     """Inclusive cumulative sum along ``dim``."""
     x = as_named(ctx, x)
     name = _one(ctx, x, dim, "cumsum dim")
@@ -198,7 +199,7 @@ def _shift_local(v, pos, offset, wrap):
 
 
 @op("shift")
-def shift(ctx, x, dim, offset: int, wrap: bool = False):
+def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
     """``y[i] = x[i - offset]`` along ``dim``, zero-filled (cyclic with ``wrap=True``)."""
     x = as_named(ctx, x)
     name = _one(ctx, x, dim, "shift dim")

@@ -18,13 +18,14 @@ from __future__ import annotations
 from ..dims import Dim, Shape, parse_dims
 from ..errors import ShapeError
 from .common import as_named, union_dims, where_
+from ..named import NamedArray
 from .registry import op
 
 __all__ = ["local_map"]
 
 
 @op("local_map")
-def local_map(ctx, fn, *xs, out, keep=()):
+def local_map(ctx, fn, *xs, out, keep=()) -> NamedArray:
     """``fn(*arrays) -> array`` with dims ``out``; dims in ``keep`` may stay split (see module doc)."""
     if not callable(fn):
         raise ShapeError(f"{where_(ctx)}: the first argument must be a function of arrays, got "

@@ -21,6 +21,7 @@ from ..dims import Shape
 from ..errors import ShapeError
 from .common import as_named, names_in, where_
 from .elementwise import divide
+from ..named import NamedArray
 from .registry import op
 
 __all__ = ["sum", "mean", "max", "min", "softmax", "logsumexp"]
@@ -34,7 +35,7 @@ def _reduce_setup(ctx, x, dims, what, linear=False):
 
 
 @op("sum")
-def sum(ctx, x, dims=None):  # noqa: A001 - the op's name
+def sum(ctx, x, dims=None) -> NamedArray:  # noqa: A001 - the op's name
     """Sum over ``dims`` (all when None). Split dims leave a pending partial sum."""
     x, names, axes = _reduce_setup(ctx, x, dims, "dims to sum", linear=True)
     planned = {a for ax in axes.values() for a in ax}
@@ -47,7 +48,7 @@ def sum(ctx, x, dims=None):  # noqa: A001 - the op's name
     return ctx.out(y, out_dims, axes, keep | reduced)
 
 
-def mean(x, dims=None):
+def mean(x, dims=None) -> NamedArray:
     """Mean over ``dims`` (all when None): a sum, then a scale (a pending sum stays pending)."""
     total = sum(x, dims)
     return divide(total, x.size // total.size if total.size else 1)
@@ -91,13 +92,13 @@ def _extreme(ctx, x, dims, what, is_max: bool):
 
 
 @op("max")
-def max(ctx, x, dims=None):  # noqa: A001 - the op's name
+def max(ctx, x, dims=None) -> NamedArray:  # noqa: A001 - the op's name
     """Maximum over ``dims``; over a split dim, local max then an all-reduce (max) of the result."""
     return _extreme(ctx, x, dims, "dims of max", True)
 
 
 @op("min")
-def min(ctx, x, dims=None):  # noqa: A001 - the op's name
+def min(ctx, x, dims=None) -> NamedArray:  # noqa: A001 - the op's name
     """Minimum over ``dims``; over a split dim, local min then an all-reduce (min) of the result."""
     return _extreme(ctx, x, dims, "dims of min", False)
 
@@ -131,7 +132,7 @@ def _row_sum(ctx, e, pos, split, text):
 
 
 @op("softmax")
-def softmax(ctx, x, dim):
+def softmax(ctx, x, dim) -> NamedArray:
     """``exp(x) / sum(exp(x))`` over ``dim``; a split dim costs two all-reduces of row statistics."""
     x, name, axes, local, pos, split, m = _stats(ctx, x, dim, "softmax dim")
     e = jnp.exp(local - C.cast(ctx, m, split))
@@ -140,7 +141,7 @@ def softmax(ctx, x, dim):
 
 
 @op("logsumexp")
-def logsumexp(ctx, x, dim):
+def logsumexp(ctx, x, dim) -> NamedArray:
     """``log(sum(exp(x)))`` over ``dim``, without gathering a split dim."""
     x, name, axes, local, pos, split, m = _stats(ctx, x, dim, "logsumexp dim")
     s = _row_sum(ctx, jnp.exp(local - C.cast(ctx, m, split)), pos, split, f"[{x.dims}] row sums over {name}")

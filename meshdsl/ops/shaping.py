@@ -24,6 +24,7 @@ from ..dims import Dim, Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, where_
+from ..named import NamedArray
 from .registry import op
 
 __all__ = ["rename", "transpose", "reshape", "concat", "slice", "pad"]
@@ -37,7 +38,7 @@ def _renamed_axes(ctx, x, mapping):
 
 
 @op("rename")
-def rename(ctx, x, mapping, new=None):
+def rename(ctx, x, mapping, new=None) -> NamedArray:
     """Rename dims: ``md.rename(x, {"seq": "kv_seq", ...})`` (or ``md.rename(x, "seq", "kv_seq")``)."""
     x = as_named(ctx, x)
     if isinstance(mapping, str) and new is not None:
@@ -59,7 +60,7 @@ def rename(ctx, x, mapping, new=None):
 
 
 @op("transpose")
-def transpose(ctx, x, dims):
+def transpose(ctx, x, dims) -> NamedArray:
     """Reorder the dims of ``x`` (every dim listed once); no data moves between devices."""
     x = as_named(ctx, x)
     order = names_in(ctx, x, dims, "new dim order")
@@ -106,7 +107,7 @@ def _groups(old, new):
 
 
 @op("reshape")
-def reshape(ctx, x, dims):
+def reshape(ctx, x, dims) -> NamedArray:
     """Merge/split dims in row-major order: ``md.reshape(x, "batch seq heads:8 d_kv")``.
 
     A name already in ``x`` keeps its size unless written; at most one size may be left to infer.
@@ -266,7 +267,7 @@ def _window(ctx, local, pos, split, in_size, out_size, c, tensor):
 
 
 @op("concat")
-def concat(ctx, xs, dim):
+def concat(ctx, xs, dim) -> NamedArray:
     """Concatenate along ``dim`` (same name in every operand; other dims must agree)."""
     xs = [as_named(ctx, x, f"operand {i + 1}") for i, x in enumerate(xs)]
     if not xs:
@@ -309,7 +310,7 @@ def concat(ctx, xs, dim):
 
 
 @op("slice")
-def slice(ctx, x, dim, start: int, size: int):  # noqa: A001 - the op's name
+def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the op's name
     """``size`` entries of ``dim`` from ``start``; the dim keeps its name (a new size)."""
     x = as_named(ctx, x)
     (name,) = names_in(ctx, x, dim, "slice dim")
@@ -336,7 +337,7 @@ def slice(ctx, x, dim, start: int, size: int):  # noqa: A001 - the op's name
 
 
 @op("pad")
-def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0):
+def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0) -> NamedArray:
     """Pad ``dim`` with ``before``/``after`` entries of ``value``; the dim keeps its name."""
     x = as_named(ctx, x)
     (name,) = names_in(ctx, x, dim, "pad dim")

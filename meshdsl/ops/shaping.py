@@ -266,6 +266,15 @@ def _window(ctx, local, pos, split, in_size, out_size, c, tensor):
     return out, jnp.asarray(valid)[me].reshape(shape)
 
 
+def _placed_along(ctx, x, name, keep, how, out_size):
+    """Plan and varying axes of a slice/pad along ``name``: the cheapest option's placement
+    (``how`` from :func:`_cheapest_along`), or ``name`` whole."""
+    if how is None:
+        return _whole_along(ctx, x, name, keep, out_size)
+    axes = how[1]
+    return axes, ctx.vary(axes.values(), [x], keep, out_size=out_size)
+
+
 @op("concat")
 def concat(ctx, xs, dim) -> NamedArray:
     """Concatenate along ``dim`` (same name in every operand; other dims must agree)."""
@@ -320,18 +329,11 @@ def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the
     keep = ctx.pending(x)
     out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
     how = _cheapest_along(ctx, [x], name, keep, size, [start])
+    axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
+    local = ctx.local(x, axes, vary, keep_pending=keep)
     if how is not None and how[0] == "window":
-        axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
-        local = ctx.local(x, axes, vary, keep_pending=keep)
         y, _ = _window(ctx, local, x.names.index(name), axes[name], n, size, start, f"[{x.dims}] slice of {name}")
         return ctx.out(y, out, axes, keep)
-    if how is not None:
-        axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
-    else:
-        axes, vary = _whole_along(ctx, x, name, keep, math.prod(out.sizes))
-    local = ctx.local(x, axes, vary, keep_pending=keep)
     y = jax.lax.slice_in_dim(local, start, start + size, axis=x.names.index(name))
     return ctx.out(y, out, axes, keep)
 
@@ -347,19 +349,12 @@ def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0) -> NamedArray:
     widths = [(before, after) if d.name == name else (0, 0) for d in x.dims]
     out = Shape(Dim(name, d.size + before + after) if d.name == name else d for d in x.dims)
     how = _cheapest_along(ctx, [x], name, keep, out[name].size, [-before])
+    axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
+    local = ctx.local(x, axes, vary, keep_pending=keep)
     if how is not None and how[0] == "window":
-        axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
-        local = ctx.local(x, axes, vary, keep_pending=keep)
         y, inside = _window(ctx, local, x.names.index(name), axes[name], x.dims[name].size, out[name].size,
                             -before, f"[{x.dims}] pad of {name}")
         if value != 0:
             y = jnp.where(inside, y, jnp.asarray(value, y.dtype))
         return ctx.out(y, out, axes, keep)
-    if how is not None:
-        axes = how[1]
-        vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(out.sizes))
-    else:
-        axes, vary = _whole_along(ctx, x, name, keep, math.prod(out.sizes))
-    local = ctx.local(x, axes, vary, keep_pending=keep)
     return ctx.out(jnp.pad(local, widths, constant_values=value), out, axes, keep)

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from . import collectives as C
 from . import param_gather
-from .layout import check_axes, to_spec
+from .layout import check_axes, effective, to_spec
 from .named import NamedArray
 from .recorder import Recorder
 from .tracing import current
@@ -117,7 +117,7 @@ class LayoutContext(GlobalContext):
         self._checked: dict = {}
 
     def layout_axes(self, name: str) -> tuple:
-        return self.layout.axes(name)
+        return effective((self.layout.axes(name),), self.mesh)[0]
 
     def canonical(self, dims) -> tuple:
         """The layout's axes per dim of ``dims``; LayoutError (naming the op) if impossible."""
@@ -125,7 +125,7 @@ class LayoutContext(GlobalContext):
         if hit is None:
             hit = tuple(self.layout.axes(d.name) for d in dims)
             check_axes(dims, hit, self.mesh, what=f"{self.where()}: result")
-            self._checked[dims] = hit
+            hit = self._checked[dims] = effective(hit, self.mesh)
         return hit
 
 

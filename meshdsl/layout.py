@@ -257,6 +257,13 @@ def to_spec(axes_per_dim) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def effective(axes_per_dim, mesh) -> tuple:
+    """The axes that really split each dim: a mesh axis of size 1 splits nothing, so ``('y', 'x')``
+    with ``y`` of size 1 places a dim exactly as ``('x',)`` does (validity is checked before, on
+    the layout as written)."""
+    return tuple(tuple(a for a in axes if mesh.shape[a] != 1) for axes in axes_per_dim)
+
+
 def describe_axes(axes: Axes, mesh) -> str:
     return "+".join(f"{a}({mesh.shape[a]})" for a in axes)
 

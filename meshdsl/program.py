@@ -27,7 +27,7 @@ from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
 from .jaxcompat import varying_axes
-from .layout import Layout, to_spec
+from .layout import Layout, effective, to_spec
 from .named import NamedArray, Placement, is_named
 from .tracing import using
 
@@ -53,8 +53,8 @@ class Program:
         self.infos = []
         for k, leaf in enumerate(leaves):
             if is_named(leaf):
-                axes = layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
-                                          what=f"argument {k} ({'parameter' if leaf.is_param else 'input'})")
+                axes = effective(layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param, what=f"argument {k} "
+                                                    f"({'parameter' if leaf.is_param else 'input'})"), mesh)
                 self.infos.append(_Leaf(True, leaf.dims, leaf.is_param, axes, to_spec(axes)))
             else:
                 self.infos.append(_Leaf(False))
@@ -134,8 +134,8 @@ class Program:
         results, specs, self.out_templates = [], [], []
         for k, leaf in enumerate(leaves):
             if is_named(leaf):
-                axes = self.owner.layout.tensor_axes(leaf.dims, self.owner.mesh, storage=leaf.is_param,
-                                                     what=f"output {k}")
+                axes = effective(self.owner.layout.tensor_axes(leaf.dims, self.owner.mesh, storage=leaf.is_param,
+                                                               what=f"output {k}"), self.owner.mesh)
                 results.append(ctx.finalize(leaf, axes))
                 specs.append(to_spec(axes))
                 self.out_templates.append((leaf.dims, leaf.is_param))

@@ -462,3 +462,15 @@ def test_fuzz_concat_of_values_computed_from_a_parameter_alone():
     layout = md.Layout({"a": ("y", "x"), "d": ("y",)})
     moved = _moved(fn, mesh, layout, w, ids, param_gather="auto")
     assert moved["explicit"] <= moved["gspmd"], moved
+
+
+def test_fuzz_axis_of_size_one_splits_nothing():
+    """A merge whose result is split over ('y', 'x') with y of size 1 is placed exactly like its
+    major dim split over x: no communication (it all-gathered 14336 B; gspmd: none). Found by the
+    long campaign (tests/fuzz_campaign.py)."""
+    x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((32, 8, 16)), jnp.float32), "e d b")
+    fn = lambda x: md.reshape(x, "e:32 m128:128")
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"d": "x", "m128": ("y", "x")})
+    assert _moved(fn, mesh, layout, x) == {"explicit": 0.0, "gspmd": 0.0}
+    assert md.explain(fn, mesh, layout, x).summary() == {}
+    _same(fn, {"x": 8, "y": 1}, {"d": "x", "m128": ("y", "x")}, x)

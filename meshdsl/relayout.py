@@ -24,8 +24,10 @@ activation relay it once, and its cotangent is reduced once.
 from __future__ import annotations
 
 from . import collectives as C
+from . import redistribute
 from .cost import moved_bytes
 from .jaxcompat import varying_axes
+from .named import Placement
 
 __all__ = ["relayout", "relayout_bytes", "needs_gather"]
 
@@ -51,26 +53,47 @@ def relayout(ctx, x, target, vary, keep_pending):
 
 
 def _relayout(ctx, x, src, target, vary, keep_pending):
-    move = _Move(ctx, x, src, target, vary, keep_pending)
-    move.slice_free_axes()     # 1. local slices possible now: less data for everything after
-    move.reduce_pending()      # 2. pending sums: reduce-scatter onto a dim that takes the axis, else psum
-    move.move_splits()         # 3. splits that must leave a dim: all-to-all, else all-gather
-    move.slice_free_axes()     # 4. the remaining local slices
-    assert [tuple(c) for c in move.cur] == list(target), (move.cur, target)
-    return move.arr
+    shape = tuple(d.size for d in x.dims)
+    route = _route(ctx, shape, src.axes, src.pending, target, keep_pending)
+    if route is None:
+        return _Move(ctx, x, src, target, vary, keep_pending).run().arr
+    p, pre, mid = route
+    move = _Move(ctx, x, src, pre, vary, keep_pending | src.pending)
+    local = tuple(n // ctx.axes_size(t) for n, t in zip(shape, mid))
+    arr = redistribute.run(ctx, move.run().arr, p, local, f"[{x.dims}] redistribute")
+    move = _Move(ctx, x, Placement(mid, src.pending), target, vary, keep_pending)
+    move.arr = arr
+    return move.run().arr
 
 
 class _Move:
-    """The state of one relayout: the block so far and the axes each dim is split over now."""
+    """The state of one relayout: the block so far and the axes each dim is split over now.
 
-    def __init__(self, ctx, x, src, target, vary, keep_pending):
-        self.ctx, self.arr, self.target, self.vary = ctx, x.raw, target, vary
+    ``dry=True`` emits nothing: it only adds up the bytes each step would move (``self.bytes``,
+    ring formulas of :mod:`meshdsl.cost`), so plans are compared by what they really emit."""
+
+    def __init__(self, ctx, x, src, target, vary, keep_pending, *, dry=False, names=(), local=0.0):
+        self.ctx, self.target, self.vary, self.dry = ctx, target, vary, dry
         self.keep_pending = keep_pending
         self.cur = [list(axes) for axes in src.axes]
         self.pend = set(src.pending) - set(keep_pending)
-        self.names = x.names
+        self.bytes, self.local = 0.0, local   # dry run: bytes so far, local block bytes now
+        if dry:
+            self.arr, self.names, self.shape_txt = None, names, ""
+            return
+        self.arr, self.names = x.raw, x.names
         source = ctx.made_by(x.raw)
         self.shape_txt = f"[{x.dims}]" + (f" from {source}" if source else "")
+
+    def emit(self, kind, axes, grow, collective):
+        """Account one step (``grow``: the local block's size factor) or run ``collective``."""
+        n = self.ctx.axes_size(axes)
+        if self.dry:
+            if kind:
+                self.bytes += moved_bytes(kind, self.local, self.local * grow, n)
+            self.local *= grow
+        else:
+            self.arr = collective()
 
     def owner(self, a):
         for i, axes in enumerate(self.cur):
@@ -92,7 +115,8 @@ class _Move:
             for i in range(len(self.cur)):
                 a = self.next_axis(i)
                 if a is not None and self.owner(a) is None and a not in self.pend and a not in self.keep_pending:
-                    self.arr = C.take_block(self.ctx, self.arr, (a,), i, f"{self.shape_txt} slice {self.names[i]}")
+                    self.emit(None, (a,), 1 / self.ctx.axes_size((a,)), lambda: C.take_block(
+                        self.ctx, self.arr, (a,), i, f"{self.shape_txt} slice {self.names[i]}"))
                     self.cur[i].append(a)
                     progress = True
 
@@ -107,13 +131,13 @@ class _Move:
                     run.append(self.target[i][k])
                     k += 1
             if run:
-                self.arr = C.psum_scatter(self.ctx, self.arr, tuple(run), i,
-                                          f"{self.shape_txt} reduce-scatter onto {self.names[i]}")
+                self.emit("reduce-scatter", tuple(run), 1 / self.ctx.axes_size(tuple(run)), lambda: C.psum_scatter(
+                    self.ctx, self.arr, tuple(run), i, f"{self.shape_txt} reduce-scatter onto {self.names[i]}"))
                 self.cur[i].extend(run)
                 self.pend -= set(run)
         if self.pend:
             rest = tuple(a for a in self.ctx.mesh.axis_names if a in self.pend)
-            self.arr = C.psum(self.ctx, self.arr, rest, f"{self.shape_txt} pending sum")
+            self.emit("all-reduce", rest, 1, lambda: C.psum(self.ctx, self.arr, rest, f"{self.shape_txt} pending sum"))
             self.pend.clear()
 
     def move_splits(self):
@@ -123,8 +147,9 @@ class _Move:
                 a = self.cur[i][-1]
                 dest = next((j for j in range(len(self.cur)) if j != i and self.next_axis(j) == a), None)
                 if dest is not None:
-                    self.arr = C.all_to_all(self.ctx, self.arr, (a,), dest, i,
-                                            f"{self.shape_txt} move {a} {self.names[i]}->{self.names[dest]}")
+                    self.emit("all-to-all", (a,), 1, lambda: C.all_to_all(
+                        self.ctx, self.arr, (a,), dest, i,
+                        f"{self.shape_txt} move {a} {self.names[i]}->{self.names[dest]}"))
                     self.cur[i].pop()
                     self.cur[dest].append(a)
                 else:
@@ -142,9 +167,40 @@ class _Move:
             run = run[1:]
         if len({a in self.vary for a in run}) > 1:
             run = run[-1:]
-        self.arr = C.all_gather(self.ctx, self.arr, tuple(run), i, invariant=run[0] not in self.vary,
-                                tensor=f"{self.shape_txt} gather {self.names[i]}")
+        self.emit("all-gather", tuple(run), self.ctx.axes_size(tuple(run)), lambda: C.all_gather(
+            self.ctx, self.arr, tuple(run), i, invariant=run[0] not in self.vary,
+            tensor=f"{self.shape_txt} gather {self.names[i]}"))
         del cur[len(cur) - len(run):]
+
+    def run(self):
+        self.slice_free_axes()     # 1. local slices possible now: less data for everything after
+        self.reduce_pending()      # 2. pending sums: reduce-scatter onto a dim that takes the axis, else psum
+        self.move_splits()         # 3. splits that must leave a dim: all-to-all, else all-gather
+        self.slice_free_axes()     # 4. the remaining local slices
+        assert [tuple(c) for c in self.cur] == list(self.target), (self.cur, self.target)
+        return self
+
+
+def _route(ctx, shape, src_axes, src_pending, target, keep_pending):
+    """``(plan, pre, mid)``: local slices to ``pre`` (the source's splits, then the target's axes
+    the source does not use: less data, and no replicated source whose gradient would need a
+    psum), ppermute rounds (:mod:`meshdsl.redistribute`) to ``mid``, then the axis-by-axis steps
+    to ``target``, where that moves fewer bytes than the steps alone; else None. ``mid`` is the
+    target, then the source's splits the target drops (trailing: the steps gather them). Only for
+    moves that resolve no pending sum."""
+    used_src = {a for axes in src_axes for a in axes}
+    used_tgt = {a for axes in target for a in axes}
+    if src_pending - keep_pending or src_pending & (used_src | used_tgt):
+        return None
+    mid = tuple(tuple(t) + tuple(a for a in s if a not in used_tgt) for s, t in zip(src_axes, target))
+    pre = tuple(tuple(s) + tuple(a for a in t if a not in used_src) for s, t in zip(src_axes, target))
+    if mid == pre:
+        return None
+    p = redistribute.plan(shape, pre, mid, ctx.mesh.axis_names, {a: ctx.axes_size((a,)) for a in used_src | used_tgt})
+    if p is None:
+        return None
+    via = p.bytes(1) + _steps_bytes(ctx, shape, mid, target)
+    return (p, pre, mid) if via < _steps_bytes(ctx, shape, src_axes, target) else None
 
 
 def needs_gather(ctx, x, axes_by_name) -> bool:
@@ -157,20 +213,20 @@ def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pend
     """Estimated bytes one device moves to relay a tensor of ``dims`` from ``src_axes`` (axes per
     dim, with pending sums ``src_pending``) to ``target`` (axes per dim), keeping ``keep_pending``.
     Used to choose between plans before emitting anything (ring formulas of :mod:`meshdsl.cost`)."""
-    total = itemsize
-    for d in dims:
-        total *= d.size
-    local = total / max(1, ctx.axes_size([a for axes in src_axes for a in axes]))
-    where_src = {a: i for i, axes in enumerate(src_axes) for a in axes}
-    where_tgt = {a: i for i, axes in enumerate(target) for a in axes}
-    moved = 0.0
-    for a in ctx.mesh.axis_names:
-        n = ctx.axes_size((a,))
-        if a in src_pending and a not in keep_pending:
-            moved += moved_bytes("reduce-scatter" if a in where_tgt else "all-reduce", local, local / n, n)
-        elif a in where_src and where_tgt.get(a) != where_src[a]:
-            if a in where_tgt:
-                moved += moved_bytes("all-to-all", local, local, n)
-            else:
-                moved += moved_bytes("all-gather", local, local * n, n)
-    return moved
+    shape = tuple(d.size for d in dims)
+    route = _route(ctx, shape, src_axes, src_pending, target, keep_pending)
+    if route is not None:
+        return itemsize * (route[0].bytes(1) + _steps_bytes(ctx, shape, route[2], target))
+    return _steps_bytes(ctx, shape, src_axes, target, itemsize, src_pending, keep_pending)
+
+
+def _steps_bytes(ctx, shape, src_axes, target, itemsize=1, src_pending=frozenset(), keep_pending=frozenset()):
+    """Bytes the axis-by-axis steps (:class:`_Move`) move: a dry run of them."""
+    local = float(itemsize)
+    for n in shape:
+        local *= n
+    local /= max(1, ctx.axes_size([a for axes in src_axes for a in axes]))
+    src = Placement(tuple(map(tuple, src_axes)), frozenset(src_pending))
+    move = _Move(ctx, None, src, tuple(map(tuple, target)), frozenset(), frozenset(keep_pending), dry=True,
+                 names=("",) * len(shape), local=local)
+    return move.run().bytes

@@ -191,25 +191,62 @@ def cse(jaxpr):
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
-def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1) -> Counter:
+def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1, constants=frozenset()) -> Counter:
     """How many times each name scope matching ``pattern`` runs: every equation carrying it, times
     the trip counts of the loops around it (sub-programs included; jax wraps scopes, e.g.
     ``transpose(jvp(mdc3))``, and a rematerialized equation appears twice). An equation in a scan
     body that depends on neither the carry nor the scanned inputs runs once: XLA hoists it."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     out = Counter()
+    const, folded = _replicated(jaxpr, constants)
     for eqn in jaxpr.eqns:
+        if id(eqn) in folded:
+            continue
         for tag in set(re.findall(pattern, str(eqn.source_info.name_stack))):
             out[tag] += multiplier
         if eqn.primitive.name == "scan":
-            out.update(_scan_body_scopes(eqn, pattern, multiplier))
+            out.update(_scan_body_scopes(eqn, pattern, multiplier, const))
             continue
         for sub in _sub_jaxprs(eqn):
-            out.update(name_scopes(sub, pattern, multiplier))
+            out.update(name_scopes(sub, pattern, multiplier, _inner_constants(eqn, sub, const)))
     return out
 
 
-def _scan_body_scopes(eqn, pattern, multiplier) -> Counter:
+def _inner_constants(eqn, sub, const) -> set:
+    """The inputs of a called program (pjit, custom_vjp_call, ...) that are constants outside."""
+    if len(sub.invars) != len(eqn.invars):
+        return set()
+    return {s for s, v in zip(sub.invars, eqn.invars) if isinstance(v, jcore.Literal) or v in const}
+
+
+_GATHER_REDUCE = ("all_gather", "all_gather_invariant", "psum", "psum_invariant")
+
+
+def _replicated(jaxpr, constants=frozenset()):
+    """The variables computed from constants alone (literals, ``constants``: no program input, no
+    device index), and the ids of the gathers and sums of such values: the same on every device,
+    so XLA folds them (all-gather of a broadcast constant is a broadcast; replication analysis
+    turns such a sum into a product). A constant cotangent (the gradient of ``sum(x)``) gathered in
+    the backward pass is one."""
+    const, folded = set(constants), set()
+    for eqn in jaxpr.eqns:
+        inputs_const = all(isinstance(v, jcore.Literal) or v in const for v in eqn.invars)
+        if not inputs_const or _reads_device(eqn):
+            continue
+        if eqn.primitive.name in _GATHER_REDUCE:
+            folded.add(id(eqn))
+        const.update(eqn.outvars)
+    return const, folded
+
+
+def _reads_device(eqn) -> bool:
+    """Does ``eqn`` (or a program inside it) depend on which device runs it, or have effects?"""
+    if eqn.primitive.name == "axis_index" or any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):
+        return True
+    return any(_reads_device(inner) for sub in _sub_jaxprs(eqn) for inner in sub.eqns)
+
+
+def _scan_body_scopes(eqn, pattern, multiplier, outer_const=frozenset()) -> Counter:
     body = eqn.params["jaxpr"].jaxpr
     length, n_consts = int(eqn.params["length"]), int(eqn.params["num_consts"])
     n_carry = int(eqn.params["num_carry"])
@@ -217,17 +254,22 @@ def _scan_body_scopes(eqn, pattern, multiplier) -> Counter:
     passed = {v for k, v in enumerate(body.invars[n_consts:n_consts + n_carry])
               if k < len(body.outvars) and body.outvars[k] is v}
     variant = set(body.invars[n_consts:]) - passed
+    outer = [isinstance(v, jcore.Literal) or v in outer_const for v in eqn.invars]
+    const, folded = _replicated(body, {b for k, b in enumerate(body.invars[:n_consts + n_carry])
+                                       if outer[k] and (k < n_consts or b in passed)})
     out = Counter()
     for inner in body.eqns:
         loop_variant = any(isinstance(v, jcore.Var) and v in variant for v in inner.invars)
         if loop_variant:
             variant.update(inner.outvars)
+        if id(inner) in folded:
+            continue
         m = multiplier * length if loop_variant else multiplier
         for tag in set(re.findall(pattern, str(inner.source_info.name_stack))):
             out[tag] += m
         if inner.primitive.name == "scan":
-            out.update(_scan_body_scopes(inner, pattern, m))
+            out.update(_scan_body_scopes(inner, pattern, m, const))
         else:
             for sub in _sub_jaxprs(inner):
-                out.update(name_scopes(sub, pattern, m))
+                out.update(name_scopes(sub, pattern, m, _inner_constants(inner, sub, const)))
     return out

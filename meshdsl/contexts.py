@@ -59,6 +59,10 @@ class GlobalContext:
     def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):
         return frozenset()
 
+    def derived(self, operands, result) -> None:
+        """An op made ``result`` from ``operands`` (NamedArray leaves): the explicit context
+        remembers results computed from parameters and constants alone."""
+
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
         return x.raw
 

@@ -48,6 +48,7 @@ class ExplicitContext(LayoutContext):
         self._cache_log: list = []   # cache keys in insertion order (for rollback)
         self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
         self._keepalive: list = []   # keeps the ids above unique while the context lives
+        self._weights: set = set()   # ids of local arrays computed from parameters/constants alone
 
     # -- placements ------------------------------------------------------------------------------
 
@@ -87,9 +88,20 @@ class ExplicitContext(LayoutContext):
             pl = self.placement(x)
             out |= varying_axes(x.raw) - pl.used_axes()
             if x.is_param and (out_size is None or out_size > x.size) and any(
-                    not y.is_param and y.ndim for y in operands if y is not x):
+                    not self.weights_only(y) and y.ndim for y in operands if y is not x):
                 out |= self.param_axes
         return frozenset(out)
+
+    def weights_only(self, x: NamedArray) -> bool:
+        """A parameter, or a value computed from parameters and constants alone (``sum(w)``,
+        ``concat([w, w])``): no data reaches it, so it is no reason to vary over data axes."""
+        return x.is_param or id(x.raw) in self._weights
+
+    def derived(self, operands, result) -> None:
+        if all(self.weights_only(x) for x in operands):
+            for y in result:
+                self._weights.add(id(y.raw))
+                self._keepalive.append(y.raw)
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
         pl = self.placement(x)
@@ -190,6 +202,7 @@ class ExplicitContext(LayoutContext):
                     self.rec.multiplier = saved
             self._cache[full] = hit
             self._cache_log.append(full)
+
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit
 
@@ -202,4 +215,5 @@ class ExplicitContext(LayoutContext):
         del self.rec.records[n_records:]
         for full in self._cache_log[n_cache:]:
             self._cache.pop(full, None)
+
         del self._cache_log[n_cache:]

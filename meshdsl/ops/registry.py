@@ -16,8 +16,11 @@ from __future__ import annotations
 import functools
 import inspect
 
+import jax
+
 from ..contexts import active
 from ..errors import user_line
+from ..named import is_named
 
 __all__ = ["RULES", "op"]
 
@@ -36,7 +39,10 @@ def op(name: str):
             if ctx.op is not None:  # called by another op's rule: part of that op
                 return rule(ctx, *args, **kwargs)
             with ctx.at(name, user_line(2)):
-                return rule(ctx, *args, **kwargs)
+                result = rule(ctx, *args, **kwargs)
+            if ctx.explicit:
+                ctx.derived(_named_leaves((args, kwargs)), _named_leaves(result))
+            return result
 
         sig = inspect.signature(rule)
         public.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
@@ -45,3 +51,7 @@ def op(name: str):
         return public
 
     return register
+
+
+def _named_leaves(tree) -> list:
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_named) if is_named(x)]

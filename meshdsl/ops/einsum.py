@@ -119,14 +119,11 @@ def _whole_own_dims(ctx, xs, contracted, target):
 
 def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending):
     """Per operand, the contracted dims only it has, to be summed before the contraction, or
-    ``None``. Considered where the contraction's plan takes a mesh axis from a kept dim the layout
-    splits over it (the contracted dim keeps the split, so the kept dim's operand is gathered):
-    summing the operand's own dims first leaves a small pending sum instead, and the kept dim
-    keeps its split. Chosen only when that moves fewer bytes (ring estimates)."""
+    ``None``: summing an operand's own split contracted dims first leaves a small pending sum
+    (reduced before it meets a larger operand) instead of a pending sum of the larger result, or
+    of a kept dim gathered because the contracted dim keeps the split. Chosen only when that moves
+    fewer bytes (ring estimates)."""
     if not ctx.explicit or len(xs) < 2:
-        return None
-    taken = {a for n in contracted for a in target[n]}
-    if not any(set(ctx.layout_axes(n)) & taken for n in out_names):
         return None
     solo = [[n for n in x.names if n in contracted and target[n] and sum(n in y.names for y in xs) == 1]
             for x in xs]

@@ -2,7 +2,9 @@
 
 Rule of thumb, applied by every op the same way so that communication is predictable:
 
-1. A dim keeps the split its operands already agree on (no data moves).
+1. A dim keeps the split its operands already agree on (no data moves) - unless an elementwise
+   op's result is larger than those operands and the layout places the dim otherwise: the
+   operands move there first (less than moving the result later).
 2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``);
    elementwise ops (``cheapest=True``) instead take the operands' placement that moves the fewest
    bytes (a replicated gradient meeting optimizer state stored split is sliced, not the state
@@ -40,6 +42,8 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
         held = {ctx.placement(x).of(x.dims, d.name) for x in holders}
         if len(held) == 1:
             proposal[d.name] = held.pop()
+            if cheapest and _cheaper_whole_now(ctx, dims, holders, proposal[d.name], canonical[d.name]):
+                proposal[d.name] = canonical[d.name]
         elif cheapest and held:
             options = [canonical[d.name], *sorted(held - {canonical[d.name]})]
             proposal[d.name] = min(options, key=lambda c: sum(_gather_bytes(ctx, x, d.name, c) for x in holders))
@@ -72,6 +76,19 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
                 axes = proposal[n]
                 if axis in axes:
                     proposal[n] = axes[:axes.index(axis)]
+
+
+def _cheaper_whole_now(ctx, dims, holders, held, canonical) -> bool:
+    """An elementwise op whose result is larger than the operands holding a dim split off the
+    layout's placement (a parameter stored split, broadcast against another value): moving those
+    operands to the layout's placement now moves less than moving the result there later."""
+    if tuple(canonical[:len(held)]) == held:
+        return False   # the layout's placement only splits further: a local slice
+    result = 1
+    for d in dims:
+        result *= d.size
+    local = sum(x.size / max(1, ctx.axes_size(ctx.placement(x).split_axes())) for x in holders)
+    return local < result / max(1, ctx.axes_size(held))
 
 
 def _gather_bytes(ctx, x, name, target) -> float:

@@ -44,6 +44,20 @@ class Report:
     flops: float
     memory: dict
     pipeline: dict | None = None   # stages, microbatches, schedule, ticks, bubble_fraction (if any)
+    compile: object = dataclasses.field(default=None, repr=False, compare=False)  # concrete mesh: -> compiled
+
+    def compiled_memory(self) -> dict | None:
+        """The compiled program's memory per device (``arguments``, ``outputs``, ``temporaries``:
+        XLA's ``memory_analysis``), next to the estimate in :attr:`memory`; compiled once, on first
+        use; ``None`` on an abstract mesh. The estimate walks the traced program (what lives when);
+        XLA also reuses buffers and fuses, so its temporaries can be smaller."""
+        if self.compile is None:
+            return None
+        if not hasattr(self, "_compiled_memory"):
+            ma = self.compile().memory_analysis()
+            self._compiled_memory = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
+                                     "temporaries": ma.temp_size_in_bytes}
+        return self._compiled_memory
 
     def summary(self) -> dict:
         """kind -> {"count": executions, "bytes": bytes moved per device} (like ``hlo_comm``)."""
@@ -65,14 +79,15 @@ class Report:
         return {"mesh": self.mesh, "layout": self.layout, "flops_per_device": self.flops,
                 "memory_per_device": dict(self.memory), "total_bytes_per_device": self.total_bytes,
                 "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
-                "pipeline": None if self.pipeline is None else dict(self.pipeline)}
+                "pipeline": None if self.pipeline is None else dict(self.pipeline),
+                "compiled_memory_per_device": self.compiled_memory()}
 
     def to_markdown(self) -> str:
         lines = [f"**mesh** {self.mesh} · **layout** `{self.layout}`", "",
                  f"communication {fmt_bytes(self.total_bytes)} per device · matmul {fmt_flops(self.flops)} "
                  f"per device · memory {fmt_bytes(self.memory['peak'])} per device (arguments "
                  f"{fmt_bytes(self.memory['arguments'])}, outputs {fmt_bytes(self.memory.get('outputs', 0))}, "
-                 f"temporaries {fmt_bytes(self.memory['temporaries'])})", ""]
+                 f"temporaries {fmt_bytes(self.memory['temporaries'])}){_compiled_note(self)}", ""]
         if self.pipeline:
             p = self.pipeline
             lines += [f"pipeline ({p['schedule']}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
@@ -93,6 +108,14 @@ class Report:
         return self.to_markdown()
 
 
+def _compiled_note(report) -> str:
+    compiled = report.compiled_memory()
+    if compiled is None:
+        return ""
+    return (f"; compiled: arguments {fmt_bytes(compiled['arguments'])}, outputs {fmt_bytes(compiled['outputs'])}, "
+            f"temporaries {fmt_bytes(compiled['temporaries'])}")
+
+
 def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe") -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
     ``param_gather`` and ``schedule`` as in :func:`meshdsl.lower`."""
@@ -109,7 +132,8 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body),
-                  pipeline=_pipeline_entry(ctx.pipelines))
+                  pipeline=_pipeline_entry(ctx.pipelines),
+                  compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
 
 
 def _pipeline_entry(pipelines) -> dict | None:

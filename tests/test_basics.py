@@ -99,3 +99,21 @@ def test_explain_report_forms():
     md_text = report.to_markdown()
     assert "| all-reduce | 1 | 384 B |" in md_text and "test_basics.py" in md_text
     assert "<table" in report._repr_html_() and "all-reduce" in report._repr_html_()
+
+
+def test_explain_shows_the_compiled_memory_next_to_the_estimate():
+    """On a concrete mesh the report carries XLA's memory analysis of the compiled program (the
+    estimate walks the traced program; XLA reuses buffers); on an abstract mesh there is none."""
+    x = md.named(jnp.ones((16, 32)), "batch d")
+    w = md.param(md.named(jnp.ones((32, 64)), "d f"))
+    fn = lambda x, w: md.sum(md.relu(md.einsum(x, w, out="batch f")))
+    layout = md.Layout({"batch": "data"})
+    report = md.explain(fn, md.Mesh({"data": 8}), layout, x, w)
+    compiled = md.lower(fn, md.Mesh({"data": 8}), layout).lower(x, w).compile().memory_analysis()
+    assert report.compiled_memory() == {"arguments": compiled.argument_size_in_bytes,
+                                        "outputs": compiled.output_size_in_bytes,
+                                        "temporaries": compiled.temp_size_in_bytes}
+    assert report.to_dict()["compiled_memory_per_device"] == report.compiled_memory()
+    assert "compiled: arguments" in report.to_markdown() and "compiled: arguments" in report._repr_html_()
+    abstract = md.explain(fn, md.Mesh.abstract({"data": 8}), layout, x, w)
+    assert abstract.compiled_memory() is None and "compiled" not in abstract.to_markdown()

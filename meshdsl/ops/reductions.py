@@ -42,7 +42,9 @@ def sum(ctx, x, dims=None) -> NamedArray:  # noqa: A001 - the op's name
     keep = ctx.pending(x) - planned
     vary = ctx.vary(axes.values(), [x], keep, out_size=math.prod(d.size for d in x.dims if d.name not in names))
     local = ctx.local(x, axes, vary, keep_pending=keep)
-    y = jnp.sum(local, axis=tuple(x.names.index(n) for n in names))
+    # Over no dims a float sum is the value itself (no op: two such sums of one value are one value)
+    y = local if not names and jnp.issubdtype(local.dtype, jnp.inexact) else \
+        jnp.sum(local, axis=tuple(x.names.index(n) for n in names))
     out_dims = Shape(d for d in x.dims if d.name not in names)
     reduced = frozenset(a for n in names for a in axes[n])
     return ctx.out(y, out_dims, axes, keep | reduced)
@@ -51,6 +53,8 @@ def sum(ctx, x, dims=None) -> NamedArray:  # noqa: A001 - the op's name
 def mean(x, dims=None) -> NamedArray:
     """Mean over ``dims`` (all when None): a sum, then a scale (a pending sum stays pending)."""
     total = sum(x, dims)
+    if total.size == x.size and jnp.issubdtype(total.dtype, jnp.inexact):
+        return total   # over no dims: the value itself
     return divide(total, x.size // total.size if total.size else 1)
 
 

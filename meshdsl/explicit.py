@@ -93,12 +93,14 @@ class ExplicitContext(LayoutContext):
         return frozenset(out)
 
     def weights_only(self, x: NamedArray) -> bool:
-        """A parameter, or a value computed from parameters and constants alone (``sum(w)``,
-        ``concat([w, w])``): no data reaches it, so it is no reason to vary over data axes."""
+        """A parameter, or a value computed from parameters alone (``sum(w)``, ``concat([w, w])``,
+        scalars aside): no data reaches it, so it is no reason to vary over data axes. Values made
+        from no parameter (``arange`` positions, bucket ids) count as data: a parameter they
+        index into (a position-bias table) has its gradient summed where it is read, at its size."""
         return x.is_param or id(x.raw) in self._weights
 
     def derived(self, operands, result) -> None:
-        if all(self.weights_only(x) for x in operands):
+        if operands and all(self.weights_only(x) for x in operands):
             for y in result:
                 self._weights.add(id(y.raw))
                 self._keepalive.append(y.raw)

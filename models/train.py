@@ -18,7 +18,8 @@ SIGTERM / Ctrl-C save at the next step boundary and exit 0; checkpoints carry SH
 (see :mod:`meshdsl.models.faults` and :mod:`meshdsl.models.checkpoint`). Several processes
 (hosts) train one model: ``--coordinator host:port --num-processes N --process-id I`` (or
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); each process loads its
-share of every global batch.
+share of every global batch. If one dies, the others stop ``--heartbeat-timeout`` seconds later with
+one line naming it and the checkpoint to ``--resume`` from (exit 4; :mod:`meshdsl.models.supervisor`).
 
 The setup lives here, the loop in :mod:`meshdsl.models.runloop`; the model, step and evaluation in
 :mod:`meshdsl.models.trainer`,
@@ -35,10 +36,11 @@ import shutil
 import sys
 import time
 
+from meshdsl.models import supervisor
 from meshdsl.models.configs import CONFIGS
 from meshdsl.models.faults import Diverged, UsageError
 
-__all__ = ["main", "build_parser", "parse_args"]
+__all__ = ["main", "cli", "build_parser", "parse_args"]
 
 DEFAULT_STEPS = 300
 DEFAULT_CKPT_EVERY = 100
@@ -186,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-processes", type=POSITIVE, default=_env_int("JAX_NUM_PROCESSES"), help="processes in the run")
     a("--process-id", type=NATURAL, default=_env_int("JAX_PROCESS_ID"), help="this process's index, 0 .. N-1")
     a("--heartbeat-timeout", type=POSITIVE, default=100,
-      help="seconds without a heartbeat before the processes of a run declare a peer dead")
+      help="seconds without a heartbeat before the processes of a run declare a peer dead; they then stop "
+           "with one line (exit 4), their full stderr in <out>/process-I.stderr.log")
     # for tests of the fault paths, hidden: NaN gradients at a step; a signal to itself after a step
     a("--debug-nan-at-step", type=POSITIVE, default=None, help=argparse.SUPPRESS)
     a("--debug-signal", type=_step_signal, default=None, help=argparse.SUPPRESS)
@@ -487,6 +490,20 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
             "wall_s": wall, "stopped": stopped}
 
 
+def cli(argv=None) -> int:
+    """``python -m meshdsl.models.train``: :func:`main`; a multi-process run under a supervisor
+    (:mod:`meshdsl.models.supervisor`: a dead peer is one line, exit 4). Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError:
+        args = None  # main says what is wrong
+    if args is not None and supervisor.wanted(args):
+        return supervisor.supervise(argv, args)
+    supervisor.watch_parent()
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    sys.exit(cli())

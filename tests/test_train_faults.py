@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -144,6 +145,19 @@ def test_resume_refuses_a_changed_run(full, capsys):
     assert "--allow-changes" in message
     with open(os.path.join(out, "run.json")) as f:
         assert json.load(f)["steps"] == 8  # not overwritten
+
+
+def test_allow_changes_cannot_change_shapes(full, tmp_path, capsys):
+    out = tmp_path / "wider"
+    shutil.copytree(full, out)
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--out", str(out), "--resume", "--allow-changes", "--override", "d_model=48"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "damaged" not in err and "Traceback" not in err, err
+    assert "checkpoint step 8" in err and "does not fit this run's shapes" in err
+    assert re.search(r"params/decoder/\S+/kernel is \(2, 32, 4, 8\) there but \(2, 48, 4, 8\) here", err), err
+    assert "--allow-changes cannot change the shapes" in err
+    assert checkpoint.complete_steps(str(out / "checkpoints")) == [4, 6, 8]  # nothing moved or deleted
 
 
 def test_eval_only(full):

@@ -36,7 +36,7 @@ import shutil
 import sys
 import time
 
-from meshdsl.models import supervisor
+from meshdsl.models import runrecord, supervisor
 from meshdsl.models.configs import CONFIGS
 from meshdsl.models.faults import Diverged, UsageError
 
@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="resume although model/optimizer/schedule/batch/data/seed differ from run.json (recorded there)")
     a("--overwrite", action="store_true", help="start over in an --out that holds checkpoints (deletes them)")
     a("--eval-only", action="store_true",
-      help="evaluate the run's checkpoint in --out (latest, or --resume-from STEP) and exit")
+      help="evaluate the run's checkpoint in --out (latest, or --resume-from STEP) on the run's data (task, "
+           "batch, lengths, text files and seed from its run.json; flags given here win) and exit")
     a("--eval-every", type=NATURAL, default=100, help="validation every N steps (0: only at the end)")
     a("--eval-batches", type=NATURAL, default=8, help="validation batches (fixed; 0: no validation)")
     a("--eval-decode", type=NATURAL, default=0,
@@ -201,24 +202,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.config_file:
-        from meshdsl.models.runrecord import config_file_defaults
-        values = config_file_defaults(args.config_file, parser)
-        for dest, value in values.items():
-            if dest in _TYPES and value is not None:
-                try:
-                    values[dest] = _TYPES[dest](str(value))
-                except argparse.ArgumentTypeError as e:
-                    raise UsageError(f"--config {args.config_file}: {dest}: {e}") from None
-        parser.set_defaults(**values)
+        parser.set_defaults(**_checked(runrecord.config_file_defaults(args.config_file, parser),
+                                       f"--config {args.config_file}"))
         args = parser.parse_args(argv)
         if args.model not in CONFIGS:
             raise UsageError(f"--config {args.config_file}: unknown model {args.model!r}; one of "
                              f"{', '.join(sorted(CONFIGS))}")
+    elif args.eval_only:  # the run's data, unless the command line says otherwise
+        out = args.out or os.path.join("runs", args.model)
+        parser.set_defaults(**_checked(runrecord.data_defaults(out), os.path.join(out, "run.json")))
+        args = parser.parse_args(argv)
     if args.resume_from is not None:
         args.resume = True
     if args.eval_only and args.resume:
         args.resume = False  # --eval-only --resume-from STEP: which step to evaluate
     return args
+
+
+def _checked(values: dict, source: str) -> dict:
+    """Option values from a file, checked like the command line's (UsageError naming ``source``)."""
+    for dest, value in values.items():
+        if dest in _TYPES and value is not None:
+            try:
+                values[dest] = _TYPES[dest](str(value))
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"{source}: {dest}: {e}") from None
+    return values
 
 
 def _env_int(name: str):

@@ -170,6 +170,11 @@ def test_eval_only(full):
     with open(os.path.join(out, "eval.jsonl")) as f:
         last = json.loads(f.readlines()[-1])
     assert last["step"] == 8 and "val_span_exact_match" in last
+    # without the data options: the run's (run.json: batch 8, encoder length 32), the same examples
+    again = main(["--override", SMALL, "--out", out, "--eval-only", "--eval-batches", "2", "--no-explain"])
+    assert again["records"][0]["val_loss"] == record["val_loss"]
+    args = parse_args(["--out", out, "--eval-only", "--encoder-length", "16"])  # the command line wins
+    assert (args.batch, args.encoder_length, args.seed, args.task) == (8, 16, 0, "span_corruption")
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -119,9 +119,12 @@ def _open_log(path: str, argv):
 
 def _emit(data: bytes) -> None:
     if data:
-        sys.stderr.flush()
-        sys.stderr.buffer.write(data)
-        sys.stderr.buffer.flush()
+        try:
+            sys.stderr.flush()
+            sys.stderr.buffer.write(data)
+            sys.stderr.buffer.flush()
+        except (OSError, ValueError):  # our stderr is gone: the log file still has it all
+            pass
 
 
 def _pump(fd: int, log) -> tuple[bytes, list]:

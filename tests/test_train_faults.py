@@ -7,6 +7,10 @@ step 3 (it saves step 4), resumes it in a subprocess that is killed with SIGKILL
 and resumes again to the end, which must equal the uninterrupted run bit for bit. The signals are
 sent by the process to itself at a given step (hidden ``--debug-signal STEP:NAME``), so nothing
 depends on timing.
+
+Multi-process runs (models/supervisor.py): the supervisor is tested on a stand-in child (a lost
+peer's C++ abort becomes one line, other failures pass through, SIGTERM is passed on, the child dies
+with a killed supervisor), then two real processes x 4 CPU devices lose process 1 to SIGKILL.
 """
 
 from __future__ import annotations

@@ -94,8 +94,10 @@ def supervise(argv: list[str], args, command=None) -> int:
             tail, held = _pump(child.stderr.fileno(), log)
             code = child.wait()
     finally:
+        child.stderr.close()
         if log is not None:
-            log.close()
+            with contextlib.suppress(OSError):
+                log.close()
         os.close(keep)
     peer = diagnose(tail.decode("utf-8", "replace"))
     if code != 0 and peer is not None:
@@ -135,9 +137,7 @@ def _pump(fd: int, log) -> tuple[bytes, list]:
         wait = max(0.0, held[0][0] + HOLD_S - time.monotonic()) if held else None
         if select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 16)
-            if log is not None and chunk:
-                log.write(chunk)
-                log.flush()
+            log = _logged(log, chunk)
             tail += chunk
             del tail[:-TAIL_BYTES]
             lines = (partial + chunk).splitlines(keepends=True)
@@ -153,6 +153,17 @@ def _pump(fd: int, log) -> tuple[bytes, list]:
         ripe = [line for t, line in held if t + HOLD_S <= time.monotonic()]
         held = held[len(ripe):]
         _emit(b"".join(ripe))
+
+
+def _logged(log, chunk: bytes):
+    """Append ``chunk`` to the log; on a write error (a full disk) stop logging, never the run."""
+    if log is not None and chunk:
+        try:
+            log.write(chunk)
+            log.flush()
+        except OSError:
+            return None
+    return log
 
 
 @contextlib.contextmanager

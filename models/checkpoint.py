@@ -16,7 +16,10 @@ layout says (parameters by its storage rules) - so a run saved on ``data:8`` res
 Every save is followed (in orbax's post-finalization callback, so only once the step directory is
 complete) by ``manifest.sha256.json`` in the step directory: the SHA-256 of every file orbax wrote.
 ``restore`` checks it first; a changed or missing file raises :class:`CheckpointError` naming the
-step, the file, and the newest intact step to resume from instead. Numbered directories without
+step, the file, and the newest intact step to resume from instead. It then compares the step's
+shapes with ``like``'s (orbax's metadata): a model or optimizer of other shapes (``--resume
+--allow-changes --override d_model=...``) names the first parameter that does not fit, with both
+shapes, rather than reading as damage. Numbered directories without
 orbax's ``_CHECKPOINT_METADATA`` (an interrupted save, an empty directory) are not checkpoints and
 are ignored; orbax's temporary directories of interrupted saves are swept when a manager opens.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import shutil
 import threading
 
@@ -145,6 +149,11 @@ def abstract_like(tree, mesh, layout):
         struct = jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=NamedSharding(mesh.jax_mesh, spec))
         return NamedArray(struct, x.dims, is_param=x.is_param) if is_named(x) else struct
     return jax.tree_util.tree_map(leaf, tree, is_leaf=is_named)
+
+
+def _keys(path) -> tuple[str, ...]:
+    """A tree path as plain strings: the same for a state and for orbax's metadata of it."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _numbered(directory: str) -> list[int]:
@@ -307,6 +316,25 @@ class Checkpoints:
             return
         raise self._damaged(step, problem)
 
+    def misfit(self, step: int, like) -> str | None:
+        """The first parameter (then other state) of ``like`` whose shape differs from step ``step``'s,
+        or that the step lacks, in words; None if all fit (or the step's metadata is unreadable)."""
+        try:
+            meta = ocp.StandardCheckpointHandler().metadata(pathlib.Path(self.directory, str(step), "default"))
+        except Exception:  # noqa: BLE001 - then orbax's restore reports what is wrong
+            return None
+        stored = {_keys(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(meta)[0]
+                  if hasattr(m, "shape")}
+        wanted = [(_keys(p), tuple(x.shape)) for p, x in jax.tree_util.tree_flatten_with_path(like)[0]
+                  if hasattr(x, "shape")]
+        for keys, shape in sorted(wanted, key=lambda item: item[0][:1] != ("params",)):
+            name = "/".join(k for k in keys if k not in ("value", "array"))
+            if keys not in stored:
+                return f"it has no {name} (shape {shape} here)"
+            if stored[keys] != shape:
+                return f"{name} is {stored[keys]} there but {shape} here"
+        return None
+
     def restore(self, like, mesh, layout, step: int | None = None):
         """Restore ``step`` (default: the latest) shaped like ``like``, placed by ``layout`` on ``mesh``,
         after checking its files against the manifest."""
@@ -320,6 +348,12 @@ class Checkpoints:
                                   f"{', '.join(map(str, steps))}")
         step = int(step)
         self.verify(step)
+        misfit = self.misfit(step, like)
+        if misfit:  # before orbax starts reading (its error would read as a damaged checkpoint)
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} does not fit this run's shapes: "
+                                  f"{misfit}. --allow-changes cannot change the shapes of the parameters or of "
+                                  "the optimizer state: resume with the run's --model/--override/--optimizer, or "
+                                  "start a new run (another --out, or --overwrite)")
         try:
             return self._mgr.restore(step, args=ocp.args.StandardRestore(abstract_like(like, mesh, layout)))
         except Exception as e:  # noqa: BLE001 - orbax's errors, in the user's terms

@@ -18,12 +18,14 @@ import time
 
 from meshdsl.models.faults import UsageError
 
-__all__ = ["CHECKED", "run_identity", "differences", "read_run", "write_run", "read_config_file",
-           "config_file_defaults"]
+__all__ = ["CHECKED", "DATA", "run_identity", "differences", "read_run", "write_run", "read_config_file",
+           "config_file_defaults", "data_defaults"]
 
 #: what a resume must keep (keys of :func:`run_identity`)
 CHECKED = ("config", "optimizer", "lr", "warmup", "decay", "steps", "batch", "accum", "seed", "task",
            "encoder_length", "decoder_length", "text_files", "dtype", "param_dtype")
+#: the options that choose a run's examples (``--eval-only`` takes them from run.json)
+DATA = ("task", "batch", "encoder_length", "decoder_length", "text_files", "seed")
 #: run.json keys that are not CLI options (ignored in a --config file)
 RECORD_ONLY = {"config", "identity", "history", "unigram_entropy", "unigram_cross_entropy", "target_unigram_entropy",
                "config_file"}
@@ -127,3 +129,12 @@ def config_file_defaults(path: str, parser) -> dict:
         model = values["config"]
         out["override"] = [",".join(f"{k}={v!r}" for k, v in model.items() if k not in ("name", "vocab"))]
     return out
+
+
+def data_defaults(out: str) -> dict:
+    """The :data:`DATA` options of the run in ``out`` (its run.json; {} if there is none), as parser
+    defaults: what ``--eval-only`` evaluates on unless the command line says otherwise. The values are
+    the resolved ones (``text_files`` absolute, the lengths filled in)."""
+    stored = read_run(out) or {}
+    identity = stored.get("identity", {})
+    return {key: identity.get(key, stored.get(key)) for key in DATA if key in identity or key in stored}

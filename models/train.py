@@ -18,7 +18,8 @@ SIGTERM / Ctrl-C save at the next step boundary and exit 0; checkpoints carry SH
 (see :mod:`meshdsl.models.faults` and :mod:`meshdsl.models.checkpoint`). Several processes
 (hosts) train one model: ``--coordinator host:port --num-processes N --process-id I`` (or
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); each process loads its
-share of every global batch.
+share of every global batch. If one dies, the others stop ``--heartbeat-timeout`` seconds later with
+one line naming it and the checkpoint to ``--resume`` from (exit 4; :mod:`meshdsl.models.supervisor`).
 
 The setup lives here, the loop in :mod:`meshdsl.models.runloop`; the model, step and evaluation in
 :mod:`meshdsl.models.trainer`,
@@ -35,10 +36,11 @@ import shutil
 import sys
 import time
 
+from meshdsl.models import runrecord, supervisor
 from meshdsl.models.configs import CONFIGS
 from meshdsl.models.faults import Diverged, UsageError
 
-__all__ = ["main", "build_parser", "parse_args"]
+__all__ = ["main", "cli", "build_parser", "parse_args"]
 
 DEFAULT_STEPS = 300
 DEFAULT_CKPT_EVERY = 100
@@ -164,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="resume although model/optimizer/schedule/batch/data/seed differ from run.json (recorded there)")
     a("--overwrite", action="store_true", help="start over in an --out that holds checkpoints (deletes them)")
     a("--eval-only", action="store_true",
-      help="evaluate the run's checkpoint in --out (latest, or --resume-from STEP) and exit")
+      help="evaluate the run's checkpoint in --out (latest, or --resume-from STEP) on the run's data (task, "
+           "batch, lengths, text files and seed from its run.json; flags given here win) and exit")
     a("--eval-every", type=NATURAL, default=100, help="validation every N steps (0: only at the end)")
     a("--eval-batches", type=NATURAL, default=8, help="validation batches (fixed; 0: no validation)")
     a("--eval-decode", type=NATURAL, default=0,
@@ -186,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-processes", type=POSITIVE, default=_env_int("JAX_NUM_PROCESSES"), help="processes in the run")
     a("--process-id", type=NATURAL, default=_env_int("JAX_PROCESS_ID"), help="this process's index, 0 .. N-1")
     a("--heartbeat-timeout", type=POSITIVE, default=100,
-      help="seconds without a heartbeat before the processes of a run declare a peer dead")
+      help="seconds without a heartbeat before the processes of a run declare a peer dead; they then stop "
+           "with one line (exit 4), their full stderr in <out>/process-I.stderr.log")
     # for tests of the fault paths, hidden: NaN gradients at a step; a signal to itself after a step
     a("--debug-nan-at-step", type=POSITIVE, default=None, help=argparse.SUPPRESS)
     a("--debug-signal", type=_step_signal, default=None, help=argparse.SUPPRESS)
@@ -198,24 +202,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.config_file:
-        from meshdsl.models.runrecord import config_file_defaults
-        values = config_file_defaults(args.config_file, parser)
-        for dest, value in values.items():
-            if dest in _TYPES and value is not None:
-                try:
-                    values[dest] = _TYPES[dest](str(value))
-                except argparse.ArgumentTypeError as e:
-                    raise UsageError(f"--config {args.config_file}: {dest}: {e}") from None
-        parser.set_defaults(**values)
+        parser.set_defaults(**_checked(runrecord.config_file_defaults(args.config_file, parser),
+                                       f"--config {args.config_file}"))
         args = parser.parse_args(argv)
         if args.model not in CONFIGS:
             raise UsageError(f"--config {args.config_file}: unknown model {args.model!r}; one of "
                              f"{', '.join(sorted(CONFIGS))}")
+    elif args.eval_only:  # the run's data, unless the command line says otherwise
+        out = args.out or os.path.join("runs", args.model)
+        parser.set_defaults(**_checked(runrecord.data_defaults(out), os.path.join(out, "run.json")))
+        args = parser.parse_args(argv)
     if args.resume_from is not None:
         args.resume = True
     if args.eval_only and args.resume:
         args.resume = False  # --eval-only --resume-from STEP: which step to evaluate
     return args
+
+
+def _checked(values: dict, source: str) -> dict:
+    """Option values from a file, checked like the command line's (UsageError naming ``source``)."""
+    for dest, value in values.items():
+        if dest in _TYPES and value is not None:
+            try:
+                values[dest] = _TYPES[dest](str(value))
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"{source}: {dest}: {e}") from None
+    return values
 
 
 def _env_int(name: str):
@@ -487,6 +499,20 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
             "wall_s": wall, "stopped": stopped}
 
 
+def cli(argv=None) -> int:
+    """``python -m meshdsl.models.train``: :func:`main`; a multi-process run under a supervisor
+    (:mod:`meshdsl.models.supervisor`: a dead peer is one line, exit 4). Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError:
+        args = None  # main says what is wrong
+    if args is not None and supervisor.wanted(args):
+        return supervisor.supervise(argv, args)
+    supervisor.watch_parent()
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    sys.exit(cli())

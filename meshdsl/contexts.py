@@ -59,6 +59,16 @@ class GlobalContext:
     def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):
         return frozenset()
 
+    def pieces(self, y: NamedArray, name: str, pieces) -> NamedArray:
+        """``y`` is made of ``pieces`` ((operand, offset) along ``name``; zeros elsewhere): a pad or
+        a concat. The explicit context remembers it, so a slice of ``y`` reads the pieces
+        directly. Returns ``y``."""
+        return y
+
+    def padded_from(self, y: NamedArray):
+        """``(name, pieces)`` if ``y`` was made of pieces along ``name``, else None."""
+        return None
+
     def derived(self, operands, result) -> None:
         """An op made ``result`` from ``operands`` (NamedArray leaves): the explicit context
         remembers results computed from parameters and constants alone."""

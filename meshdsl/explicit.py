@@ -49,6 +49,7 @@ class ExplicitContext(LayoutContext):
         self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
         self._keepalive: list = []   # keeps the ids above unique while the context lives
         self._weights: set = set()   # ids of local arrays computed from parameters/constants alone
+        self._pads: dict = {}        # id(local array) -> (dim, [(piece, offset)]) of a pad or concat
 
     # -- placements ------------------------------------------------------------------------------
 
@@ -98,6 +99,14 @@ class ExplicitContext(LayoutContext):
         from no parameter (``arange`` positions, bucket ids) count as data: a parameter they
         index into (a position-bias table) has its gradient summed where it is read, at its size."""
         return x.is_param or id(x.raw) in self._weights
+
+    def pieces(self, y, name, pieces):
+        self._pads[id(y.raw)] = (name, list(pieces))
+        self._keepalive.append(y.raw)
+        return y
+
+    def padded_from(self, y):
+        return self._pads.get(id(y.raw))
 
     def derived(self, operands, result) -> None:
         if operands and all(self.weights_only(x) for x in operands):

@@ -404,10 +404,9 @@ def test_fuzz_explain_counts_a_computation_the_program_repeats():
         assert e == h and e
 
 
-@pytest.mark.xfail(strict=True, reason="open: each op moves its own rows (pad by +1 block, slice by -1 "
-                   "block); gspmd fuses pad and slice into one shift of 2 rows. Needs lazy index maps "
-                   "along a split dim, composed across slice/pad/concat/shift before moving rows")
 def test_fuzz_pad_then_slice_of_a_split_dim():
+    """slice(pad(x)) along a split dim reads x through one window (a 2-row shift, as gspmd fuses them), not
+    pad rows moved by +1 block and then by -1 block."""
     x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "c")
     fn = lambda x: md.slice(md.pad(x, "c", 7, 9), "c", 5, 8)
     moved = _moved(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"}), x)
@@ -427,10 +426,9 @@ def test_fuzz_parameters_broadcast_together_stay_replicated():
     _same(fn, {"x": 4, "y": 2}, {"c": "x"}, w0, w1, ids)
 
 
-@pytest.mark.xfail(strict=True, reason="open: concat then slice back along a split dim (split moved to another "
-                   "dim by all-to-all): explain counts 288 B of all-to-all, XLA moves 192 B (it drops "
-                   "the part of the concatenated block the slice never reads)")
 def test_fuzz_concat_then_slice_of_a_split_dim():
+    """slice(concat([x, w])) reads each piece through its own window: no all-to-all of the parts the
+    slice never reads (explain counted 288 B, XLA moved 192 B)."""
     r = np.random.default_rng(0)
     x = md.named(jnp.asarray(r.standard_normal((16, 8)), jnp.float32), "a c")
     w = md.param(md.named(jnp.asarray(r.standard_normal((16, 8)), jnp.float32), "a c"))

@@ -13,6 +13,7 @@ axes; otherwise the group is gathered first.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -24,6 +25,7 @@ from ..dims import Dim, Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, where_
+from .elementwise import add
 from ..named import NamedArray
 from .registry import op
 
@@ -303,19 +305,21 @@ def concat(ctx, xs, dim) -> NamedArray:
             part, _ = _window(ctx, local, first.names.index(name), split, x.dims[name].size,
                               out[name].size, -o, f"[{x.dims}] concat along {name}")
             y = part if y is None else y + part
-        return ctx.out(y, out, axes, keep)
+        return _pieces(ctx, ctx.out(y, out, axes, keep), name, list(zip(xs, offsets)))
     if how is not None:  # the split moves to another dim and back
         axes = how[1]
         keep = keep - {a for ax in axes.values() for a in ax}
         vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
         local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
-        return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
+        return _pieces(ctx, ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep), name,
+                       list(zip(xs, offsets)))
     axes = ctx.plan(Shape(d for d in first.dims if d.name != name), xs, keep_pending=keep)
     axes[name] = ()
     keep = keep - {a for ax in axes.values() for a in ax}  # a dim planned over a pending axis: reduce-scatter
     vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims) for x in xs]
-    return ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep)
+    return _pieces(ctx, ctx.out(jnp.concatenate(local, axis=first.names.index(name)), out, axes, keep), name,
+                   list(zip(xs, offsets)))
 
 
 @op("slice")
@@ -326,15 +330,33 @@ def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the
     n = x.dims[name].size
     if not (0 <= start and size >= 0 and start + size <= n):
         raise ShapeError(f"{where_(ctx)}: slice [{start}:{start + size}] is outside {name}:{n}")
+    parts = ctx.padded_from(x)
+    if parts is not None and parts[0] == name:
+        # slice(pad(x0, before)) / slice(concat(...)) reads each piece from where it lies: one
+        # window of each piece, not a move of the pieces' rows by one op and again by the slice
+        pieces = [(p, o) for p, o in parts[1] if o < start + size and start < o + p.dims[name].size]
+        if pieces:
+            windows = [_window_of(ctx, p, name, start - o, size, "slice of a pad or concat") for p, o in pieces]
+            return functools.reduce(add, windows)
+    return _window_of(ctx, x, name, start, size, "slice")
+
+
+def _window_of(ctx, x, name, start, size, what):
+    """Entries ``start .. start + size`` of ``dim`` (zeros outside ``x``), placed cheaply."""
+    n = x.dims[name].size
     keep = ctx.pending(x)
     out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
     how = _cheapest_along(ctx, [x], name, keep, size, [start])
     axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
     local = ctx.local(x, axes, vary, keep_pending=keep)
+    pos = x.names.index(name)
     if how is not None and how[0] == "window":
-        y, _ = _window(ctx, local, x.names.index(name), axes[name], n, size, start, f"[{x.dims}] slice of {name}")
+        y, _ = _window(ctx, local, pos, axes[name], n, size, start, f"[{x.dims}] {what} of {name}")
         return ctx.out(y, out, axes, keep)
-    y = jax.lax.slice_in_dim(local, start, start + size, axis=x.names.index(name))
+    lo, hi = max(0, -start), max(0, start + size - n)
+    if lo or hi:
+        local = jnp.pad(local, [(lo, hi) if k == pos else (0, 0) for k in range(local.ndim)])
+    y = jax.lax.slice_in_dim(local, start + lo, start + lo + size, axis=pos)
     return ctx.out(y, out, axes, keep)
 
 
@@ -356,5 +378,11 @@ def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0) -> NamedArray:
                             -before, f"[{x.dims}] pad of {name}")
         if value != 0:
             y = jnp.where(inside, y, jnp.asarray(value, y.dtype))
-        return ctx.out(y, out, axes, keep)
-    return ctx.out(jnp.pad(local, widths, constant_values=value), out, axes, keep)
+        return _pieces(ctx, ctx.out(y, out, axes, keep), name, [(x, before)], value)
+    return _pieces(ctx, ctx.out(jnp.pad(local, widths, constant_values=value), out, axes, keep), name,
+                   [(x, before)], value)
+
+
+def _pieces(ctx, y, name, pieces, value=0):
+    """Remember that ``y`` is ``pieces`` ((operand, offset) along ``name``), zeros elsewhere."""
+    return ctx.pieces(y, name, pieces) if isinstance(value, (int, float)) and value == 0 else y

@@ -544,3 +544,24 @@ def test_campaign_linear_op_on_a_pending_value_that_is_also_returned():
     layout = md.Layout({"c": "x", "e": ("y", "x")}, params={"c": "y"})
     moved = _moved(fn, mesh, layout, table, ids, param_gather="auto")
     assert moved["explicit"] <= moved["gspmd"], moved
+
+
+def test_position_bias_gradient_is_summed_at_the_table_size():
+    """A bias looked up from a parameter table by positions (arange: no parameter in them) and
+    added to data: the table's gradient is all-reduced at the table's size [buckets heads], not
+    at the bias's [heads q k] (positions count as data, not as parameter-derived values)."""
+    r = np.random.default_rng(0)
+    table = md.param(md.named(jnp.asarray(r.standard_normal((32, 8)), jnp.float32), "buckets heads"))
+    scores = md.named(jnp.asarray(r.standard_normal((16, 8, 16, 16)), jnp.float32), "batch heads q k")
+
+    def step(table, scores):
+        def loss(table):
+            q, k = md.arange(md.Dim("q", 16)), md.arange(md.Dim("k", 16))
+            bucket = md.clip(k - q + 16, 0, 31)
+            return md.sum(md.softmax(scores + md.take(table, bucket, "buckets"), "k") * scores).array
+        return jax.grad(loss)(table)
+
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data"})
+    e, h = _explain_vs_hlo(step, mesh, layout, table, scores)
+    assert e == h == {"all-reduce": 2 * 7 / 8 * 32 * 8 * 4}
+    _same(step, {"data": 8}, {"batch": "data"}, table, scores)

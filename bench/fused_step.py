@@ -64,7 +64,7 @@ def run(quick: bool = True, layers: int = 2) -> str:
     for name, (layout, split_dim) in LAYOUTS.items():
         m = measure(fused_adam, mesh, layout, model, zeros, zeros, batch)
         lo, formula = minimum(params, 8, split_dim)
-        rows.append({"layout": name, "rules": str(layout), "explicit": fmt_kinds(m["explicit"]),
+        rows.append({"layout": name, "rules": str(layout).replace("|", "\\|"), "explicit": fmt_kinds(m["explicit"]),
                      "explicit_bytes": total(m["explicit"]), "explain_bytes": total(m["explain"]),
                      "gspmd": fmt_kinds(m["gspmd"]), "gspmd_bytes": total(m["gspmd"]), "minimum_bytes": lo,
                      "formula": formula,

@@ -565,3 +565,15 @@ def test_position_bias_gradient_is_summed_at_the_table_size():
     e, h = _explain_vs_hlo(step, mesh, layout, table, scores)
     assert e == h == {"all-reduce": 2 * 7 / 8 * 32 * 8 * 4}
     _same(step, {"data": 8}, {"batch": "data"}, table, scores)
+
+
+def test_campaign_slice_of_only_padding_reads_nothing():
+    """slice(pad(w, 2, 14), 13, 8) along a split dim is all padding: zeros, no communication (the
+    rows were moved by the pad and by the slice: 896 B where gspmd moves 0)."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((4, 16, 8)), jnp.float32), "a b c"))
+    fn = lambda w: md.slice(md.pad(w, "c", 2, 14), "c", 13, 8)
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"c": ("y", "x")})
+    assert _moved(fn, mesh, layout, w) == {"explicit": 0.0, "gspmd": 0.0}
+    _same(fn, {"x": 2, "y": 4}, {"c": ("y", "x")}, w)
+    grad = lambda w: jax.grad(lambda w: md.sum(md.sin(fn(w) + w)).array)(w)
+    _same(grad, {"x": 2, "y": 4}, {"c": ("y", "x")}, w)

@@ -335,9 +335,13 @@ def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the
         # slice(pad(x0, before)) / slice(concat(...)) reads each piece from where it lies: one
         # window of each piece, not a move of the pieces' rows by one op and again by the slice
         pieces = [(p, o) for p, o in parts[1] if o < start + size and start < o + p.dims[name].size]
-        if pieces:
-            windows = [_window_of(ctx, p, name, start - o, size, "slice of a pad or concat") for p, o in pieces]
-            return functools.reduce(add, windows)
+        if not pieces:   # only padding: zeros, nothing to read
+            out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
+            axes = ctx.canonical(out)
+            local = [n // ctx.axes_size(a) for n, a in zip(out.sizes, axes)]
+            return ctx.out(jnp.zeros(local, x.dtype), out, dict(zip(out.names, axes)))
+        windows = [_window_of(ctx, p, name, start - o, size, "slice of a pad or concat") for p, o in pieces]
+        return functools.reduce(add, windows)
     return _window_of(ctx, x, name, start, size, "slice")
 
 

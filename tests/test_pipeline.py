@@ -53,6 +53,59 @@ def test_forward_and_gradients_equal_the_unsharded_program(name):
     assert_same(g(*args), loss_and_grads(*args), rtol=1e-5, atol=1e-6)
 
 
+def model_with_ys(x, w1, w2):
+    """The step also returns per-example values (``[batch]``) and an activation ``[batch, d_ff]``."""
+    def step(h, w):
+        f = md.relu(md.einsum(h, w["w1"], out="batch d_ff"))
+        h = h + md.einsum(f, w["w2"], out="batch d_model")
+        return h, {"energy": md.sum(md.square(h), "d_model"), "hidden": f}
+    h, ys = md.scan(step, x, {"w1": w1, "w2": w2}, dim="layers")
+    return md.mean(md.square(h)) + 0.1 * md.mean(ys["energy"]) + md.mean(md.square(ys["hidden"])), ys
+
+
+def loss_and_grads_with_ys(x, w1, w2):
+    return jax.value_and_grad(lambda w1, w2: model_with_ys(x, w1, w2)[0].array, argnums=(0, 1))(w1, w2)
+
+
+@pytest.mark.parametrize("name", ["pipe x data, 4 microbatches", "pipe x Megatron", "pipe x data x ZeRO-3"])
+def test_scan_outputs_of_a_pipeline_equal_the_unsharded_scan(name):
+    """ys come back stacked along layers for the whole batch (values and gradients through them),
+    split over pipe like the xs: the stacking moves nothing, and explain equals the HLO."""
+    args, layout = inputs(), LAYOUTS[name]
+    f = md.lower(model_with_ys, MESH, layout)
+    loss, ys = f(*args)
+    assert ys["energy"].names == ("layers", "batch") and ys["hidden"].names == ("layers", "batch", "d_ff")
+    assert ys["energy"].array.sharding.spec[0] == "pipe"      # each stage holds its own layers' ys
+    assert_same((loss, ys), model_with_ys(*args), rtol=1e-5, atol=1e-5)
+    g = md.lower(loss_and_grads_with_ys, MESH, layout)
+    assert_same(g(*args), loss_and_grads_with_ys(*args), rtol=1e-5, atol=1e-6)
+    report = md.explain(loss_and_grads_with_ys, MESH, layout, *args)
+    assert bytes_by_kind(hlo_summary(g, *args)) == bytes_by_kind(explain_summary(report))
+    # returning the ys moves nothing over pipe (only the ticks' ppermutes); the rest is the layers' own
+    # communication, as in the same pipeline returning its carry (less that carry's sum over pipe)
+    forward = md.explain(lambda x, w1, w2: model_with_ys(x, w1, w2)[1]["energy"], MESH, layout, *args)
+    without = md.explain(model, MESH, layout, *args)
+    assert all(r.kind == "collective-permute" for r in forward.collectives if "pipe" in r.axes)
+
+    def layers_own(report):
+        return sorted((r.kind, r.axes, r.shape, r.count) for r in report.collectives if "pipe" not in r.axes)
+    assert layers_own(forward) == layers_own(without)
+    assert sum(r.count for r in forward.collectives if r.kind == "collective-permute") == forward.pipeline["ticks"]
+
+
+def test_a_whole_batch_scan_output_is_exact_with_one_microbatch():
+    """A per-layer value over the whole batch (a mean) is refused with microbatches > 1 (in
+    test_errors) and exact with one microbatch."""
+    def means(x, w1, w2):
+        def step(h, w):
+            h = md.tanh(md.einsum(h, w, out="batch d_ff"))
+            return md.einsum(h, w, out="batch d_model"), md.mean(md.square(h))
+        return md.scan(step, x, w1, dim="layers")[1]
+    args = inputs()
+    assert_same(md.lower(means, MESH, md.Layout({"layers": "pipe", "batch": "data"}))(*args), means(*args),
+                rtol=1e-5, atol=1e-6)
+
+
 def test_explain_reports_the_pipeline_and_equals_the_compiled_bytes():
     args = inputs()
     layout = LAYOUTS["pipe x data, 4 microbatches"]
@@ -100,9 +153,13 @@ def test_errors():
         md.lower(model, MESH, md.Layout({"layers": "pipe"}), schedule="1f1b")
 
     def with_ys(x, w1, w2):
-        return md.scan(lambda h, w: (h, md.sum(h)), x, w1, dim="layers")[0]
-    with pytest.raises(md.LayoutError, match="does not return scan outputs"):
-        md.lower(with_ys, MESH, md.Layout({"layers": "pipe"}))(x, w1, w2)
+        return md.scan(lambda h, w: (h, md.sum(h)), x, w1, dim="layers")[1]
+    with pytest.raises(md.LayoutError, match=r"ys entry 0 \[layers:2\] has no microbatch dim 'batch'.*"
+                                             r"cannot be recombined exactly from 2 microbatches.*keep the 'batch' dim"):
+        md.lower(with_ys, MESH, md.Layout({"layers": "pipe"}, microbatches={"batch": 2}))(x, w1, w2)
+    with pytest.raises(md.LayoutError, match="scan outputs must be NamedArrays"):
+        md.lower(lambda x, w1, w2: md.scan(lambda h, w: (h, h.raw), x, w1, dim="layers")[1], MESH,
+                 md.Layout({"layers": "pipe"}))(x, w1, w2)
 
     def no_batch(x, w1, w2):
         return md.scan(lambda h, w: (h, None), md.sum(x, "batch"), w1, dim="layers")[0]
@@ -181,7 +238,7 @@ import os  # noqa: E402
 FUZZ_EXAMPLES = 60 if os.environ.get("MESHDSL_FUZZ") == "long" else 4
 
 
-def _random_pipeline(body, key):
+def _random_pipeline(body, key, ys="none"):
     def step(h, xs):
         w, layer = xs["w"], xs["layer"]
         f = md.einsum(h, w["w1"], out="batch d_ff")
@@ -195,32 +252,40 @@ def _random_pipeline(body, key):
         if body == "dropout":
             keep = md.random.bernoulli(jax.random.fold_in(key, layer.raw), 0.8, y.dims)
             y = md.where(keep, y / 0.8, 0.0)
-        return h + y * 0.5, None
+        out = {"none": None, "per-example": {"y": md.sum(y * y, "d_model"), "f": f},
+               "whole batch": md.mean(f)}[ys]      # 'whole batch' only with one microbatch
+        return h + y * 0.5, out
     return step
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=os.environ.get("MESHDSL_FUZZ") != "long")
 @given(st.data())
 def test_random_pipelines_equal_the_unsharded_program(data):
-    """Random stage counts, microbatches, layouts inside the stage, storage rules and step bodies
-    (captured values, softmax, dropout): values and gradients equal the unsharded program and
+    """Random stage counts, microbatches, layouts inside the stage, storage rules, step bodies
+    (captured values, softmax, dropout) and scan outputs (none, per example, over the whole batch
+    with one microbatch): values and gradients equal the unsharded program and
     md.explain's bytes equal the compiled program's, per collective kind."""
     stages = data.draw(st.sampled_from([2, 4]), "stages")
     mesh = md.Mesh({"pipe": stages, "data": 8 // stages})
     micro = data.draw(st.sampled_from([1, 2, 4]), "microbatches")
     inner = data.draw(st.sampled_from([{}, {"batch": "data"}, {"d_ff": "data"}, {"d_model": "data"}]), "inner rules")
-    params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if "d_ff" not in inner else None
+    # a d_ff:data storage rule would meet an inner d_ff or d_model rule on the same axis (an invalid layout)
+    params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if not {"d_ff", "d_model"} & set(inner) \
+        else None
     body = data.draw(st.sampled_from(["mlp", "softmax", "captured", "dropout"]), "body")
+    ys = data.draw(st.sampled_from(["none", "per-example"] + ["whole batch"] * (micro == 1)), "scan outputs")
     layers = stages * data.draw(st.sampled_from([1, 2]), "layers per stage")
     x, w1, w2 = inputs(batch=16, layers=layers, d=16)
     c = md.named(jax.random.normal(jax.random.key(7), (16, 16)), "batch d_model")
     key = jax.random.key(3)
-    step = _random_pipeline(body, key)
+    step = _random_pipeline(body, key, ys)
 
     def loss(x, w1, w2, c):
         xs = {"w": {"w1": w1, "w2": w2}, "layer": md.arange(md.Dim("layers", layers))}
-        h, _ = md.scan(step if body != "captured" else (lambda h, s: step(h, {**s, "c": c})), x, xs, dim="layers")
-        return md.mean(md.square(h))
+        h, out = md.scan(step if body != "captured" else (lambda h, s: step(h, {**s, "c": c})), x, xs, dim="layers")
+        extra = [md.mean(v * md.arange(v.dims["layers"]).astype(v.dtype)) for v in jax.tree_util.tree_leaves(
+            out, is_leaf=lambda v: isinstance(v, md.NamedArray))]     # weighted by layer: the order counts
+        return md.mean(md.square(h)) + sum(extra[1:], extra[0]) * 0.1 if extra else md.mean(md.square(h))
 
     def program(x, w1, w2, c):
         return jax.value_and_grad(lambda x, w1: loss(x, w1, w2, c).array, argnums=(0, 1))(x, w1)

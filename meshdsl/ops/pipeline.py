@@ -178,7 +178,8 @@ class Microbatch:
             pl = ctx.placement(x)
             target = {d.name: a for d, a in zip(x.dims, pl.axes)}
             target[self.dim] = self.axes
-            local = ctx.local(x, target, ctx.vary(target.values(), [x], pl.pending), keep_pending=pl.pending)
+            vary = ctx.vary(target.values(), [x], pl.pending) | {self.stage_axis}   # cast once, outside the ticks
+            local = ctx.local(x, target, vary, keep_pending=pl.pending)
             pos = x.names.index(self.dim)
             rows = local.shape[pos] // self.count
             with jaxcompat.in_trace(self.trace):

@@ -233,25 +233,46 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step():
                 rtol=2e-4, atol=2e-5)
 
 
-def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
-    """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
-    --microbatches 2: the first losses equal data parallel's."""
+def _cli_records(tmp_path, model, override, runs):
+    """The metrics.jsonl records of 3 steps of the training CLI, one list per run's extra flags."""
     import json
 
     from meshdsl.models.train import main
 
-    common = ["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--batch", "8",
-              "--encoder-length", "32", "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", "3",
-              "--ckpt-every", "0"]
-    losses = []
-    for extra in (["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
-                  ["--mesh", "data:8", "--layout", "batch:data"]):
-        out = str(tmp_path / extra[1].replace(":", "").replace(",", "_"))
-        main([*common, *extra, "--out", out])
+    common = ["--model", model, "--override", override, "--batch", "8", "--encoder-length", "32",
+              "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", "3", "--ckpt-every", "0"]
+    records = []
+    for i, extra in enumerate(runs):
+        out = str(tmp_path / f"run{i}")
+        result = main([*common, *extra, "--out", out])
         with open(f"{out}/metrics.jsonl") as f:
-            losses.append([json.loads(line)["loss"] for line in f])
-    assert len(losses[0]) == 3
-    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+            records.append([json.loads(line) for line in f])
+        assert len(records[-1]) == 3
+    return records
+
+
+def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
+    """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
+    --microbatches 2: the first losses equal data parallel's."""
+    pipe, data = _cli_records(tmp_path, "t5-tiny", "d_model=32,d_ff=64,heads=4,d_kv=8", [
+        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
+        ["--mesh", "data:8", "--layout", "batch:data"]])
+    np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in data], rtol=1e-5)
+
+
+def test_moe_t5_trains_under_a_pipeline_with_the_data_parallel_losses(tmp_path):
+    """MoE-T5 (4 + 4 layers: 2 scanned periods of dense + sparse per stack) under pipe:2 x data:4
+    with 2 microbatches: the router's metrics are per token and routing groups are sequences
+    (capacity per group), so the losses, the router losses and the dropped tokens equal data
+    parallel's, drops included."""
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,encoder_layers=4,decoder_layers=4"
+    pipe, data = _cli_records(tmp_path, "moe-t5-tiny", override, [
+        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
+        ["--mesh", "data:8", "--layout", "batch:data"]])
+    for key in ("loss", "moe/load_balancing_loss", "moe/router_z_loss", "moe/dropped_fraction"):
+        np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in data], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose([r["moe/expert_load"] for r in pipe], [r["moe/expert_load"] for r in data], rtol=1e-5)
+    assert data[0]["moe/dropped_fraction"] > 0          # capacity is tight: tokens are dropped, the same ones
 
 
 # -- the fuzzer's share: random pipelines ------------------------------------------------------------

@@ -245,6 +245,7 @@ def _cli_records(tmp_path, model, override, runs):
     for i, extra in enumerate(runs):
         out = str(tmp_path / f"run{i}")
         result = main([*common, *extra, "--out", out])
+        assert result["trainer"].grad_fn.schedule == "gpipe"
         with open(f"{out}/metrics.jsonl") as f:
             records.append([json.loads(line) for line in f])
         assert len(records[-1]) == 3
@@ -253,9 +254,9 @@ def _cli_records(tmp_path, model, override, runs):
 
 def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
     """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
-    --microbatches 2: the first losses equal data parallel's."""
+    --microbatches 2 --schedule gpipe: the first losses equal data parallel's."""
     pipe, data = _cli_records(tmp_path, "t5-tiny", "d_model=32,d_ff=64,heads=4,d_kv=8", [
-        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
+        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2", "--schedule", "gpipe"],
         ["--mesh", "data:8", "--layout", "batch:data"]])
     np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in data], rtol=1e-5)
 
@@ -273,6 +274,32 @@ def test_moe_t5_trains_under_a_pipeline_with_the_data_parallel_losses(tmp_path):
         np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in data], rtol=1e-5, err_msg=key)
     np.testing.assert_allclose([r["moe/expert_load"] for r in pipe], [r["moe/expert_load"] for r in data], rtol=1e-5)
     assert data[0]["moe/dropped_fraction"] > 0          # capacity is tight: tokens are dropped, the same ones
+
+
+@pytest.mark.parametrize("name, why", [("1f1b", "is not implemented yet"), ("circular", "is not implemented yet"),
+                                       ("zigzag", "is not a pipeline schedule")])
+def test_training_cli_refuses_a_schedule_that_does_not_exist(tmp_path, capsys, name, why):
+    from meshdsl.models.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--schedule", name,
+              "--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: --schedule {name}: {why}; the schedules that exist: gpipe (1f1b, circular: " \
+                          "planned, not implemented)"
+
+
+def test_training_cli_passes_the_schedule_to_md_lower(tmp_path, capsys, monkeypatch):
+    """With the CLI's own check out of the way, md.lower receives --schedule (and refuses 1f1b)."""
+    from meshdsl.models import faults
+    from meshdsl.models.train import main
+
+    monkeypatch.setattr(faults, "check_schedule", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--mesh", "pipe:2,data:4",
+              "--layout", "batch:data;layers:pipe", "--schedule", "1f1b", "--out", str(tmp_path / "run")])
+    assert e.value.code == 2 and "md.lower: schedule must be one of ('gpipe',), got '1f1b'" in capsys.readouterr().err
 
 
 # -- the fuzzer's share: random pipelines ------------------------------------------------------------

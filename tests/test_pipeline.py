@@ -262,11 +262,11 @@ def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
 
 
 def test_moe_t5_trains_under_a_pipeline_with_the_data_parallel_losses(tmp_path):
-    """MoE-T5 (4 + 4 layers: 2 scanned periods of dense + sparse per stack) under pipe:2 x data:4
-    with 2 microbatches: the router's metrics are per token and routing groups are sequences
+    """MoE-T5 (2 + 2 layers, every one sparse: moe_every=1, so each stage holds one) under pipe:2 x
+    data:4 with 2 microbatches: the router's metrics are per token and routing groups are sequences
     (capacity per group), so the losses, the router losses and the dropped tokens equal data
     parallel's, drops included."""
-    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,encoder_layers=4,decoder_layers=4"
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,moe_every=1"
     pipe, data = _cli_records(tmp_path, "moe-t5-tiny", override, [
         ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
         ["--mesh", "data:8", "--layout", "batch:data"]])

@@ -25,6 +25,15 @@ dropped token (top-1 only).
 Returns ``(y, metrics)``: ``load_balancing_loss`` and ``router_z_loss`` (scalars; a model scales
 them, Switch: 1e-2 and 1e-3), ``dropped_fraction`` (scalar) and ``expert_load`` (``[experts]``, the
 fraction of assignments each expert was chosen for, before capacity).
+
+Under a pipeline (a layout splitting the stacked ``layers``, ``microbatches={"batch": M}``) a layer
+sees one microbatch: ``per_token=True`` returns the metrics per token (their means are the above),
+which the pipeline joins from the microbatches exactly. Routing is per group and capacity per
+group, so a microbatch routes and drops exactly the tokens the whole batch would whenever each
+group lies within one sequence (the default ``group_size``) or, for larger groups, within one
+device's rows of a microbatch. Router jitter and expert dropout draw over ``group``, which the
+pipeline does not place by its global position (only ``batch``): with M > 1 they are not the
+unsharded program's draws.
 """
 
 from __future__ import annotations

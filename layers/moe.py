@@ -25,6 +25,15 @@ dropped token (top-1 only).
 Returns ``(y, metrics)``: ``load_balancing_loss`` and ``router_z_loss`` (scalars; a model scales
 them, Switch: 1e-2 and 1e-3), ``dropped_fraction`` (scalar) and ``expert_load`` (``[experts]``, the
 fraction of assignments each expert was chosen for, before capacity).
+
+Under a pipeline (a layout splitting the stacked ``layers``, ``microbatches={"batch": M}``) a layer
+sees one microbatch: ``per_token=True`` returns the metrics per token (their means are the above),
+which the pipeline joins from the microbatches exactly. Routing is per group and capacity per
+group, so a microbatch routes and drops exactly the tokens the whole batch would whenever each
+group lies within one sequence (the default ``group_size``) or, for larger groups, within one
+device's rows of a microbatch. Router jitter and expert dropout draw over ``group``, which the
+pipeline does not place by its global position (only ``batch``): with M > 1 they are not the
+unsharded program's draws.
 """
 
 from __future__ import annotations
@@ -78,18 +87,20 @@ class MoE(nnx.Module):
         factor = self.capacity_factor if train else self.eval_capacity_factor
         return expert_capacity(group_size, self.experts_dim.size, self.top_k, factor, self.min_capacity)
 
-    def __call__(self, x: md.NamedArray, *, key=None, train: bool | None = None):
+    def __call__(self, x: md.NamedArray, *, key=None, train: bool | None = None, per_token: bool = False):
         """``x`` ``[batch, seq, d_model]`` (any token dims) -> ``(y [same dims], metrics)``.
 
         ``key``: PRNG key for jitter noise and expert dropout. ``train`` (default: a key was given)
-        picks the capacity factor and enables jitter.
+        picks the capacity factor and enables jitter. ``per_token``: the metrics per token, over
+        ``x``'s token dims (``[batch, seq]``; ``expert_load`` ``[batch, seq, expert_choice]``), whose means
+        are the usual metrics (what a pipeline's microbatches can return, :func:`router.token_metrics`).
         """
         train = key is not None if train is None else train
         jitter_key, dropout_key = (None, None) if key is None else tuple(jax.random.split(key))
         x = cast(x, self.dtype)
         tokens = self._group(x)
         capacity = self.capacity(tokens.dims["group_size"].size, train)
-        routing = self.router(tokens, capacity, key=jitter_key if train else None)
+        routing = self.router(tokens, capacity, key=jitter_key if train else None, per_token=per_token)
 
         dispatched = md.einsum(tokens, routing.dispatch.astype(x.dtype),
                                out=["group", EXPERT_CHOICE, "capacity", self.d_model.name])
@@ -101,7 +112,10 @@ class MoE(nnx.Module):
         if self.dropped == "hf":  # HF keeps a dropped token's input, scaled by its router probability
             routed = md.sum(routing.dispatch, [EXPERT_CHOICE, "capacity"])
             y = y + ((1.0 - routed) * routing.gate).astype(x.dtype) * tokens
-        return self._ungroup(y, x), routing.metrics
+        metrics = routing.metrics
+        if per_token:
+            metrics = {k: self._ungroup(v, x) for k, v in metrics.items()}
+        return self._ungroup(y, x), metrics
 
     def _group(self, x: md.NamedArray) -> md.NamedArray:
         """``[*tokens, d_model]`` -> ``[group, group_size, d_model]`` (row-major over the token dims)."""
@@ -120,6 +134,11 @@ class MoE(nnx.Module):
         return md.reshape(x, [md.Dim("group", total // size), md.Dim("group_size", size), self.d_model])
 
     def _ungroup(self, y: md.NamedArray, like: md.NamedArray) -> md.NamedArray:
+        """``[group, group_size, *rest]`` -> ``like``'s token dims (in its order) and ``rest``."""
         token_dims = [d for d in like.dims if d.name != self.d_model.name]
-        y = md.reshape(y, [*token_dims, self.d_model])
-        return y if y.names == like.names else md.transpose(y, like.names)
+        rest = [d for d in y.dims if d.name not in ("group", "group_size")]
+        if y.names[:2] != ("group", "group_size"):
+            y = md.transpose(y, ["group", "group_size", *(d.name for d in rest)])
+        y = md.reshape(y, [*token_dims, *rest])
+        names = [n for n in like.names if n in y.names] + [d.name for d in rest if d.name not in like.names]
+        return y if list(y.names) == names else md.transpose(y, names)

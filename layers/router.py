@@ -44,7 +44,7 @@ import meshdsl as md
 
 from .dense import Dense
 
-__all__ = ["Router", "Routing", "route", "expert_capacity", "EXPERT_CHOICE"]
+__all__ = ["Router", "Routing", "route", "token_metrics", "expert_capacity", "EXPERT_CHOICE"]
 
 EXPERT_CHOICE = "expert_choice"
 
@@ -69,8 +69,9 @@ class Routing:
 
 
 def route(logits: md.NamedArray, probs: md.NamedArray, *, top_k: int, capacity: int,
-          renormalize: bool = True) -> Routing:
-    """Routing tensors and metrics from router ``logits`` (float32) and ``probs`` (any float)."""
+          renormalize: bool = True, per_token: bool = False) -> Routing:
+    """Routing tensors and metrics from router ``logits`` (float32) and ``probs`` (any float).
+    ``per_token``: the metrics per token (:func:`token_metrics`) instead of their means."""
     experts = probs.dims[EXPERT_CHOICE]
     tokens = probs.dims["group"].size * probs.dims["group_size"].size
     gates, index = md.top_k(probs, EXPERT_CHOICE, k=top_k, out="choice")           # [group group_size choice]
@@ -91,6 +92,9 @@ def route(logits: md.NamedArray, probs: md.NamedArray, *, top_k: int, capacity: 
     first = md.sum(md.slice(chosen, "choice", 0, 1), "choice").astype(jnp.float32)  # first choice, before capacity
     density = md.mean(first, "group_size")                                         # f_e per group
     mean_prob = md.mean(md.softmax(logits, EXPERT_CHOICE), "group_size")           # P_e per group
+    if per_token:
+        return Routing(dispatch, combine, md.max(probs, EXPERT_CHOICE),
+                       token_metrics(logits, density * mean_prob, chosen, kept, top_k))
     per_expert = md.sum(chosen, "group group_size choice").astype(jnp.float32)
     metrics = {
         "load_balancing_loss": md.mean(density * mean_prob) * float(experts.size ** 2),
@@ -99,6 +103,23 @@ def route(logits: md.NamedArray, probs: md.NamedArray, *, top_k: int, capacity: 
         "expert_load": md.rename(per_expert / float(tokens * top_k), {EXPERT_CHOICE: "experts"}),
     }
     return Routing(dispatch, combine, md.max(probs, EXPERT_CHOICE), metrics)
+
+
+def token_metrics(logits, balance, chosen, kept, top_k: int) -> dict:
+    """The router's metrics per token ``[group, group_size]`` (``expert_load``: ``[..., expert_choice]``),
+    whose means over all tokens are :func:`route`'s metrics: a token carries its group's
+    load-balancing term (``balance``: ``f_e * P_e`` per group), its own ``logsumexp^2``, the share of
+    its ``top_k`` assignments dropped, and its choices. A value per token (per example) is what a
+    pipeline can assemble from microbatches exactly; the mean over the batch comes after."""
+    experts = logits.dims[EXPERT_CHOICE].size
+    tokens = md.ones(logits.dims["group_size"])
+    choices = md.sum(chosen, "choice").astype(jnp.float32) / float(top_k)        # [group group_size expert_choice]
+    return {
+        "load_balancing_loss": md.sum(balance, EXPERT_CHOICE) * float(experts) * tokens,
+        "router_z_loss": md.square(md.logsumexp(logits, EXPERT_CHOICE)),
+        "dropped_fraction": 1.0 - md.sum(kept, "choice " + EXPERT_CHOICE).astype(jnp.float32) / float(top_k),
+        "expert_load": choices,   # over expert_choice: never placed with the tokens' split (no layout rule)
+    }
 
 
 class Router(nnx.Module):
@@ -118,11 +139,13 @@ class Router(nnx.Module):
         self.classifier = Dense(d_model, md.Dim(EXPERT_CHOICE, experts.size), rngs=rngs, stack=stack,
                                 dtype=jnp.float32, param_dtype=param_dtype, scale=scale)
 
-    def __call__(self, x: md.NamedArray, capacity: int, *, key=None) -> Routing:
-        """Route ``x`` ``[group, group_size, d_model]``; ``key`` enables jitter noise."""
+    def __call__(self, x: md.NamedArray, capacity: int, *, key=None, per_token: bool = False) -> Routing:
+        """Route ``x`` ``[group, group_size, d_model]``; ``key`` enables jitter noise; ``per_token``:
+        metrics per token (:func:`token_metrics`)."""
         x32 = x.astype(jnp.float32)
         if key is not None and self.jitter_noise > 0:
             x32 = x32 * md.random.uniform(key, x32.dims, 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         logits = self.classifier(x32)
         probs = md.softmax(logits, EXPERT_CHOICE).astype(x.dtype)  # HF: cast back to the input dtype
-        return route(logits, probs, top_k=self.top_k, capacity=capacity, renormalize=self.renormalize)
+        return route(logits, probs, top_k=self.top_k, capacity=capacity, renormalize=self.renormalize,
+                     per_token=per_token)

@@ -23,6 +23,7 @@ from .ops import (
     slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
     where, zeros,
 )
+from .pipeline_plot import plot_pipeline
 from .plots import device_blocks, plot_placement, plot_reports
 
 from ._version import __version__
@@ -45,5 +46,6 @@ __all__ = [
     "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
     # notebook views
     "register_treescope", "report_html", "reports_table", "device_blocks", "plot_placement", "plot_reports",
+    "plot_pipeline",
     "__version__",
 ]

@@ -7,7 +7,7 @@
 * :class:`Preemption` - SIGTERM or SIGINT (Ctrl-C) asks the loop to save at the next step boundary
   and exit 0; a second Ctrl-C quits at once (KeyboardInterrupt, exit 130, nothing saved).
 * checks that run before any data is loaded or anything compiles: :func:`check_out_dir`,
-  :func:`check_text_files`, :func:`checked_vocabulary`, :func:`mesh_warnings`.
+  :func:`check_text_files`, :func:`checked_vocabulary`, :func:`mesh_warnings`, :func:`check_schedule`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ import sys
 import tempfile
 import threading
 
+from meshdsl.ops.pipeline import SCHEDULES
 from meshdsl.units import fmt_bytes
 
 __all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
-           "checked_vocabulary", "mesh_warnings"]
+           "checked_vocabulary", "mesh_warnings", "check_schedule"]
+
+#: pipeline schedules named in the literature that meshdsl does not lower (yet)
+PLANNED_SCHEDULES = ("1f1b", "circular")
 
 
 class UsageError(SystemExit):
@@ -147,6 +151,16 @@ def checked_vocabulary(text_files):
             raise UsageError(f"the vocabulary cache {path} is unreadable ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}): delete it and run again") from e
         raise
+
+
+def check_schedule(name: str) -> None:
+    """``--schedule``: one of the pipeline schedules md.lower implements, else a UsageError naming them."""
+    if name in SCHEDULES:
+        return
+    known = ", ".join(SCHEDULES)
+    why = "is not implemented yet" if name in PLANNED_SCHEDULES else "is not a pipeline schedule"
+    raise UsageError(f"--schedule {name}: {why}; the schedules that exist: {known} "
+                     f"({', '.join(PLANNED_SCHEDULES)}: planned, not implemented)")
 
 
 def mesh_warnings(mesh, layout) -> list[str]:

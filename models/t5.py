@@ -42,6 +42,7 @@ import meshdsl as md
 from meshdsl.layers import (
     Attention, Dense, Embedding, FeedForward, MoE, RelativePositionBias, RMSNorm, dropout, scan_layers,
 )
+from meshdsl.layers.router import EXPERT_CHOICE
 
 from .configs import T5Config
 
@@ -130,9 +131,18 @@ def _leave(h):
 
 
 def _run_ffn(ffn, x, key, train, sparse):
-    if sparse:
-        return ffn(x, key=key, train=train)
+    if sparse:   # metrics per token: a pipeline assembles them from its microbatches exactly
+        return ffn(x, key=key, train=train, per_token=True)
     return ffn(x, key=key), {}
+
+
+def _per_layer(metrics):
+    """The MoE metrics per token ``[layers, batch, seq(, expert_choice)]`` as their means per layer
+    (``[layers]``, ``expert_load`` ``[layers, experts]``): taken after the scan."""
+    def mean(v):
+        v = md.mean(v, [d for d in v.names if d not in ("layers", EXPERT_CHOICE)])
+        return md.rename(v, {EXPERT_CHOICE: "experts"}) if EXPERT_CHOICE in v.names else v
+    return [{k: mean(v) for k, v in m.items()} for m in metrics]
 
 
 class Stack(nnx.Module):
@@ -156,7 +166,8 @@ class Stack(nnx.Module):
                 metrics.append(m)
             return carry, metrics
 
-        return scan_layers(self, x, step, key=key, remat=remat)
+        x, metrics = scan_layers(self, x, step, key=key, remat=remat)
+        return x, _per_layer(metrics)
 
 
 class T5(nnx.Module):

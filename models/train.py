@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--microbatches", type=POSITIVE, default=None,
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
            "microbatches along batch (GPipe schedule)")
+    a("--schedule", default="gpipe", metavar="NAME",
+      help="pipeline schedule of a layout that splits 'layers': gpipe (1f1b and circular: not implemented yet)")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
     a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")
@@ -314,7 +316,8 @@ def _run(args) -> dict:
     out = args.out or os.path.join("runs", args.model)
     ckpt_dir = os.path.join(out, "checkpoints")
 
-    # -- checks that need nothing loaded: the output directory, the checkpoints, the text files -----
+    # -- checks that need nothing loaded: the schedule, the output directory, the checkpoints, the text files
+    faults.check_schedule(args.schedule)
     if args.eval_only:
         if latest_step(ckpt_dir) is None:
             raise UsageError(f"--eval-only: no checkpoint under {ckpt_dir}")
@@ -372,7 +375,8 @@ def _run(args) -> dict:
     tx, schedule = make_optimizer(args.optimizer, lr, warmup, args.steps, args.decay)
     trainer = Trainer(config, mesh, layout, tx, schedule, seed=args.seed, accum=args.accum, remat=args.remat,
                       param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype),
-                      dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step)
+                      dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step,
+                      pipeline_schedule=args.schedule)
     like = trainer.abstract_state()
     if args.overwrite and not args.resume and not args.eval_only and latest_step(ckpt_dir) is not None:
         if lead:  # only now that every option checked out

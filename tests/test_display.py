@@ -287,3 +287,21 @@ def test_treescope_renders_named_arrays_with_their_dim_names(args, mesh):
     assert "dims='d_model:16 d_ff:32'" in text and "is_param=True" in text and "'d_model': 'data'" in text
     assert treescope.render_array(w1) is not None
     assert math.isfinite(float(np.asarray(w1.array).sum()))
+
+
+def test_plot_pipeline_draws_which_stage_works_on_which_microbatch():
+    from meshdsl.pipeline_plot import schedule_grid
+    assert schedule_grid(3, 2, backward=False) == [[0, 1, None, None], [None, 0, 1, None], [None, None, 0, 1]]
+    assert schedule_grid(2, 2)[1] == [None, 0, 1, 1, 0, None]          # forward, then the ticks in reverse
+    entry = {"schedule": "gpipe", "axis": "pipe", "stages": 4, "microbatches": 3, "ticks": 6,
+             "bubble_fraction": 3 / 6}
+    fig = md.plot_pipeline(entry)
+    (ax,) = fig.axes
+    labels = texts(ax)
+    assert sorted(t for t in labels if t.isdigit()) == sorted(["0", "1", "2"] * 4 * 2)   # each stage, each pass
+    assert len(ax.patches) == 4 * 12 and sum(p.get_facecolor()[:3] == (1, 1, 1) for p in ax.patches) == 2 * 4 * 3
+    assert "4 stages, 3 microbatches, 6 ticks, bubble 50%" in ax.get_title()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1", "stage 2", "stage 3"]
+    assert png_bytes(fig) > 1000
+    with pytest.raises(ValueError, match="no pipeline"):
+        md.plot_pipeline({})

@@ -504,6 +504,13 @@ def test_moe_matches_numpy_routing_and_aux_losses(x, top_k, capacity, dropped):
     for name, value in aux.items():
         np.testing.assert_allclose(np.asarray(metrics[name].array, np.float64), value, rtol=1e-5, atol=1e-6)
     assert metrics["expert_load"].names == ("experts",)
+    # per token (what a pipeline's microbatches return): the same output, metrics whose means are these
+    y_tokens, per_token = moe(x, per_token=True)
+    assert_same(y_tokens, y)
+    assert per_token["router_z_loss"].names == ("batch", "seq")
+    assert per_token["expert_load"].names == ("batch", "seq", "expert_choice")
+    for name, value in aux.items():
+        np.testing.assert_allclose(to_numpy(per_token[name]).mean((0, 1)), value, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_drops_tokens_past_capacity():

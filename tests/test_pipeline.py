@@ -53,6 +53,59 @@ def test_forward_and_gradients_equal_the_unsharded_program(name):
     assert_same(g(*args), loss_and_grads(*args), rtol=1e-5, atol=1e-6)
 
 
+def model_with_ys(x, w1, w2):
+    """The step also returns per-example values (``[batch]``) and an activation ``[batch, d_ff]``."""
+    def step(h, w):
+        f = md.relu(md.einsum(h, w["w1"], out="batch d_ff"))
+        h = h + md.einsum(f, w["w2"], out="batch d_model")
+        return h, {"energy": md.sum(md.square(h), "d_model"), "hidden": f}
+    h, ys = md.scan(step, x, {"w1": w1, "w2": w2}, dim="layers")
+    return md.mean(md.square(h)) + 0.1 * md.mean(ys["energy"]) + md.mean(md.square(ys["hidden"])), ys
+
+
+def loss_and_grads_with_ys(x, w1, w2):
+    return jax.value_and_grad(lambda w1, w2: model_with_ys(x, w1, w2)[0].array, argnums=(0, 1))(w1, w2)
+
+
+@pytest.mark.parametrize("name", ["pipe x data, 4 microbatches", "pipe x Megatron", "pipe x data x ZeRO-3"])
+def test_scan_outputs_of_a_pipeline_equal_the_unsharded_scan(name):
+    """ys come back stacked along layers for the whole batch (values and gradients through them),
+    split over pipe like the xs: the stacking moves nothing, and explain equals the HLO."""
+    args, layout = inputs(), LAYOUTS[name]
+    f = md.lower(model_with_ys, MESH, layout)
+    loss, ys = f(*args)
+    assert ys["energy"].names == ("layers", "batch") and ys["hidden"].names == ("layers", "batch", "d_ff")
+    assert ys["energy"].array.sharding.spec[0] == "pipe"      # each stage holds its own layers' ys
+    assert_same((loss, ys), model_with_ys(*args), rtol=1e-5, atol=1e-5)
+    g = md.lower(loss_and_grads_with_ys, MESH, layout)
+    assert_same(g(*args), loss_and_grads_with_ys(*args), rtol=1e-5, atol=1e-6)
+    report = md.explain(loss_and_grads_with_ys, MESH, layout, *args)
+    assert bytes_by_kind(hlo_summary(g, *args)) == bytes_by_kind(explain_summary(report))
+    # returning the ys moves nothing over pipe (only the ticks' ppermutes); the rest is the layers' own
+    # communication, as in the same pipeline returning its carry (less that carry's sum over pipe)
+    forward = md.explain(lambda x, w1, w2: model_with_ys(x, w1, w2)[1]["energy"], MESH, layout, *args)
+    without = md.explain(model, MESH, layout, *args)
+    assert all(r.kind == "collective-permute" for r in forward.collectives if "pipe" in r.axes)
+
+    def layers_own(report):
+        return sorted((r.kind, r.axes, r.shape, r.count) for r in report.collectives if "pipe" not in r.axes)
+    assert layers_own(forward) == layers_own(without)
+    assert sum(r.count for r in forward.collectives if r.kind == "collective-permute") == forward.pipeline["ticks"]
+
+
+def test_a_whole_batch_scan_output_is_exact_with_one_microbatch():
+    """A per-layer value over the whole batch (a mean) is refused with microbatches > 1 (in
+    test_errors) and exact with one microbatch."""
+    def means(x, w1, w2):
+        def step(h, w):
+            h = md.tanh(md.einsum(h, w, out="batch d_ff"))
+            return md.einsum(h, w, out="batch d_model"), md.mean(md.square(h))
+        return md.scan(step, x, w1, dim="layers")[1]
+    args = inputs()
+    assert_same(md.lower(means, MESH, md.Layout({"layers": "pipe", "batch": "data"}))(*args), means(*args),
+                rtol=1e-5, atol=1e-6)
+
+
 def test_explain_reports_the_pipeline_and_equals_the_compiled_bytes():
     args = inputs()
     layout = LAYOUTS["pipe x data, 4 microbatches"]
@@ -73,6 +126,32 @@ def test_explain_reports_the_pipeline_and_equals_the_compiled_bytes():
                  if r.kind == "all-reduce" and r.axes == ("data",) and r.phase == "backward"]
     assert sum(r.count for r in over_data) == 2          # w1 and w2
     assert {r.op for r in permutes} == {"scan"}
+
+
+def encoder_decoder(x, w1, w2):
+    """A second pipeline whose step captures the first's output (pending over pipe), as T5's
+    decoder captures the encoder output."""
+    def step(h, w):
+        f = md.relu(md.einsum(h, w["w1"], out="batch d_ff"))
+        return h + md.einsum(f, w["w2"], out="batch d_model"), None
+    encoded, _ = md.scan(step, x, {"w1": w1, "w2": w2}, dim="layers")
+    h, _ = md.scan(lambda h, w: step(h + encoded, w), x, {"w1": w1, "w2": w2}, dim="layers")
+    return md.mean(md.square(h))
+
+
+def test_a_captured_pipeline_output_is_cast_once_and_explained():
+    """The captured value's rows are cut per tick at a stage-dependent offset: it is cast to vary
+    over pipe once, before the ticks, so its gradient is summed over pipe once (found by the
+    benchmark: jax's implicit cast inside the tick summed it once per tick, unexplained)."""
+    args, layout = inputs(), LAYOUTS["pipe x data, 4 microbatches"]
+    g = md.lower(jax.grad(lambda x, w1, w2: encoder_decoder(x, w1, w2).array, argnums=(0, 1, 2)), MESH, layout)
+    assert_same(g(*args), jax.grad(lambda x, w1, w2: encoder_decoder(x, w1, w2).array, argnums=(0, 1, 2))(*args),
+                rtol=1e-5, atol=1e-5)
+    report = md.explain(jax.grad(lambda x, w1, w2: encoder_decoder(x, w1, w2).array, argnums=(0, 1, 2)), MESH,
+                        layout, *args)
+    assert bytes_by_kind(hlo_summary(g, *args)) == bytes_by_kind(explain_summary(report))
+    over_pipe = [r for r in report.collectives if r.kind == "all-reduce" and r.axes == ("pipe",)]
+    assert all(r.count == 1 for r in over_pipe)
 
 
 def test_one_microbatch_is_all_bubble_and_says_so():
@@ -100,9 +179,13 @@ def test_errors():
         md.lower(model, MESH, md.Layout({"layers": "pipe"}), schedule="1f1b")
 
     def with_ys(x, w1, w2):
-        return md.scan(lambda h, w: (h, md.sum(h)), x, w1, dim="layers")[0]
-    with pytest.raises(md.LayoutError, match="does not return scan outputs"):
-        md.lower(with_ys, MESH, md.Layout({"layers": "pipe"}))(x, w1, w2)
+        return md.scan(lambda h, w: (h, md.sum(h)), x, w1, dim="layers")[1]
+    with pytest.raises(md.LayoutError, match=r"ys entry 0 \[layers:2\] has no microbatch dim 'batch'.*"
+                                             r"cannot be recombined exactly from 2 microbatches.*keep the 'batch' dim"):
+        md.lower(with_ys, MESH, md.Layout({"layers": "pipe"}, microbatches={"batch": 2}))(x, w1, w2)
+    with pytest.raises(md.LayoutError, match="scan outputs must be NamedArrays"):
+        md.lower(lambda x, w1, w2: md.scan(lambda h, w: (h, h.raw), x, w1, dim="layers")[1], MESH,
+                 md.Layout({"layers": "pipe"}))(x, w1, w2)
 
     def no_batch(x, w1, w2):
         return md.scan(lambda h, w: (h, None), md.sum(x, "batch"), w1, dim="layers")[0]
@@ -150,25 +233,73 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step():
                 rtol=2e-4, atol=2e-5)
 
 
-def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
-    """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
-    --microbatches 2: the first losses equal data parallel's."""
+def _cli_records(tmp_path, model, override, runs):
+    """The metrics.jsonl records of 3 steps of the training CLI, one list per run's extra flags."""
     import json
 
     from meshdsl.models.train import main
 
-    common = ["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--batch", "8",
-              "--encoder-length", "32", "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", "3",
-              "--ckpt-every", "0"]
-    losses = []
-    for extra in (["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
-                  ["--mesh", "data:8", "--layout", "batch:data"]):
-        out = str(tmp_path / extra[1].replace(":", "").replace(",", "_"))
-        main([*common, *extra, "--out", out])
+    common = ["--model", model, "--override", override, "--batch", "8", "--encoder-length", "32",
+              "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", "3", "--ckpt-every", "0"]
+    records = []
+    for i, extra in enumerate(runs):
+        out = str(tmp_path / f"run{i}")
+        result = main([*common, *extra, "--out", out])
+        assert result["trainer"].grad_fn.schedule == "gpipe"
         with open(f"{out}/metrics.jsonl") as f:
-            losses.append([json.loads(line)["loss"] for line in f])
-    assert len(losses[0]) == 3
-    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+            records.append([json.loads(line) for line in f])
+        assert len(records[-1]) == 3
+    return records
+
+
+def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
+    """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
+    --microbatches 2 --schedule gpipe: the first losses equal data parallel's."""
+    pipe, data = _cli_records(tmp_path, "t5-tiny", "d_model=32,d_ff=64,heads=4,d_kv=8", [
+        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2", "--schedule", "gpipe"],
+        ["--mesh", "data:8", "--layout", "batch:data"]])
+    np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in data], rtol=1e-5)
+
+
+def test_moe_t5_trains_under_a_pipeline_with_the_data_parallel_losses(tmp_path):
+    """MoE-T5 (2 + 2 layers, every one sparse: moe_every=1, so each stage holds one) under pipe:2 x
+    data:4 with 2 microbatches: the router's metrics are per token and routing groups are sequences
+    (capacity per group), so the losses, the router losses and the dropped tokens equal data
+    parallel's, drops included."""
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,moe_every=1"
+    pipe, data = _cli_records(tmp_path, "moe-t5-tiny", override, [
+        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2"],
+        ["--mesh", "data:8", "--layout", "batch:data"]])
+    for key in ("loss", "moe/load_balancing_loss", "moe/router_z_loss", "moe/dropped_fraction"):
+        np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in data], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose([r["moe/expert_load"] for r in pipe], [r["moe/expert_load"] for r in data], rtol=1e-5)
+    assert data[0]["moe/dropped_fraction"] > 0          # capacity is tight: tokens are dropped, the same ones
+
+
+@pytest.mark.parametrize("name, why", [("1f1b", "is not implemented yet"), ("circular", "is not implemented yet"),
+                                       ("zigzag", "is not a pipeline schedule")])
+def test_training_cli_refuses_a_schedule_that_does_not_exist(tmp_path, capsys, name, why):
+    from meshdsl.models.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--schedule", name,
+              "--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: --schedule {name}: {why}; the schedules that exist: gpipe (1f1b, circular: " \
+                          "planned, not implemented)"
+
+
+def test_training_cli_passes_the_schedule_to_md_lower(tmp_path, capsys, monkeypatch):
+    """With the CLI's own check out of the way, md.lower receives --schedule (and refuses 1f1b)."""
+    from meshdsl.models import faults
+    from meshdsl.models.train import main
+
+    monkeypatch.setattr(faults, "check_schedule", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--mesh", "pipe:2,data:4",
+              "--layout", "batch:data;layers:pipe", "--schedule", "1f1b", "--out", str(tmp_path / "run")])
+    assert e.value.code == 2 and "md.lower: schedule must be one of ('gpipe',), got '1f1b'" in capsys.readouterr().err
 
 
 # -- the fuzzer's share: random pipelines ------------------------------------------------------------
@@ -181,7 +312,7 @@ import os  # noqa: E402
 FUZZ_EXAMPLES = 60 if os.environ.get("MESHDSL_FUZZ") == "long" else 4
 
 
-def _random_pipeline(body, key):
+def _random_pipeline(body, key, ys="none"):
     def step(h, xs):
         w, layer = xs["w"], xs["layer"]
         f = md.einsum(h, w["w1"], out="batch d_ff")
@@ -195,32 +326,40 @@ def _random_pipeline(body, key):
         if body == "dropout":
             keep = md.random.bernoulli(jax.random.fold_in(key, layer.raw), 0.8, y.dims)
             y = md.where(keep, y / 0.8, 0.0)
-        return h + y * 0.5, None
+        out = {"none": None, "per-example": {"y": md.sum(y * y, "d_model"), "f": f},
+               "whole batch": md.mean(f)}[ys]      # 'whole batch' only with one microbatch
+        return h + y * 0.5, out
     return step
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=os.environ.get("MESHDSL_FUZZ") != "long")
 @given(st.data())
 def test_random_pipelines_equal_the_unsharded_program(data):
-    """Random stage counts, microbatches, layouts inside the stage, storage rules and step bodies
-    (captured values, softmax, dropout): values and gradients equal the unsharded program and
+    """Random stage counts, microbatches, layouts inside the stage, storage rules, step bodies
+    (captured values, softmax, dropout) and scan outputs (none, per example, over the whole batch
+    with one microbatch): values and gradients equal the unsharded program and
     md.explain's bytes equal the compiled program's, per collective kind."""
     stages = data.draw(st.sampled_from([2, 4]), "stages")
     mesh = md.Mesh({"pipe": stages, "data": 8 // stages})
     micro = data.draw(st.sampled_from([1, 2, 4]), "microbatches")
     inner = data.draw(st.sampled_from([{}, {"batch": "data"}, {"d_ff": "data"}, {"d_model": "data"}]), "inner rules")
-    params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if "d_ff" not in inner else None
+    # a d_ff:data storage rule would meet an inner d_ff or d_model rule on the same axis (an invalid layout)
+    params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if not {"d_ff", "d_model"} & set(inner) \
+        else None
     body = data.draw(st.sampled_from(["mlp", "softmax", "captured", "dropout"]), "body")
+    ys = data.draw(st.sampled_from(["none", "per-example"] + ["whole batch"] * (micro == 1)), "scan outputs")
     layers = stages * data.draw(st.sampled_from([1, 2]), "layers per stage")
     x, w1, w2 = inputs(batch=16, layers=layers, d=16)
     c = md.named(jax.random.normal(jax.random.key(7), (16, 16)), "batch d_model")
     key = jax.random.key(3)
-    step = _random_pipeline(body, key)
+    step = _random_pipeline(body, key, ys)
 
     def loss(x, w1, w2, c):
         xs = {"w": {"w1": w1, "w2": w2}, "layer": md.arange(md.Dim("layers", layers))}
-        h, _ = md.scan(step if body != "captured" else (lambda h, s: step(h, {**s, "c": c})), x, xs, dim="layers")
-        return md.mean(md.square(h))
+        h, out = md.scan(step if body != "captured" else (lambda h, s: step(h, {**s, "c": c})), x, xs, dim="layers")
+        extra = [md.mean(v * md.arange(v.dims["layers"]).astype(v.dtype)) for v in jax.tree_util.tree_leaves(
+            out, is_leaf=lambda v: isinstance(v, md.NamedArray))]     # weighted by layer: the order counts
+        return md.mean(md.square(h)) + sum(extra[1:], extra[0]) * 0.1 if extra else md.mean(md.square(h))
 
     def program(x, w1, w2, c):
         return jax.value_and_grad(lambda x, w1: loss(x, w1, w2, c).array, argnums=(0, 1))(x, w1)

@@ -22,10 +22,15 @@ padding mask) are cut to the microbatch at hand: an op reading one sees the rows
 microbatch its stage processes at this tick (:class:`Microbatch`). Random numbers drawn in the
 step use the rows' global positions, so dropout masks equal the unsharded program's.
 
+The step's scan outputs (``ys``) come back stacked along the scanned dim, each stage holding its
+own layers' outputs for the whole batch (:mod:`meshdsl.ops.pipeline_ys`); with more than one
+microbatch each must keep the microbatch dim (per-example values, reduced after the scan).
+
 The step must treat microbatch rows independently (true of layers over a batch of examples).
-Without ``microbatches=`` the pipeline runs one microbatch (correct, all bubble). Schedules other
-than GPipe and scan outputs (``ys``) are not lowered as pipelines yet: they are refused with a
-LayoutError.
+Random numbers are placed by their global positions along the microbatch dim only: a draw over a
+dim made from it under another name (MoE's token ``group``: router jitter, expert dropout) is the
+same for every microbatch, unlike the unsharded program's. Without ``microbatches=`` the pipeline
+runs one microbatch (correct, all bubble). Schedules other than GPipe are refused with an error.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from ..dims import Dim, Shape
 from ..errors import LayoutError, MeshDSLError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, Placement, is_named
-from . import loop
+from . import loop, pipeline_ys
 
 __all__ = ["run", "SCHEDULES"]
 
@@ -74,8 +79,10 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where):
         except loop.Widen as w:
             widen |= w.axes
             ctx.rollback(mark)
+    outs, (ys, y_templates) = outs
     carry = [_join(ctx, o, t, micro, axis) for o, t in zip(outs, templates)]
-    return jax.tree_util.tree_unflatten(c_tree, carry), jax.tree_util.tree_unflatten(y_tree, [])
+    ys = pipeline_ys.assemble(ctx, ys, y_templates, m, C.axis_index((axis,)), axis)
+    return jax.tree_util.tree_unflatten(c_tree, carry), jax.tree_util.tree_unflatten(y_tree, ys)
 
 
 def _pipe_axis(ctx, dim, length, where):
@@ -171,7 +178,8 @@ class Microbatch:
             pl = ctx.placement(x)
             target = {d.name: a for d, a in zip(x.dims, pl.axes)}
             target[self.dim] = self.axes
-            local = ctx.local(x, target, ctx.vary(target.values(), [x], pl.pending), keep_pending=pl.pending)
+            vary = ctx.vary(target.values(), [x], pl.pending) | {self.stage_axis}   # cast once, outside the ticks
+            local = ctx.local(x, target, vary, keep_pending=pl.pending)
             pos = x.names.index(self.dim)
             rows = local.shape[pos] // self.count
             with jaxcompat.in_trace(self.trace):
@@ -198,14 +206,15 @@ class Microbatch:
 def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axis, stages, m, widen, where,
            line):
     """Run the ``M + S - 1`` ticks; returns each carry leaf's ``[M, ...]`` finished microbatches
-    (zeros except on the last stage), and the structure of the step's (empty) ``ys``."""
+    (zeros except on the last stage) with the ``ys`` leaves of every tick ``[ticks, ...]`` and their
+    templates (:mod:`meshdsl.ops.pipeline_ys`), and the structure of the step's ``ys``."""
     stage = C.axis_index((axis,))
     vary = [frozenset(a for ax in t[2].axes for a in ax) | {axis} | widen for t in templates]
     bufs = [C.cast(ctx, jnp.zeros(i.shape[1:], i.dtype), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     outs = [C.cast(ctx, jnp.zeros_like(i), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     inputs = [C.cast(ctx, i, loop.order(ctx, varying_axes(i) | {axis})) for i in inputs]
     shift = [(s, s + 1) for s in range(stages - 1)]
-    y_tree = []
+    y_tree, y_templates = [], []
 
     def tick(state, t):
         bufs, outs = state
@@ -221,10 +230,8 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
             carry, ys = loop.run(ctx, step, dim, per_stage, xs, x_tree, carry, c_tree, False, 1, where)
         finally:
             ctx.frame = None
-        y_tree.append(jax.tree_util.tree_structure(ys))
-        if jax.tree_util.tree_leaves(ys):
-            raise LayoutError(f"{where}: a pipeline does not return scan outputs (ys) yet; return None "
-                              "from the step, or remove the layout rule that splits the scanned dim")
+        y_tree.append(jax.tree_util.tree_structure(ys, is_leaf=is_named))
+        y_arrays, y_templates[:] = pipeline_ys.per_tick(ctx, ys, micro_dim, templates[0][2].axes[0], m, axis, where)
         new = [ctx.local(c, dict(zip(c.names, t_[2].axes)), v) for c, t_, v in
                zip(jax.tree_util.tree_leaves(carry, is_leaf=is_named), templates, vary)]
         for k, (a, v) in enumerate(zip(new, vary)):
@@ -240,11 +247,11 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
             with ctx.at("scan", line):
                 new = [C.ppermute(ctx, a, (axis,), shift, f"[{t_[0]}] microbatch to the next stage")
                        for a, t_ in zip(new, templates)]
-        return (new, outs), None
+        return (new, outs), y_arrays
 
     with ctx.rec.loop(m + stages - 1):
-        (_, outs), _ = jax.lax.scan(tick, (bufs, outs), jnp.arange(m + stages - 1))
-    return outs, y_tree[-1]
+        (_, outs), ys = jax.lax.scan(tick, (bufs, outs), jnp.arange(m + stages - 1))
+    return (outs, (ys, y_templates)), y_tree[-1]
 
 
 def _join(ctx, out, template, micro, axis):

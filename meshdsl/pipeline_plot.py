@@ -1,0 +1,72 @@
+"""The picture of a pipeline's schedule (matplotlib, imported on first use).
+
+:func:`plot_pipeline` draws ``md.explain``'s pipeline entry as a grid: one row per stage, one
+column per tick, each cell labelled with the microbatch the stage works on at that tick (GPipe:
+stage ``s`` takes microbatch ``t - s`` at tick ``t``); idle ticks (the bubble) stay blank. The
+forward ticks come first, then the backward pass, which autodiff runs as the same ticks in reverse
+(the last stage starts it). The title gives stages, microbatches, ticks and the bubble fraction,
+and, from a full report, the bytes the ppermutes between stages move per device.
+"""
+
+from __future__ import annotations
+
+from .plots import _colors, _new_figure
+from .units import fmt_bytes
+
+__all__ = ["plot_pipeline", "schedule_grid"]
+
+
+def schedule_grid(stages: int, microbatches: int, backward: bool = True) -> list[list]:
+    """``grid[stage][column]``: the microbatch a stage works on at each tick (``None``: idle), the
+    ``M + S - 1`` forward ticks then (``backward``) the same ticks in reverse."""
+    ticks = microbatches + stages - 1
+    forward = [[t - s if 0 <= t - s < microbatches else None for t in range(ticks)] for s in range(stages)]
+    return [row + row[::-1] if backward else row for row in forward]
+
+
+def plot_pipeline(report, *, backward: bool = True, title: str | None = None):
+    """A ``matplotlib.figure.Figure`` of the schedule of ``report`` (an ``md.Report`` with a pipeline,
+    or its ``report.pipeline`` dict): stages x ticks, cells labelled by microbatch, the bubble blank."""
+    from matplotlib.patches import Rectangle
+
+    p = report if isinstance(report, dict) else report.pipeline
+    if not p:
+        raise ValueError("plot_pipeline: the report has no pipeline (no md.scan over a dim the layout splits)")
+    stages, m, ticks = p["stages"], p["microbatches"], p["ticks"]
+    grid = schedule_grid(stages, m, backward)
+    columns = len(grid[0])
+    fig = _new_figure(figsize=(max(4.0, 0.42 * columns + 1.6), 0.5 * stages + 1.5), layout="constrained")
+    ax = fig.add_subplot()
+    colors = _colors(m)
+    for s, row in enumerate(grid):
+        for c, mb in enumerate(row):
+            phase_back = c >= ticks
+            face = "white" if mb is None else colors[mb]
+            ax.add_patch(Rectangle((c, stages - 1 - s), 1, 1, facecolor=face, edgecolor="0.6",
+                                   hatch="//" if phase_back and mb is not None else None, alpha=0.85))
+            if mb is not None:
+                ax.text(c + 0.5, stages - 0.5 - s, str(mb), ha="center", va="center", fontsize=8)
+    if backward:
+        ax.axvline(ticks, color="black", lw=1.5)
+        ax.text(ticks / 2, stages + 0.15, "forward", ha="center", va="bottom", fontsize=9)
+        ax.text(ticks * 1.5, stages + 0.15, "backward (hatched)", ha="center", va="bottom", fontsize=9)
+    ax.set_xlim(0, columns)
+    ax.set_ylim(0, stages + 0.7)
+    ax.set_yticks([stages - 0.5 - s for s in range(stages)], [f"stage {s}" for s in range(stages)])
+    ax.set_xticks([c + 0.5 for c in range(columns)], [str(c if c < ticks else 2 * ticks - 1 - c) for c in range(columns)],
+                  fontsize=7)
+    ax.set_xlabel(f"tick (over {p['axis']}; blank: bubble)")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or _title(report, p), fontsize=10)
+    return fig
+
+
+def _title(report, p) -> str:
+    text = (f"{p['schedule']}: {p['stages']} stages, {p['microbatches']} microbatches, {p['ticks']} ticks, "
+            f"bubble {p['bubble_fraction']:.0%}")
+    if isinstance(report, dict):
+        return text
+    permutes = [r for r in report.collectives if r.kind == "collective-permute" and r.op == "scan"]
+    moved = sum(r.total_bytes for r in permutes)
+    return text + f"\nppermutes between stages: {sum(r.count for r in permutes)}x, {fmt_bytes(moved)} per device"

@@ -52,7 +52,9 @@ _GLOG = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\s\]]+:\d+\] ")
 #: what a process ended by the coordination service (a dead peer) writes on its way out
 SIGNATURES = ("Terminating process because the JAX distributed service detected fatal errors",
               "Terminating process because the coordinator detected missing heartbeats",
-              "stopped sending heartbeats", "Failed to send RPC to coordination service")
+              "stopped sending heartbeats", "Failed to send RPC to coordination service",
+              # gloo, when the peer dies in the middle of a collective (seen under load)
+              "gloo::EnforceNotMet", "Connection closed by peer", "Connection reset by peer")
 _UNHEALTHY = re.compile(r"stopped sending heartbeats\):\s*(.*?)(?:\n\s*The tasks have|\n\n|$)", re.S)
 _LEADER = ("leader task was preempted", "Failed to send RPC to coordination service")
 

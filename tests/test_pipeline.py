@@ -261,6 +261,7 @@ def test_training_cli_under_a_pipeline_gives_the_data_parallel_losses(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in data], rtol=1e-5)
 
 
+@pytest.mark.slow  # two MoE-T5 training runs through the CLI: ~1 min (python -m pytest -m slow)
 def test_moe_t5_trains_under_a_pipeline_with_the_data_parallel_losses(tmp_path):
     """MoE-T5 (2 + 2 layers, every one sparse: moe_every=1, so each stage holds one) under pipe:2 x
     data:4 with 2 microbatches: the router's metrics are per token and routing groups are sequences

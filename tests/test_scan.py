@@ -121,11 +121,13 @@ def test_scan_keeps_carry_dims_and_type(stack):
         md.scan(lambda c, p: (c, None), x, md.zeros("d_model:16"))
 
 
-def test_scan_over_a_split_dim_is_a_pipeline_that_does_not_return_ys_yet(stack):
-    params, x = stack   # net's step returns per-layer outputs: not lowered as a pipeline yet
-    f = md.lower(net, md.Mesh(MESH), md.Layout({"layers": "model"}))
-    with pytest.raises(md.LayoutError, match="a pipeline does not return scan outputs"):
-        f(params, x)
+def test_scan_over_a_split_dim_is_a_pipeline_with_its_scan_outputs(stack):
+    """net's step returns per-layer outputs with the batch dim (a mean over d_ff and seq): the
+    pipeline returns them, stacked along layers, with one microbatch or several."""
+    params, x = stack
+    for micro in (1, 2):
+        f = md.lower(net, md.Mesh(MESH), md.Layout({"layers": "model"}, microbatches={"batch": micro}))
+        assert_same(f(params, x), net(params, x), rtol=1e-4, atol=1e-5)
 
 
 def test_plain_array_carry_and_reverse(stack):

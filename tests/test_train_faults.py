@@ -453,6 +453,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two real processes: ~1 min alone, more under load (python -m pytest -m slow)
 def test_a_dead_peer_stops_the_others_with_one_line(tmp_path):
     """2 processes x 4 CPU devices; process 1 is killed (SIGKILL) once steps are logged and a checkpoint
     saved: process 0 stops within the heartbeat timeout, with one line and exit 4, no C++ abort dump."""
@@ -481,14 +482,20 @@ def test_a_dead_peer_stops_the_others_with_one_line(tmp_path):
     assert procs[0].returncode == 4, stderr[-3000:]
     assert waited < 5 + 20  # the heartbeat timeout, then at once
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("error: process 1 of 2 stopped responding (no heartbeat "
-                                                     f"for 5 s, coordinator 127.0.0.1:{port}) after step "), stderr
+    # the heartbeat names process 1; when gloo notices first (the peer died inside a collective),
+    # the line cannot name it
+    assert len(errors) == 1 and (
+        errors[0].startswith(f"error: process 1 of 2 stopped responding (no heartbeat for 5 s, coordinator "
+                             f"127.0.0.1:{port}) after step ") or
+        errors[0].startswith(f"error: a peer process of this run (2 processes, coordinator 127.0.0.1:{port}) "
+                             "stopped responding after step ")), stderr
     last = checkpoint.latest_step(str(out / "checkpoints"))
     assert f"the last checkpoint is step {last} in {out / 'checkpoints'}: restart all 2 processes with --resume" \
         in errors[0]
     for text in (stdout, stderr):
         assert "Traceback" not in text and "Check fail" not in text and "Terminating process" not in text
-    assert "Terminating process because" in (out / "process-0.stderr.log").read_text()  # kept there
+    kept = (out / "process-0.stderr.log").read_text()
+    assert "Terminating process because" in kept or "gloo" in kept  # the C++ text is kept there
     assert children and not any(map(_alive, children))  # process 1's training died with it
 
 

@@ -41,7 +41,11 @@ def test_notebook_is_stored_clean_and_sets_devices_first(path):
     assert nb.metadata.kernelspec.name == "python3"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# 02 (T5 under six layouts, ~2 min) runs with the end-to-end tests: python -m pytest -m slow
+RUNS = [pytest.param(p, marks=pytest.mark.slow) if p.stem == "02_t5_layouts" else p for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.stem)
 def test_notebook_runs(path, capsys):
     nb = nbformat.read(path, as_version=4)
     probe = nbformat.v4.new_code_cell("import sys, jax; print(sys.executable)")

@@ -40,7 +40,7 @@ def moves(draw):
     return mesh, sizes, src, [dst[k] for k in order], layout
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(moves())
 def test_random_moves_equal_unsharded_and_explained(move):
     mesh, sizes, src, dst, rules = move

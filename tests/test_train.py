@@ -172,6 +172,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two real processes (~1 min): python -m pytest -m slow
 def test_two_processes_match_one(layout_runs, tmp_path):
     """2 processes x 4 CPU devices, Megatron on data:2,model:4 (data across the processes)."""
     reference = losses(layout_runs("megatron"))[:4]

@@ -79,6 +79,7 @@ def restored(out: str, like, step: int | None = None):
                               md.Layout.parse("batch:data"), step)
 
 
+@pytest.mark.slow  # ~1 min; the other preemption tests run by default
 def test_sigterm_then_kill_during_a_save_then_resume_is_bit_exact(request, tmp_path):
     out = str(tmp_path / "preempted")
     term = main([*RUN, "--out", out, "--debug-signal", "3:TERM"])  # a real SIGTERM, to this process

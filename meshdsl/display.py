@@ -22,7 +22,7 @@ import math
 import jax
 
 from .cost import KINDS
-from .explain import ROW_HEAD, Report, row_cells
+from .explain import ROW_HEAD, Report, compiled_note, row_cells
 from .named import NamedArray
 from .tracing import current
 from .units import fmt_bytes as _fmt_bytes
@@ -128,14 +128,6 @@ def _bar(fraction: float, color: str) -> str:
             f"width:{width:.1f}%;height:10px'></div></div>")
 
 
-def _compiled(report) -> str:
-    compiled = report.compiled_memory()
-    if compiled is None:
-        return ""
-    return (f"; compiled: arguments {_fmt_bytes(compiled['arguments'])}, outputs "
-            f"{_fmt_bytes(compiled['outputs'])}, temporaries <b>{_fmt_bytes(compiled['temporaries'])}</b>")
-
-
 def report_html(report, top: int = 8) -> str:
     """An ``md.explain`` Report as HTML: totals, bytes per kind with their share, the ``top`` largest
     collectives, and every collective in a disclosure."""
@@ -144,7 +136,7 @@ def report_html(report, top: int = 8) -> str:
             f"<div>communication <b>{_fmt_bytes(total)}</b>/device &middot; matmul <b>{_fmt_flops(report.flops)}"
             f"</b>/device &middot; memory <b>{_fmt_bytes(mem['peak'])}</b>/device (arguments "
             f"{_fmt_bytes(mem['arguments'])}, outputs {_fmt_bytes(mem.get('outputs', 0))}, temporaries "
-            f"{_fmt_bytes(mem['temporaries'])}){_compiled(report)}</div>")
+            f"{_fmt_bytes(mem['temporaries'])}){_esc(compiled_note(report))}</div>")
     summary = report.summary()
     rows = "".join(
         f"<tr><td style='{_CELL}'><span style='color:{KIND_COLORS.get(k, '#888')}'>&#9632;</span> {k}</td>"

@@ -87,7 +87,7 @@ class Report:
                  f"communication {fmt_bytes(self.total_bytes)} per device · matmul {fmt_flops(self.flops)} "
                  f"per device · memory {fmt_bytes(self.memory['peak'])} per device (arguments "
                  f"{fmt_bytes(self.memory['arguments'])}, outputs {fmt_bytes(self.memory.get('outputs', 0))}, "
-                 f"temporaries {fmt_bytes(self.memory['temporaries'])}){_compiled_note(self)}", ""]
+                 f"temporaries {fmt_bytes(self.memory['temporaries'])}){compiled_note(self)}", ""]
         if self.pipeline:
             p = self.pipeline
             lines += [f"pipeline ({p['schedule']}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
@@ -108,7 +108,8 @@ class Report:
         return self.to_markdown()
 
 
-def _compiled_note(report) -> str:
+def compiled_note(report) -> str:
+    """``; compiled: arguments .., outputs .., temporaries ..`` where the mesh is concrete, else ``""``."""
     compiled = report.compiled_memory()
     if compiled is None:
         return ""

@@ -59,6 +59,10 @@ class GlobalContext:
     def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):
         return frozenset()
 
+    def relaid(self, x: NamedArray, target) -> bool:
+        """Is a copy of ``x`` placed by ``target`` (axes per dim) already made? (explicit only)"""
+        return False
+
     def pieces(self, y: NamedArray, name: str, pieces) -> NamedArray:
         """``y`` is made of ``pieces`` ((operand, offset) along ``name``; zeros elsewhere): a pad or
         a concat. The explicit context remembers it, so a slice of ``y`` reads the pieces

@@ -19,6 +19,7 @@ from . import jaxcompat
 from . import param_gather
 from .contexts import LayoutContext
 from .errors import LayoutError
+from .foresight import Foresight
 from .jaxcompat import varying_axes
 from .layout import check_axes
 from .named import NamedArray, Placement
@@ -50,6 +51,8 @@ class ExplicitContext(LayoutContext):
         self._keepalive: list = []   # keeps the ids above unique while the context lives
         self._weights: set = set()   # ids of local arrays computed from parameters/constants alone
         self._pads: dict = {}        # id(local array) -> (dim, [(piece, offset)]) of a pad or concat
+        self.foresight = Foresight()  # hints from a previous trace, observations of this one
+        self._relaid: dict = {}      # id(local array) -> {target axes per dim} relaid (cached) so far
 
     # -- placements ------------------------------------------------------------------------------
 
@@ -100,6 +103,11 @@ class ExplicitContext(LayoutContext):
         index into (a position-bias table) has its gradient summed where it is read, at its size."""
         return x.is_param or id(x.raw) in self._weights
 
+    def relaid(self, x: NamedArray, target) -> bool:
+        """Is ``x`` relaid to ``target`` (axes per dim, pending sums reduced) in this trace,
+        already or (the previous trace says) later? Reading that copy moves nothing more."""
+        return tuple(target) in self._relaid.get(id(x.raw), ()) or self.foresight.will_make(x.raw, target)
+
     def pieces(self, y, name, pieces):
         self._pads[id(y.raw)] = (name, list(pieces))
         self._keepalive.append(y.raw)
@@ -134,7 +142,20 @@ class ExplicitContext(LayoutContext):
         if self.op:
             self._made_by[id(array)] = what
             self._keepalive.append(array)
+        number = self.foresight.result(array)
+        if pending and number in self.foresight.early:
+            return self._resolve_now(x, self.foresight.early[number])
         return x
+
+    def _resolve_now(self, x: NamedArray, target) -> NamedArray:
+        """``x`` with its pending sum reduced now (the previous trace reduced it and a linear op
+        also carried it on: :mod:`meshdsl.foresight`)."""
+        arr = self.local(x, dict(zip(x.names, target)))
+        y = NamedArray(arr, x.dims, is_param=x.is_param)
+        y.placement = Placement(tuple(target))
+        self._made_by[id(arr)] = self._made_by.get(id(x.raw), self.where())
+        self._keepalive.append(arr)
+        return y
 
     def operand(self, x: NamedArray) -> NamedArray:
         return x if self.frame is None else self.frame.take(self, x)
@@ -213,6 +234,9 @@ class ExplicitContext(LayoutContext):
                     self.rec.multiplier = saved
             self._cache[full] = hit
             self._cache_log.append(full)
+            if key[0] == "relayout" and not key[4]:
+                self._relaid.setdefault(id(source), set()).add(key[2])
+                self.foresight.made(source, key[2])
 
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit
@@ -226,5 +250,7 @@ class ExplicitContext(LayoutContext):
         del self.rec.records[n_records:]
         for full in self._cache_log[n_cache:]:
             self._cache.pop(full, None)
+            if full[1][0] == "relayout":
+                self._relaid.get(full[0], set()).discard(full[1][2])
 
         del self._cache_log[n_cache:]

@@ -132,8 +132,7 @@ class LoweredFunction:
         """Trace without compiling: ``(closed jaxpr, explicit context, program)``."""
         prog, leaves = self._program(args)
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._arrays(prog, leaves, False)]
-        jaxpr = jax.make_jaxpr(prog.run)(*avals)
-        return jaxpr, prog.last_ctx, prog
+        return prog.make_jaxpr(avals), prog.last_ctx, prog
 
     def __repr__(self) -> str:
         return f"md.lower({getattr(self.fn, '__name__', self.fn)!r}, {self.mesh!r}, {self.layout!r}, backend={self.backend!r})"

@@ -15,7 +15,10 @@ Rule of thumb, applied by every op the same way so that communication is predict
    the layout places both claim it (only possible inside an op, e.g. a contracted and a kept dim
    of an einsum), the op's ``prefer`` order decides and the others are left whole on that axis.
 
-5. A parameter stored split (``params=`` rules) is all-gathered where an op needs it whole; the
+5. An elementwise op whose operands all have a copy in the layout's placement already (a
+   parameter stored split that another op gathered) computes there: nothing moves now or later.
+
+6. A parameter stored split (``params=`` rules) is all-gathered where an op needs it whole; the
    ``param_gather`` policy (:mod:`meshdsl.param_gather`) may instead leave it where it is stored
    and move the other operands and the result.
 
@@ -51,6 +54,8 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
             proposal[d.name] = canonical[d.name]
         if resolving & set(canonical[d.name]):
             proposal[d.name] = canonical[d.name]
+    if cheapest and proposal != canonical and _free_at(ctx, operands, canonical, keep_pending):
+        return canonical
     order = {d.name: i for i, d in enumerate(dims)}
     while True:
         owners = defaultdict(list)
@@ -76,6 +81,22 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
                 axes = proposal[n]
                 if axis in axes:
                     proposal[n] = axes[:axes.index(axis)]
+
+
+def _free_at(ctx, operands, canonical, keep_pending) -> bool:
+    """Can every operand be read in the layout's placement without moving anything: already
+    there, or a copy placed so already made (a parameter stored split that another op gathered)?
+    An elementwise op then computes there: the result needs no move later either."""
+    moved = False
+    for x in operands:
+        target = tuple(canonical[d.name] for d in x.dims)
+        pl = ctx.placement(x)
+        if pl.axes == target and pl.pending <= set(keep_pending):
+            continue
+        if not ctx.relaid(x, target):
+            return False
+        moved = True
+    return moved
 
 
 def _cheaper_whole_now(ctx, dims, holders, held, canonical) -> bool:

@@ -26,6 +26,7 @@ from . import param_gather
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
+from .foresight import Foresight
 from .jaxcompat import varying_axes
 from .layout import Layout, effective, to_spec
 from .named import NamedArray, Placement, is_named
@@ -64,6 +65,7 @@ class Program:
         self.compiled = None
         self.out_specs: list = []
         self._jitted = None
+        self.hints: dict = {}  # from a first trace (meshdsl.foresight), for the traces after it
         if not mesh.is_abstract:
             self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
 
@@ -73,10 +75,21 @@ class Program:
         them: a jit without ``out_shardings`` hits a jax 0.10.2 cache bug when another mesh
         shape with the same axis names ran before (gradients around the function fail)."""
         if self._jitted is None:  # traced once: the jit compiles the traced program
-            closed = jax.make_jaxpr(self.run)(*[_aval(a) for a in arrays])
+            closed = self.make_jaxpr([_aval(a) for a in arrays])
             outs = [NamedSharding(self.owner.mesh.jax_mesh, spec) for spec in self.out_specs]
             self._jitted = jax.jit(jaxpr_as_fun(closed), in_shardings=self.shardings, out_shardings=outs)
         return self._jitted
+
+    def make_jaxpr(self, avals):
+        """The traced program; traced a second time with what the first trace learned when that
+        changes a decision (:mod:`meshdsl.foresight`)."""
+        closed = jax.make_jaxpr(self.run)(*avals)
+        if self.owner.backend == "explicit" and not self.hints:
+            hints = self.last_ctx.foresight.next()
+            if hints:
+                self.hints = hints
+                closed = jax.make_jaxpr(self.run)(*avals)
+        return closed
 
     # -- the traced program ----------------------------------------------------------------------
 
@@ -114,6 +127,7 @@ class Program:
     def _explicit_body(self, *arrays, policy, out_specs, probe):
         owner = self.owner
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule)
+        ctx.foresight = Foresight(**self.hints)
         if not probe:
             self.last_ctx = ctx
         ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)

@@ -36,6 +36,8 @@ def relayout(ctx, x, target, vary, keep_pending):
     """Local block of NamedArray ``x`` with dim ``i`` split over ``target[i]``, the pending sums
     outside ``keep_pending`` resolved, and typed varying over ``vary``."""
     src = ctx.placement(x)
+    if src.pending & keep_pending:
+        ctx.foresight.kept(x.raw)
     vary = vary | {a for axes in target for a in axes} | (src.pending & keep_pending)
     if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x.raw):
         return x.raw
@@ -81,7 +83,7 @@ class _Move:
         if dry:
             self.arr, self.names, self.shape_txt = None, names, ""
             return
-        self.arr, self.names = x.raw, x.names
+        self.arr, self.names, self.source = x.raw, x.names, x.raw
         source = ctx.made_by(x.raw)
         self.shape_txt = f"[{x.dims}]" + (f" from {source}" if source else "")
 
@@ -122,6 +124,8 @@ class _Move:
 
     def reduce_pending(self):
         """Reduce-scatter onto a dim that needs the axis next, else all-reduce."""
+        if self.pend and not self.dry:
+            self.ctx.foresight.resolved(self.source, self.target)
         for i in range(len(self.cur)):
             run = []
             k = len(self.cur[i])

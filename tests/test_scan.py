@@ -165,3 +165,20 @@ def test_values_captured_by_the_step_are_relaid_once_outside_the_loop(stack):
     backward = [r for r in report.collectives if r.phase == "backward" and r.axes == ("model",)]
     assert [(r.kind, r.count) for r in backward] == [("all-reduce", 1)]
     assert bytes_by_kind(explain_summary(report)) == pytest.approx(bytes_by_kind(hlo_summary(f, params, context)))
+
+
+def test_a_carry_the_step_leaves_split_enters_split():
+    """A running sum over a parameter stored split (d: x): the step leaves the carry split like
+    the parameter. Bringing it back whole would gather it every step (8 x 896 B); the loop is
+    traced again with the carry entering split, and only the result is gathered, once (as gspmd)."""
+    w = md.param(md.named(jax.random.normal(jax.random.key(0), (8, 8, 32)), "c d e"))
+
+    def run(w):
+        step = lambda c, wi: (md.tanh(c + wi) * 0.5 + c * 0.5, None)
+        return md.scan(step, md.sum(w, "c") * 0.1, w, dim="c")[0]
+
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({}, params={"d": "x"})
+    f = md.lower(run, mesh, layout)
+    assert_same(f(w), run(w), rtol=1e-5, atol=1e-5)
+    assert hlo_summary(f, w) == explain_summary(md.explain(run, mesh, layout, w)) == {"all-gather": (1, 896)}
+    assert bytes_by_kind(hlo_summary(md.lower(run, mesh, layout, backend="gspmd"), w))["all-gather"] >= 896

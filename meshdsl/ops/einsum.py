@@ -12,7 +12,7 @@ Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.placement`):
   split (the result is pending), so the sum is later reduce-scattered onto the kept dim.
 
 An einsum is linear in each operand: when only one operand holds a pending sum over an axis the
-contraction does not split, and the result is no larger than that operand, the sum stays pending
+contraction does not split, and the result is smaller than that operand, the sum stays pending
 through the einsum and is reduced later, on the smaller result (MoE's combine after a split-d_ff
 expert FFN). Other pending sums are reduced before the contraction.
 
@@ -121,8 +121,10 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
     """Per operand, the contracted dims only it has, to be summed before the contraction, or
     ``None``: summing an operand's own split contracted dims first leaves a small pending sum
     (reduced before it meets a larger operand) instead of a pending sum of the larger result, or
-    of a kept dim gathered because the contracted dim keeps the split. Chosen only when that moves
-    fewer bytes (ring estimates)."""
+    of a kept dim gathered because the contracted dim keeps the split. Chosen unless it moves more
+    bytes (ring estimates); on a tie it is the better choice for the gradient: the other operands'
+    gradients then read the reduced sum, not a partial one to reduce again (``einsum(w[a], x[c],
+    out="")`` with ``c`` split: one scalar all-reduce in the forward pass, none backward)."""
     if not ctx.explicit or len(xs) < 2:
         return None
     solo = [[n for n in x.names if n in contracted and target[n] and sum(n in y.names for y in xs) == 1]
@@ -144,16 +146,18 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
         src = [a for d, a in zip(x.dims, pl.axes) if d.name not in s]
         pend = ctx.pending(x) | {a for d, a in zip(x.dims, pl.axes) if d.name in s for a in a}
         first += moved(x, dims, src, pend, canon)
-    return solo if first < now else None
+    return solo if first <= now else None
 
 
 def _linear_pending(ctx, xs, out_dims) -> frozenset:
-    """Pending axes that may stay pending: held by exactly one operand, whose size the result does
-    not exceed."""
+    """Pending axes that may stay pending: held by exactly one operand, larger than the result (the
+    sum is then reduced on fewer elements). Not when the result is as large: reducing first moves
+    as much, and the other operands' gradients then read the reduced value instead of reducing a
+    partial product again in the backward pass."""
     pend = [ctx.pending(x) for x in xs]
     keep = set()
     for a in set().union(*pend):
         holders = [x for x, p in zip(xs, pend) if a in p]
-        if len(holders) == 1 and math.prod(d.size for d in out_dims) <= holders[0].size:
+        if len(holders) == 1 and math.prod(d.size for d in out_dims) < holders[0].size:
             keep.add(a)
     return frozenset(keep)

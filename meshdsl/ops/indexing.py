@@ -135,8 +135,11 @@ def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
         values, idx = jax.lax.top_k(local, k)
     elif 2 * min(k, n // ctx.axes_size(split)) >= n // ctx.axes_size(split):
         # The candidates (values and indices) would be no smaller than the blocks: gather the
-        # values of the dim (positions are implicit) and take the top k of the whole.
-        whole = C.all_gather(ctx, local, split, local.ndim - 1, invariant=True, tensor=f"[{x.dims}] top_k over {name}")
+        # values of the dim (positions are implicit; a relayout, so other ops reading the whole
+        # value share the gather) and take the top k of the whole.
+        axes = {**axes, name: ()}
+        vary = ctx.vary(axes.values(), [x], out_size=x.size)
+        whole = jnp.moveaxis(ctx.local(x, axes, vary), x.names.index(name), -1)
         values, idx = jax.lax.top_k(whole, k)
     else:
         block = n // ctx.axes_size(split)

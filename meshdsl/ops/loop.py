@@ -1,7 +1,9 @@
 """The loop under ``md.scan``: ``lax.scan`` of a step over NamedArrays, inside a lowering.
 
 * The carry enters in its layout placement and leaves each step in the same placement and type
-  (if the step makes it vary over more mesh axes, the loop is traced again, wider).
+  (if the step makes it vary over more mesh axes, the loop is traced again, wider). Where the step
+  leaves a carry split otherwise and bringing it back would move data every step, the loop is
+  traced again with the carry entering split as the step leaves it: moved once, not per step.
 * The stacked ``xs`` are cast, once and before the loop, to vary over the axes the carry varies
   over (casting per step inside the loop would make jax keep every layer's weights as residuals).
 * Collectives traced in the body are recorded with the trip count as their count.
@@ -21,9 +23,18 @@ from ..dims import Dim, Shape
 from ..errors import ShapeError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, Placement, is_named as _is_named
+from ..relayout import relayout_bytes
 from .shaping import transpose
 
 __all__ = ["run", "Widen", "order"]
+
+
+class Replace(Exception):
+    """The step left a carry placed otherwise than it entered, and moving it back costs bytes."""
+
+    def __init__(self, index, axes):
+        super().__init__(index, axes)
+        self.index, self.axes = index, axes
 
 
 class Widen(Exception):
@@ -42,19 +53,22 @@ def order(ctx, axes):
 def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where):
     """``(carry, ys)`` of scanning ``step`` over ``length`` entries of ``dim`` of ``x_leaves``."""
     widen: dict[int, frozenset] = {}
+    placed: dict = {}   # carry index -> axes per dim it enters with (else the layout's)
     mark = ctx.checkpoint() if ctx.explicit else None
     while True:
         try:
-            return _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen,
+            return _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed,
                               reverse, unroll, where)
         except Widen as w:  # forget the aborted trace's records and try again
             widen[w.index] = widen.get(w.index, frozenset()) | w.axes
-            if ctx.explicit:
-                ctx.rollback(mark)
+            ctx.rollback(mark)
+        except Replace as r:
+            placed[r.index] = r.axes
+            ctx.rollback(mark)
 
 
-def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, reverse, unroll, where):
-    c_arrays, c_templates = _enter_carry(ctx, c_leaves, widen)
+def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed, reverse, unroll, where):
+    c_arrays, c_templates = _enter_carry(ctx, c_leaves, widen, placed)
     carry_vary = frozenset().union(*(varying_axes(a) for a in c_arrays)) if ctx.explicit else frozenset()
     x_arrays, x_templates = _enter_xs(ctx, x_leaves, dim, carry_vary)
     y_templates = []
@@ -68,7 +82,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             if new_tree != c_tree:
                 raise ShapeError(f"{where}: the step returned a carry of structure {new_tree}, "
                                  f"but it entered as {c_tree}")
-            out_c = [_carry_out(ctx, i, leaf, old, t, where)
+            out_c = [_carry_out(ctx, i, leaf, old, t, where, i not in placed)
                      for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
             y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
             y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
@@ -87,14 +101,14 @@ def _rebuild(tree, arrays, templates):
                for a, t in zip(arrays, templates)])
 
 
-def _enter_carry(ctx, c_leaves, widen):
-    """The carry in its layout placement, typed varying over its splits (and whatever a previous
-    try needed); templates to rebuild it."""
+def _enter_carry(ctx, c_leaves, widen, placed):
+    """The carry in its layout placement (or where a previous try found the step leaves it),
+    typed varying over its splits (and whatever a previous try needed); templates to rebuild it."""
     arrays, templates = [], []
     for i, leaf in enumerate(c_leaves):
         if _is_named(leaf):
             if ctx.explicit:
-                axes = ctx.canonical(leaf.dims)
+                axes = placed.get(i) or ctx.canonical(leaf.dims)
                 vary = frozenset(a for ax in axes for a in ax) | widen.get(i, frozenset())
                 arr = ctx.local(leaf, dict(zip(leaf.names, axes)), vary)
                 templates.append((leaf.dims, leaf.is_param, Placement(axes)))
@@ -145,8 +159,9 @@ def _stack_ys(dim, length, y_tree, y_arrays, y_templates):
     return jax.tree_util.tree_unflatten(y_tree, ys)
 
 
-def _carry_out(ctx, i, leaf, old, template, where):
-    """Bring a carry leaf back to the placement and type it entered the step with."""
+def _carry_out(ctx, i, leaf, old, template, where, may_replace):
+    """Bring a carry leaf back to the placement and type it entered the step with (or, where that
+    moves bytes every step, ask for a try with the carry entering as the step leaves it)."""
     if template is None:
         if _is_named(leaf):
             raise ShapeError(f"{where}: carry entry {i} entered as a plain array and left as a NamedArray")
@@ -164,6 +179,10 @@ def _carry_out(ctx, i, leaf, old, template, where):
                              f"{leaf.dtype}; cast it back (x.astype(...)) before returning it")
         if not ctx.explicit:
             return leaf.raw
+        now = ctx.placement(leaf)
+        if may_replace and not now.pending and now.axes != pl.axes and relayout_bytes(
+                ctx, dims, leaf.dtype.itemsize, now.axes, frozenset(), pl.axes):
+            raise Replace(i, now.axes)
         arr = ctx.local(leaf, dict(zip(leaf.names, pl.axes)), varying_axes(old))
     if ctx.explicit:
         extra = varying_axes(arr) - varying_axes(old)

@@ -52,6 +52,7 @@ class ExplicitContext(LayoutContext):
         self._weights: set = set()   # ids of local arrays computed from parameters/constants alone
         self._pads: dict = {}        # id(local array) -> (dim, [(piece, offset)]) of a pad or concat
         self.foresight = Foresight()  # hints from a previous trace, observations of this one
+        self._widening = None         # the widening of the op being lowered (see vary)
         self._relaid: dict = {}      # id(local array) -> {target axes per dim} relaid (cached) so far
 
     # -- placements ------------------------------------------------------------------------------
@@ -88,11 +89,17 @@ class ExplicitContext(LayoutContext):
         out = set(keep_pending)
         for axes in planned:
             out.update(axes)
+        widen = False
         for x in operands:
             pl = self.placement(x)
             out |= varying_axes(x.raw) - pl.used_axes()
-            if x.is_param and (out_size is None or out_size > x.size) and any(
-                    not self.weights_only(y) and y.ndim for y in operands if y is not x):
+            widen = widen or x.is_param and (out_size is None or out_size > x.size) and any(
+                not self.weights_only(y) and y.ndim for y in operands if y is not x)
+        if widen and self.param_axes:
+            # Where what the op computes is returned and all-reduced only to type it replicated,
+            # the second trace leaves the widening out (meshdsl.foresight).
+            self._widening = self.foresight.widening()
+            if self._widening is not None:
                 out |= self.param_axes
         return frozenset(out)
 
@@ -117,6 +124,7 @@ class ExplicitContext(LayoutContext):
         return self._pads.get(id(y.raw))
 
     def derived(self, operands, result) -> None:
+        self.foresight.derived([x.raw for x in operands], [y.raw for y in result])
         if operands and all(self.weights_only(x) for x in operands):
             for y in result:
                 self._weights.add(id(y.raw))
@@ -143,6 +151,9 @@ class ExplicitContext(LayoutContext):
             self._made_by[id(array)] = what
             self._keepalive.append(array)
         number = self.foresight.result(array)
+        if self._widening is not None:
+            self.foresight.widened(array, self._widening)
+            self._widening = None
         if pending and number in self.foresight.early:
             return self._resolve_now(x, self.foresight.early[number])
         return x
@@ -203,6 +214,7 @@ class ExplicitContext(LayoutContext):
         manual = frozenset() if self.frame is None else {self.frame.stage_axis}  # stages differ there
         extra = tuple(a for a in self.mesh.axis_names if a in varying_axes(arr) - split - manual)
         if extra:
+            self.foresight.replicated(leaf.raw)
             arr = self.cached(arr, ("replicate", extra), lambda: C.replicate(
                 self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {list(extra)}"))
         return arr

@@ -7,12 +7,15 @@ The rewriter decides op by op, in program order; a few choices depend on what la
   where the value is made, every reader would share one reduction (gspmd's choice);
 * an elementwise op on a parameter stored split (``erf(w)``) runs where ``w`` is stored; when a
   later op gathers ``w`` whole anyway (``top_k(w)``), reading that copy would move nothing and the
-  result would already be where the layout wants it.
+  result would already be where the layout wants it;
+* an op reading a parameter and data varies over the data axes (``ExplicitContext.vary``: the
+  parameter's gradient is then summed at the parameter's size); when the data is replicated and
+  what it computes is returned, it is all-reduced only to type it replicated.
 
 :class:`Foresight` numbers the values of a trace (in the order made or first seen: the same numbers
 in every trace of one program), records both situations, and :meth:`Foresight.next`
-turns them into the hints of a second trace: pending sums to reduce where made (``early``) and
-copies that will be made anyway (``later``). ``Program.make_jaxpr`` traces a second time only when
+turns them into the hints of a second trace: pending sums to reduce where made (``early``),
+copies that will be made anyway (``later``) and ops not to widen (``narrow``). ``Program.make_jaxpr`` traces a second time only when
 there is something to gain; numbers that no longer match just make a hint moot (a reduction or a
 gather done earlier than needed is still correct).
 """
@@ -25,9 +28,13 @@ __all__ = ["Foresight"]
 class Foresight:
     """Hints from a previous trace (``early``, ``later``) and this trace's observations."""
 
-    def __init__(self, early=None, later=None):
+    def __init__(self, early=None, later=None, narrow=None):
         self.early: dict = dict(early or {})   # number -> placement to reduce its pending sum to
         self.later: dict = dict(later or {})   # number -> placements of copies a later op makes
+        self.narrow: set = set(narrow or ())   # widenings (in order) to leave out
+        self._widenings = 0
+        self._widened: dict = {}      # number of a value -> the widenings that typed it
+        self._replicated: set = set()  # widenings a value was all-reduced for, to type it
         self._numbers: dict = {}   # id(local array) -> number
         self._alive: list = []     # keeps the ids above unique while the trace lives
         self._count = 0
@@ -74,12 +81,36 @@ class Foresight:
         self._wished.add((n, tuple(target)))
         return tuple(target) in self.later.get(n, ())
 
+    def widening(self):
+        """The next widening of an op's type by the data axes: its index, or ``None`` when the
+        previous trace says to leave it out."""
+        self._widenings += 1
+        return None if self._widenings in self.narrow else self._widenings
+
+    def widened(self, array, k) -> None:
+        """``array`` is the result of the op widened by widening ``k``."""
+        self._widened[self.number(array)] = frozenset({k})
+
+    def derived(self, operands, results) -> None:
+        """An op made ``results`` from ``operands`` (arrays): they carry the operands' widenings."""
+        ks = frozenset().union(*(self._widened.get(self.number(a), frozenset()) for a in operands))
+        if ks:
+            for a in results:
+                n = self.number(a)
+                self._widened[n] = self._widened.get(n, frozenset()) | ks
+
+    def replicated(self, array) -> None:
+        """``array`` was all-reduced to type it replicated: the widenings it carries are left out
+        next time."""
+        self._replicated |= self._widened.get(self.number(array), frozenset())
+
     # -- the next trace --------------------------------------------------------------------------
 
     def next(self):
         """Hints for a second trace, or ``None`` when it would decide nothing differently."""
         early = {n: t for n, t in self._resolved.items() if n in self._kept}
         wished = {(n, t) for n, t in self._wished if t in self._made.get(n, ())}
-        if not early and not wished:
+        if not early and not wished and not self._replicated:
             return None
-        return {"early": early, "later": {n: set(ts) for n, ts in self._made.items()}}
+        return {"early": early, "later": {n: set(ts) for n, ts in self._made.items()},
+                "narrow": set(self._replicated)}

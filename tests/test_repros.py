@@ -592,6 +592,26 @@ def test_campaign_scalar_contraction_reduces_once_for_value_and_gradient():
     assert_same(md.lower(grad, mesh, layout)(w, x), grad(w, x))
 
 
+def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_output():
+    """where(logical_not(w > v), w, v) of a parameter w [c] and replicated data v [e], in a program
+    whose other input is split (so ops reading parameters and data vary over x, for the
+    parameters' gradients): the returned [c e] value was all-reduced only to type it replicated
+    (1792 B where gspmd moves 0). The second trace leaves that widening out."""
+    r = np.random.default_rng(0)
+    v = md.named(jnp.asarray(r.standard_normal(32), jnp.float32), "e")
+    w = md.param(md.named(jnp.asarray(r.standard_normal(8), jnp.float32), "c"))
+    ids = md.named(jnp.asarray(r.integers(0, 5, (8, 8)), jnp.int32), "d c")
+    fn = lambda v, w, ids: md.where(md.logical_not(md.greater(w, v)), w, v)
+    grad = lambda v, w, ids: jax.grad(lambda w: md.sum(md.tanh(fn(v, w, ids))).array)(w)
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"d": "x"})
+    for f in (fn, grad):
+        moved = _moved(f, mesh, layout, v, w, ids)
+        assert moved["explicit"] <= moved["gspmd"], moved
+        e, h = _explain_vs_hlo(f, mesh, layout, v, w, ids)
+        assert e == h
+        assert_same(md.lower(f, mesh, layout)(v, w, ids), f(v, w, ids))
+
+
 def test_position_bias_gradient_is_summed_at_the_table_size():
     """A bias looked up from a parameter table by positions (arange: no parameter in them) and
     added to data: the table's gradient is all-reduced at the table's size [buckets heads], not

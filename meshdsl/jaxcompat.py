@@ -1,9 +1,10 @@
 """Every use of jax internals (``jax._src``) in meshdsl, in one small module.
 
-The rewriter needs three things public jax does not offer: the trace being built now and the
+The rewriter needs four things public jax does not offer: the trace being built now and the
 traces enclosing it (to hoist the relayout of a value a ``md.scan`` step captures out of the
-loop), running code in an enclosing trace, and dead-code elimination of a jaxpr (``md.explain``
-drops collectives the compiler drops). A jax upgrade that moves them breaks this file only.
+loop), running code in an enclosing trace, dead-code elimination of a jaxpr (``md.explain``
+drops collectives the compiler drops), and whether a value is being differentiated (an einsum
+weighs its backward collectives too). A jax upgrade that moves them breaks this file only.
 
 Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`` type of a value).
 """
@@ -14,9 +15,10 @@ import contextlib
 
 import jax
 from jax._src import core as _core
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "dce", "varying_axes"]
+__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "dce", "varying_axes", "differentiated"]
 
 
 def varying_axes(array) -> frozenset:
@@ -25,6 +27,12 @@ def varying_axes(array) -> frozenset:
         return frozenset(jax.typeof(array).mat.varying)
     except (AttributeError, TypeError):
         return frozenset()
+
+
+def differentiated(value) -> bool:
+    """Is ``value`` being differentiated (a tracer of ``jax.grad``'s forward pass)? Its
+    operations then also run backward, and their backward collectives count."""
+    return isinstance(getattr(value, "_trace", None), (_ad.JVPTrace, _ad.LinearizeTrace))
 
 
 def current_trace():

@@ -24,6 +24,8 @@ from .jaxcompat import dce
 
 __all__ = ["matmul_flops", "memory", "inner_body", "live", "name_scopes"]
 
+SCOPES = r"mdc\d+"   # the name scopes of recorded collectives (meshdsl.collectives)
+
 
 def _sub_jaxprs(eqn):
     for value in eqn.params.values():
@@ -143,13 +145,15 @@ def memory(jaxpr) -> dict:
 def live(jaxpr):
     """``jaxpr`` without the computations whose results are never used and without repeated
     identical computations (as the compiler drops them: DCE and CSE)."""
-    return dce(cse(getattr(jaxpr, "jaxpr", jaxpr)))
+    return dce(cse(inline(getattr(jaxpr, "jaxpr", jaxpr))))
 
 
 def cse(jaxpr):
     """``jaxpr`` with each pure equation that repeats an earlier one (same primitive, parameters and
     inputs) replaced by the earlier one's results: a program that computes one value twice (two
-    identical einsums and their all-reduces) runs it once once XLA has merged them."""
+    identical einsums and their all-reduces) runs it once once XLA has merged them. A select
+    between one value and itself is that value (XLA's simplifier: the predicate, and whatever
+    only it needed, is dropped)."""
     subst, seen, eqns = {}, {}, []
 
     def key_of(v):
@@ -176,6 +180,11 @@ def cse(jaxpr):
         if any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):  # real side effects stay
             eqns.append(eqn.replace(invars=invars))
             continue
+        cases = eqn.invars[1:]
+        if eqn.primitive.name == "select_n" and len({key_of(v) for v in cases}) == 1 and \
+                not isinstance(cases[0], jcore.Literal):
+            subst[eqn.outvars[0]] = subst.get(cases[0], cases[0])  # where(p, x, x) is x: p unused
+            continue
         key = (eqn.primitive, tuple(key_of(v) for v in eqn.invars),
                tuple(sorted((k, param_key(v)) for k, v in eqn.params.items())))
         first = seen.get(key)
@@ -191,7 +200,32 @@ def cse(jaxpr):
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
-def name_scopes(jaxpr, pattern: str = r"mdc\d+", multiplier: int = 1, constants=frozenset()) -> Counter:
+def inline(jaxpr):
+    """``jaxpr`` with its nested jits of plain equations (``jnp.where``'s ``_where``, ...) spliced
+    in, so that :func:`cse` sees through them as XLA does (``where(p, x, x)`` inside a jit is
+    ``x``). Jits holding a collective's scope or sub-programs stay as they are (counted as before)."""
+    subst, eqns, changed = {}, [], False
+    for eqn in jaxpr.eqns:
+        invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
+        closed = eqn.params.get("jaxpr") if eqn.primitive.name in ("pjit", "jit") else None
+        if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or eqn.effects or \
+                re.search(SCOPES, str(eqn.source_info.name_stack)) or any(next(_sub_jaxprs(e), None) is not None for e in closed.jaxpr.eqns):
+            eqns.append(eqn.replace(invars=invars))
+            continue
+        changed = True
+        inner = inline(closed.jaxpr)
+        names = dict(zip(inner.invars, invars))
+        for e in inner.eqns:
+            eqns.append(e.replace(invars=[v if isinstance(v, jcore.Literal) else names.get(v, v) for v in e.invars]))
+        for out, v in zip(eqn.outvars, inner.outvars):
+            subst[out] = v if isinstance(v, jcore.Literal) else names.get(v, v)
+    if not changed:
+        return jaxpr
+    outvars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
+def name_scopes(jaxpr, pattern: str = SCOPES, multiplier: int = 1, constants=frozenset()) -> Counter:
     """How many times each name scope matching ``pattern`` runs: every equation carrying it, times
     the trip counts of the loops around it (sub-programs included; jax wraps scopes, e.g.
     ``transpose(jvp(mdc3))``, and a rematerialized equation appears twice). An equation in a scan

@@ -31,7 +31,6 @@ import itertools
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import collectives as C

@@ -563,16 +563,21 @@ def test_campaign_reshape_of_a_dim_split_finer_than_its_leading_part():
     assert moved["explicit"] <= moved["gspmd"], moved
 
 
-@pytest.mark.xfail(strict=True, reason="open: s = einsum(w[e b], a[b]) with e split, and its gradient: the rewriter "
-                   "all-reduces the scalar s (7 B) and, backward, a's gradient [b] (112 B); gspmd all-reduces "
-                   "sum_e w [b] once and uses it for both (112 B): a choice across forward and backward")
 def test_campaign_contraction_whose_partial_sum_serves_the_gradient_too():
+    """s = einsum(w[e b], a[b]) with e split, under jax.grad: w's own dim e is summed first and the
+    [b] sum reduced once, in the forward pass; a's gradient reads it (the scalar s was all-reduced
+    and, backward, a's gradient [b] too: 119 B where gspmd moves 112 B)."""
     r = np.random.default_rng(0)
     a = md.param(md.named(jnp.asarray(r.standard_normal(16), jnp.float32), "b"))
     w = md.param(md.named(jnp.asarray(r.standard_normal((32, 16)), jnp.float32), "e b"))
     loss = lambda a, w: md.sum(md.tanh(md.einsum(w, a, out=""))).array
-    moved = _moved(lambda a, w: jax.grad(loss, argnums=(0, 1))(a, w), md.Mesh({"x": 8}), md.Layout({"e": "x"}), a, w)
+    grad = lambda a, w: jax.grad(loss, argnums=(0, 1))(a, w)
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"e": "x"})
+    moved = _moved(grad, mesh, layout, a, w)
     assert moved["explicit"] <= moved["gspmd"], moved
+    e, h = _explain_vs_hlo(grad, mesh, layout, a, w)
+    assert e == h == {"all-reduce": 112}
+    assert_same(md.lower(grad, mesh, layout)(a, w), grad(a, w))
 
 
 def test_campaign_scalar_contraction_reduces_once_for_value_and_gradient():
@@ -610,6 +615,33 @@ def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_
         e, h = _explain_vs_hlo(f, mesh, layout, v, w, ids)
         assert e == h
         assert_same(md.lower(f, mesh, layout)(v, w, ids), f(v, w, ids))
+
+
+def test_campaign_where_between_a_value_and_itself_drops_the_predicate():
+    """where(logsumexp(x, d) > 0, y, y) with d split: XLA simplifies the select to y and drops the
+    predicate's two all-reduces; explain dropped them too (it claimed 4 KiB where the compiled
+    program moves nothing): jnp.where's jit is seen through."""
+    r = np.random.default_rng(0)
+    x = md.named(jnp.asarray(r.standard_normal((16, 8, 32)), jnp.float32), "a d e")
+    y = md.named(jnp.asarray(r.standard_normal((16, 32)), jnp.float32), "a e")
+    fn = lambda x, y: md.where(md.greater(md.logsumexp(x, "d"), 0.0), y, y)
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"d": "y"}), x, y)
+    assert e == h == {}
+
+
+def test_campaign_take_along_a_split_dim_by_ids_split_the_same_way():
+    """take(x[b:x c d], ids[b:x], "b"): gathering the table once (3584 B, as gspmd) beats gathering
+    the ids and reduce-scattering the looked-up rows (3640 B)."""
+    r = np.random.default_rng(0)
+    x = md.named(jnp.asarray(r.standard_normal((16, 8, 8)), jnp.float32), "b c d")
+    ids = md.named(jnp.asarray(r.integers(-3, 19, 16), jnp.int32), "b")
+    fn = lambda x, ids: md.take(x, ids, "b")
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"b": "x"})
+    moved = _moved(fn, mesh, layout, x, ids)
+    assert moved["explicit"] <= moved["gspmd"], moved
+    e, h = _explain_vs_hlo(fn, mesh, layout, x, ids)
+    assert e == h == {"all-gather": 3584}
+    assert_same(md.lower(fn, mesh, layout)(x, ids), fn(x, ids))
 
 
 def test_position_bias_gradient_is_summed_at_the_table_size():

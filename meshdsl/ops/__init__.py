@@ -15,6 +15,7 @@ from .operators import install as _install_operators
 from .reductions import logsumexp, max, mean, min, softmax, sum
 from .registry import RULES, op
 from .scan import scan
-from .shaping import concat, pad, rename, reshape, slice, transpose
+from .restructure import rename, reshape, transpose
+from .shaping import concat, pad, slice
 
 _install_operators()

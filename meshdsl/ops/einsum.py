@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
+from ..jaxcompat import differentiated
 from ..named import NamedArray
 from ..relayout import relayout_bytes
 from .common import as_named, union_dims, where_
@@ -124,7 +125,10 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
     of a kept dim gathered because the contracted dim keeps the split. Chosen unless it moves more
     bytes (ring estimates); on a tie it is the better choice for the gradient: the other operands'
     gradients then read the reduced sum, not a partial one to reduce again (``einsum(w[a], x[c],
-    out="")`` with ``c`` split: one scalar all-reduce in the forward pass, none backward)."""
+    out="")`` with ``c`` split: one scalar all-reduce in the forward pass, none backward). Under
+    ``jax.grad`` the backward reductions count too: without summing first, each differentiated
+    other operand's gradient is reduced again (``einsum(w[a], x[b a], out="")``, b split: the
+    forward scalar and w's gradient [a] backward; summed first, x's [a] once, forward)."""
     if not ctx.explicit or len(xs) < 2:
         return None
     solo = [[n for n in x.names if n in contracted and target[n] and sum(n in y.names for y in xs) == 1]
@@ -146,18 +150,31 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
         src = [a for d, a in zip(x.dims, pl.axes) if d.name not in s]
         pend = ctx.pending(x) | {a for d, a in zip(x.dims, pl.axes) if d.name in s for a in a}
         first += moved(x, dims, src, pend, canon)
+        # Backward, without summing first, the gradient of each other operand being
+        # differentiated holds x's sum over those dims as a partial sum: one more reduction.
+        summed = frozenset(a for n in s for a in target[n])
+        for y in xs:
+            if y is not x and differentiated(y.raw) and summed - ctx.placement(y).used_axes():
+                axes = ctx.placement(y).axes
+                now += relayout_bytes(ctx, y.dims, y.dtype.itemsize, axes, summed, axes)
     return solo if first <= now else None
 
 
 def _linear_pending(ctx, xs, out_dims) -> frozenset:
-    """Pending axes that may stay pending: held by exactly one operand, larger than the result (the
-    sum is then reduced on fewer elements). Not when the result is as large: reducing first moves
-    as much, and the other operands' gradients then read the reduced value instead of reducing a
-    partial product again in the backward pass."""
+    """Pending axes that may stay pending: held by exactly one operand, larger than the result plus,
+    under ``jax.grad``, the other operands being differentiated (their gradients read the partial
+    sums and are reduced again backward). Otherwise reducing first moves no more, and the other
+    operands' gradients read the reduced value."""
     pend = [ctx.pending(x) for x in xs]
     keep = set()
     for a in set().union(*pend):
         holders = [x for x, p in zip(xs, pend) if a in p]
-        if len(holders) == 1 and math.prod(d.size for d in out_dims) < holders[0].size:
+        if len(holders) != 1:
+            continue
+        # Kept, the sum is reduced on the result, and backward on the gradient of each other
+        # operand being differentiated (it reads the partial sums); reduced now, on the operand.
+        backward = sum(y.size for y in xs if y is not holders[0] and differentiated(y.raw)
+                       and a not in ctx.placement(y).used_axes())
+        if math.prod(d.size for d in out_dims) + backward < holders[0].size:
             keep.add(a)
     return frozenset(keep)

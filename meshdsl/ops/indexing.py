@@ -27,7 +27,7 @@ from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, new_dims, where_
 from ..named import NamedArray
 from .registry import op
-from .shaping import rename, reshape
+from .restructure import rename, reshape
 
 __all__ = ["one_hot", "take", "top_k", "argmax", "cumsum", "shift"]
 
@@ -81,7 +81,13 @@ def take(ctx, table, ids, dim) -> NamedArray:
         inner = f"{name}_ids_"
         while inner in ids.names or inner in table.names:
             inner += "_"
-        return rename(take(table, rename(ids, {name: inner}), name), {inner: name})
+        return rename(_lookup(ctx, table, rename(ids, {name: inner}), name, {inner: name}), {inner: name})
+    return _lookup(ctx, table, ids, name, {})
+
+
+def _lookup(ctx, table, ids, name, renamed) -> NamedArray:
+    """``take`` along ``name``; ``renamed``: dims of the result to be renamed afterwards (placed
+    by the layout as their new names)."""
     rest = [d for d in table.dims if d.name != name]
     clash = [d.name for d in rest if d.name in ids.names]
     if clash:
@@ -89,7 +95,7 @@ def take(ctx, table, ids, dim) -> NamedArray:
                          "rename one side")
     out = Shape((*ids.dims, *rest))
     space = Shape((*out, table.dims[name]))
-    target = ctx.plan(space, [table, ids])
+    target = _cheaper_lookup(ctx, table, ids, name, out, renamed, ctx.plan(space, [table, ids]))
     out_axes = [target[d.name] for d in out]
     # A table stored split on a row dim may stay there (param_gather="auto"): look up there, move the rows.
     axes = ctx.params.place(ctx, space, [table, ids], target, lambda p: relayout_bytes(
@@ -114,6 +120,30 @@ def take(ctx, table, ids, dim) -> NamedArray:
         return result
     pending = frozenset(target[name])
     return ctx.out(ctx.local(result, target, vary, keep_pending=pending), out, target, pending)
+
+
+def _cheaper_lookup(ctx, table, ids, name, out, renamed, target):
+    """``target``, or the plan where the ids keep their splits and the table's dim gives those mesh
+    axes up (gathered), when that moves fewer bytes, the result brought to the layout's placement
+    included: ``take(table[b:x], ids[b:x])`` gathers the table once rather than gathering the ids
+    and reduce-scattering the rows."""
+    if not ctx.explicit:
+        return target
+    held = {d.name: a for d, a in zip(ids.dims, ctx.placement(ids).axes)}
+    alt = {**target, **held}
+    taken = {a for axes in held.values() for a in axes}
+    alt[name] = tuple(a for a in target[name] if a not in taken)
+    used = [a for axes in alt.values() for a in axes]
+    if alt == target or len(used) != len(set(used)):
+        return target
+
+    def cost(p):
+        moved = sum(relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, ctx.pending(x),
+                                   [p[d.name] for d in x.dims]) for x in (table, ids))
+        return moved + relayout_bytes(ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]),
+                                      [ctx.layout_axes(renamed.get(d.name, d.name)) for d in out])
+
+    return alt if cost(alt) < cost(target) else target
 
 
 @op("top_k")

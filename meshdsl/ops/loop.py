@@ -24,7 +24,7 @@ from ..errors import ShapeError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, Placement, is_named as _is_named
 from ..relayout import relayout_bytes
-from .shaping import transpose
+from .restructure import transpose
 
 __all__ = ["run", "Widen", "order"]
 

@@ -1,0 +1,176 @@
+"""Ops that put the same elements under other dims: rename, transpose, reshape.
+
+``rename`` and the name-keeping parts of ``reshape`` move no data: a split travels with its dim to
+the new name. If the layout places the new name elsewhere, the next op that needs it there moves
+it: a split moving from one dim to another is one ``all_to_all`` (MoE dispatch), a split that must
+go is an ``all_gather`` (sequence parallel entering attention), and a pending sum meeting a split
+name is a reduce-scatter (sequence parallel leaving the MLP).
+
+``reshape`` merges and splits dims in row-major order (Mesh-TF semantics). A merged or split group
+is split on the mesh axes of its first dim: those of the first old dim (no move now) or those the
+layout gives the first new dim (a move now instead of later), whichever moves fewer bytes; where
+neither divides the sizes, the group is gathered first. (A dim split over more devices than a new
+leading dim has - ``d`` over 8 into ``p:2 q:4`` - would need part of a mesh axis per new dim; the
+group is gathered there.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ..dims import Dim, Shape, parse_dims
+from ..errors import ShapeError, suggest
+from ..named import NamedArray
+from ..relayout import relayout_bytes
+from .common import align, as_named, names_in, where_
+from .registry import op
+
+__all__ = ["rename", "transpose", "reshape"]
+
+
+def _renamed_axes(ctx, x, mapping):
+    pl = ctx.placement(x)
+    if pl is None:
+        return None, frozenset()
+    return {mapping.get(d.name, d.name): a for d, a in zip(x.dims, pl.axes)}, pl.pending
+
+
+@op("rename")
+def rename(ctx, x, mapping, new=None) -> NamedArray:
+    """Rename dims: ``md.rename(x, {"seq": "kv_seq", ...})`` (or ``md.rename(x, "seq", "kv_seq")``)."""
+    x = as_named(ctx, x)
+    if isinstance(mapping, str) and new is not None:
+        mapping = {mapping: new}
+    if not isinstance(mapping, dict):
+        raise ShapeError(f"{where_(ctx)}: expected a dict {{old: new}}, got {mapping!r}")
+    for old, new_name in mapping.items():
+        if old not in x.names:
+            raise ShapeError(f"{where_(ctx)}: cannot rename {old!r}: not a dim of [{x.dims}]{suggest(old, x.names)}")
+        if not isinstance(new_name, str) or not new_name.isidentifier():
+            raise ShapeError(f"{where_(ctx)}: new name {new_name!r} for {old!r} is not an identifier")
+    names = [mapping.get(n, n) for n in x.names]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ShapeError(f"{where_(ctx)}: renaming [{x.dims}] with {mapping} gives two dims named {dupes[0]!r}")
+    dims = Shape(Dim(mapping.get(d.name, d.name), d.size) for d in x.dims)
+    axes, pending = _renamed_axes(ctx, x, mapping)
+    return ctx.out(x.raw, dims, axes, pending, is_param=x.is_param)
+
+
+@op("transpose")
+def transpose(ctx, x, dims) -> NamedArray:
+    """Reorder the dims of ``x`` (every dim listed once); no data moves between devices."""
+    x = as_named(ctx, x)
+    order = names_in(ctx, x, dims, "new dim order")
+    if set(order) != set(x.names):
+        missing = [n for n in x.names if n not in order]
+        raise ShapeError(f"{where_(ctx)}: new dim order {list(order)} misses {missing} of [{x.dims}]")
+    new = Shape(x.dims[n] for n in order)
+    axes, pending = _renamed_axes(ctx, x, {})
+    return ctx.out(align(x.raw, x.dims, new), new, axes, pending, is_param=x.is_param)
+
+
+def _groups(old, new):
+    """Pair runs of old and new dims whose sizes multiply to the same total (row-major). A dim of
+    size 1 (added or removed) is a group of its own: it moves no data, and the dims around it keep
+    their placement (dropping a decode step's ``seq:1`` gathers nothing)."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        if i < len(old) and old[i].size == 1 and not (j < len(new) and new[j].name == old[i].name):
+            groups.append(([old[i]], []))
+            i += 1
+            continue
+        if j < len(new) and new[j].size == 1 and not (i < len(old) and old[i].name == new[j].name):
+            groups.append(([], [new[j]]))
+            j += 1
+            continue
+        gi, gj, po, pn = [], [], 1, 1
+        if i < len(old):
+            gi.append(old[i])
+            po, i = po * old[i].size, i + 1
+        if j < len(new):
+            gj.append(new[j])
+            pn, j = pn * new[j].size, j + 1
+        while po != pn:
+            if po < pn and i < len(old):
+                gi.append(old[i])
+                po, i = po * old[i].size, i + 1
+            elif pn < po and j < len(new):
+                gj.append(new[j])
+                pn, j = pn * new[j].size, j + 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+@op("reshape")
+def reshape(ctx, x, dims) -> NamedArray:
+    """Merge/split dims in row-major order: ``md.reshape(x, "batch seq heads:8 d_kv")``.
+
+    A name already in ``x`` keeps its size unless written; at most one size may be left to infer.
+    """
+    x = as_named(ctx, x)
+    specs = parse_dims(dims, what=f"{where_(ctx)}: new dims")
+    sizes = [s if s is not None else (x.dims[n].size if n in x.names else None) for n, s in specs]
+    unknown = [n for (n, _), s in zip(specs, sizes) if s is None]
+    known = math.prod(s for s in sizes if s is not None)
+    if len(unknown) > 1:
+        raise ShapeError(f"{where_(ctx)}: cannot infer the sizes of {unknown}; write all but one as name:size")
+    if unknown:
+        if known == 0 or x.size % known:
+            raise ShapeError(f"{where_(ctx)}: cannot infer {unknown[0]!r}: {x.size} elements of [{x.dims}] are "
+                             f"not a multiple of {known}")
+        sizes = [s if s is not None else x.size // known for s in sizes]
+    new = Shape(Dim(n, s) for (n, _), s in zip(specs, sizes))
+    if math.prod(sizes) != x.size:
+        raise ShapeError(f"{where_(ctx)}: cannot reshape [{x.dims}] ({x.size} elements) to [{new}] "
+                         f"({math.prod(sizes)} elements)")
+    groups = _groups(list(x.dims), list(new))
+    pl = ctx.placement(x)
+    if pl is None:
+        return ctx.out(jnp.reshape(x.raw, new.sizes), new, is_param=x.is_param)
+    current = dict(zip(x.names, pl.axes))
+    src_target, out_axes = _reshape_plan(ctx, x, new, groups, current, pl.pending)
+    vary = ctx.vary(src_target.values(), [x], pl.pending, out_size=x.size)
+    local = ctx.local(x, src_target, vary, keep_pending=pl.pending)
+    local_shape = [d.size // ctx.axes_size(out_axes[d.name]) for d in new]
+    return ctx.out(jnp.reshape(local, local_shape), new, out_axes, pl.pending, is_param=x.is_param)
+
+
+def _reshape_plan(ctx, x, new, groups, current, pending):
+    """``(axes of x's dims before, axes of the new dims after)``: a dim kept as it is keeps its
+    split; a merged or split group is split on the axes of its first dim, which either stay those
+    of the first old dim (no move now) or become those the layout gives the first new dim (a move
+    now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b). The
+    cheaper of the two by bytes, counting the move of the result to the layout's placement."""
+    def plan(layout_first):
+        src, out = {}, {}
+        for old_g, new_g in groups:
+            if len(old_g) == 1 and len(new_g) == 1:
+                src[old_g[0].name] = out[new_g[0].name] = current[old_g[0].name]
+                continue
+            major = current[old_g[0].name] if old_g else ()
+            if layout_first and old_g and new_g:
+                major = ctx.layout_axes(new_g[0].name)
+            if major and (not new_g or not old_g or new_g[0].size % ctx.axes_size(major)
+                          or old_g[0].size % ctx.axes_size(major)):
+                major = ()
+            for k, d in enumerate(old_g):
+                src[d.name] = major if k == 0 else ()
+            for k, d in enumerate(new_g):
+                out[d.name] = major if k == 0 else ()
+        used = [a for axes in src.values() for a in axes]
+        return (src, out) if len(used) == len(set(used)) else None
+
+    def cost(option):
+        src, out = option
+        return (relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names], pending,
+                               [src[n] for n in x.names], pending)
+                + relayout_bytes(ctx, new, x.dtype.itemsize, [out[d.name] for d in new], pending,
+                                 [ctx.layout_axes(d.name) for d in new], pending))
+
+    options = [o for o in (plan(False), plan(True)) if o is not None]
+    return min(options, key=cost)

@@ -215,8 +215,11 @@ def inline(jaxpr):
         changed = True
         inner = inline(closed.jaxpr)
         names = dict(zip(inner.invars, invars))
-        for e in inner.eqns:
-            eqns.append(e.replace(invars=[v if isinstance(v, jcore.Literal) else names.get(v, v) for v in e.invars]))
+        for e in inner.eqns:  # fresh variables: one jit (one jaxpr) may be called twice
+            outvars = [v if type(v).__name__ == "DropVar" else jcore.Var(v.aval) for v in e.outvars]
+            names.update(zip(e.outvars, outvars))
+            eqns.append(e.replace(invars=[v if isinstance(v, jcore.Literal) else names.get(v, v) for v in e.invars],
+                                  outvars=outvars))
         for out, v in zip(eqn.outvars, inner.outvars):
             subst[out] = v if isinstance(v, jcore.Literal) else names.get(v, v)
     if not changed:

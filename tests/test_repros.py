@@ -644,6 +644,24 @@ def test_campaign_take_along_a_split_dim_by_ids_split_the_same_way():
     assert_same(md.lower(fn, mesh, layout)(x, ids), fn(x, ids))
 
 
+def test_explain_sees_through_the_same_jit_called_twice():
+    """Two md.where (one jitted jnp.where, called twice) on predicates that each need all-reduces,
+    two md.cumsum:
+    explain splices each call in with its own variables and counts both (a shared variable would
+    merge the two and drop one's collectives)."""
+    r = np.random.default_rng(1)
+    x = md.named(jnp.asarray(r.standard_normal((16, 8, 32)), jnp.float32), "a d e")
+    y = md.named(jnp.asarray(r.standard_normal((16, 32)), jnp.float32), "a e")
+    fn = lambda x, y: (md.where(md.greater(md.logsumexp(x, "d"), 0.0), y, -y),
+                       md.where(md.greater(md.logsumexp(x * 2.0, "d"), 0.0), y, 2.0 * y))
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"d": "y"}), x, y)
+    assert e == h and e["all-reduce"] > 0
+    c = md.named(jnp.asarray(r.standard_normal(64), jnp.float32), "c")
+    fn = lambda c: (md.cumsum(c, "c"), md.cumsum(c * 2.0, "c"))   # jnp.cumsum's jit, twice
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 8}), md.Layout({"c": "x"}), c)
+    assert e == h == {"all-gather": 2 * 7 * 4}
+
+
 def test_position_bias_gradient_is_summed_at_the_table_size():
     """A bias looked up from a parameter table by positions (arange: no parameter in them) and
     added to data: the table's gradient is all-reduced at the table's size [buckets heads], not

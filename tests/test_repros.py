@@ -662,6 +662,15 @@ def test_explain_sees_through_the_same_jit_called_twice():
     assert e == h == {"all-gather": 2 * 7 * 4}
 
 
+def test_campaign_reshape_into_dims_the_layout_cannot_place_is_a_layout_error():
+    """A layout placing p2 on x+y and q4 on x: [p2 q4] has no valid placement. The reshape's
+    choice between placements must not reach it first (it raised an AssertionError)."""
+    c = md.named(jnp.arange(8.0), "c")
+    layout = md.Layout({"c": ("y", "x"), "p2": ("x", "y"), "q4": "x"})
+    with pytest.raises(md.LayoutError, match="reshape"):
+        md.lower(lambda c: md.reshape(c, "p2:2 q4:4"), md.Mesh({"x": 4, "y": 2}), layout)(c)
+
+
 def test_position_bias_gradient_is_summed_at_the_table_size():
     """A bias looked up from a parameter table by positions (arange: no parameter in them) and
     added to data: the table's gradient is all-reduced at the table's size [buckets heads], not

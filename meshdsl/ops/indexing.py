@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .. import collectives as C
 from ..dims import Dim, Shape
-from ..errors import ShapeError
+from ..errors import LayoutError, ShapeError
 from ..relayout import relayout_bytes
 from .common import align, as_named, names_in, new_dims, where_
 from ..named import NamedArray
@@ -137,11 +137,16 @@ def _cheaper_lookup(ctx, table, ids, name, out, renamed, target):
     if alt == target or len(used) != len(set(used)):
         return target
 
+    try:   # the layout's placement of the result, under the names it will have
+        wanted = ctx.canonical(Shape(Dim(renamed.get(d.name, d.name), d.size) for d in out))
+    except LayoutError:
+        return target   # no valid placement: the error comes where the result is made
+
     def cost(p):
         moved = sum(relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, ctx.pending(x),
                                    [p[d.name] for d in x.dims]) for x in (table, ids))
         return moved + relayout_bytes(ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]),
-                                      [ctx.layout_axes(renamed.get(d.name, d.name)) for d in out])
+                                      wanted)
 
     return alt if cost(alt) < cost(target) else target
 

@@ -165,12 +165,13 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
         used = [a for axes in src.values() for a in axes]
         return (src, out) if len(used) == len(set(used)) else None
 
+    wanted = ctx.canonical(new)   # the layout's placement of the result (a LayoutError if none)
+
     def cost(option):
         src, out = option
         return (relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names], pending,
                                [src[n] for n in x.names], pending)
-                + relayout_bytes(ctx, new, x.dtype.itemsize, [out[d.name] for d in new], pending,
-                                 [ctx.layout_axes(d.name) for d in new], pending))
+                + relayout_bytes(ctx, new, x.dtype.itemsize, [out[d.name] for d in new], pending, wanted, pending))
 
     options = [o for o in (plan(False), plan(True)) if o is not None]
     return min(options, key=cost)

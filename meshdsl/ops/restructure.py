@@ -144,8 +144,9 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     """``(axes of x's dims before, axes of the new dims after)``: a dim kept as it is keeps its
     split; a merged or split group is split on the axes of its first dim, which either stay those
     of the first old dim (no move now) or become those the layout gives the first new dim (a move
-    now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b). The
-    cheaper of the two by bytes, counting the move of the result to the layout's placement."""
+    now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b); axes
+    that fit neither may move to a whole kept dim (:func:`_parked`). The cheapest by bytes,
+    counting the move of the result to the layout's placement."""
     def plan(layout_first):
         src, out = {}, {}
         for old_g, new_g in groups:
@@ -168,10 +169,37 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     wanted = ctx.canonical(new)   # the layout's placement of the result (a LayoutError if none)
 
     def cost(option):
+        # The move now, and the move of the result to the splits the layout wants (a split the
+        # layout does not want is not charged: the next ops may well use it, einsums keep it).
         src, out = option
+        placed = [out[d.name] for d in new]
+        later = [w or p for w, p in zip(wanted, placed)]
+        if len({a for axes in later for a in axes}) != sum(len(axes) for axes in later):
+            later = wanted
         return (relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names], pending,
                                [src[n] for n in x.names], pending)
-                + relayout_bytes(ctx, new, x.dtype.itemsize, [out[d.name] for d in new], pending, wanted, pending))
+                + relayout_bytes(ctx, new, x.dtype.itemsize, placed, pending, later, pending))
 
     options = [o for o in (plan(False), plan(True)) if o is not None]
+    options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
     return min(options, key=cost)
+
+
+def _parked(ctx, x, groups, current, option):
+    """``option`` with the axes a merged or split group loses (its split fits no new first dim:
+    ``c`` over 8 devices into ``p:2 q:4``) moved to a dim kept as it is that is whole and
+    divisible (an all-to-all before the reshape instead of a gather), or ``None``."""
+    src, out = dict(option[0]), dict(option[1])
+    lost = [a for old_g, new_g in groups if len(old_g) > 1 or len(new_g) > 1
+            for a in (current[old_g[0].name] if old_g else ()) if a not in src[old_g[0].name]]
+    if not lost:
+        return None
+    used = {a for axes in src.values() for a in axes}
+    if used & set(lost):
+        return None
+    n = ctx.axes_size(lost)
+    for old_g, new_g in groups:
+        if len(old_g) == 1 and len(new_g) == 1 and not src[old_g[0].name] and old_g[0].size % n == 0:
+            src[old_g[0].name] = out[new_g[0].name] = tuple(lost)
+            return src, out
+    return None

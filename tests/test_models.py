@@ -90,7 +90,14 @@ def reference(moe, random, batch):
     return _REFERENCE[moe, random]
 
 
-@pytest.mark.parametrize("moe, name", [(False, n) for n in DENSE_LAYOUTS] + [(True, n) for n in MOE_LAYOUTS])
+# The three slowest cases (about 45 s each) run with -m slow; each layout's rules are still
+# covered by a cheaper case in the default run (Megatron for MoE, expert parallel over both axes).
+SLOW_CASES = {(False, "Megatron"), (True, "expert parallel"), (True, "expert parallel + Megatron")}
+
+
+@pytest.mark.parametrize("moe, name", [
+    pytest.param(moe, n, marks=[pytest.mark.slow] if (moe, n) in SLOW_CASES else [])
+    for moe, names in ((False, DENSE_LAYOUTS), (True, MOE_LAYOUTS)) for n in names])
 def test_model_forward_and_gradients_are_layout_invariant(moe, name, batch):
     model, key, expected = reference(moe, (moe, name) in RANDOM, batch)
     rules, params = (MOE_LAYOUTS if moe else DENSE_LAYOUTS)[name]

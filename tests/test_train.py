@@ -67,7 +67,7 @@ def layout_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["megatron", "zero3"])
+@pytest.mark.parametrize("name", [pytest.param("megatron", marks=pytest.mark.slow), "zero3"])
 def test_layouts_give_the_same_losses(layout_runs, name):
     reference = losses(layout_runs("data parallel"))
     assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5  # it learns

@@ -35,6 +35,16 @@ def _same(fn, mesh, layout, *args, **kw):
     assert_same(md.lower(fn, md.Mesh(mesh), md.Layout(layout), **kw)(*args), fn(*args))
 
 
+def _kept(fn, mesh, layout, *args, moved=None, **kw):
+    """The three promises on one program: the unsharded values, no more bytes than gspmd, and
+    explain == the compiled HLO (== ``moved``, bytes per kind, when given)."""
+    b = _moved(fn, mesh, layout, *args, **kw)
+    assert b["explicit"] <= b["gspmd"], b
+    e, h = _explain_vs_hlo(fn, mesh, layout, *args, **kw)
+    assert e == h and (moved is None or e == moved), (e, h)
+    assert_same(md.lower(fn, mesh, layout, **kw)(*args), fn(*args))
+
+
 # -- 01: block order of a dim split over two axes against mesh order ---------------------------------
 
 @pytest.mark.parametrize("offset,wrap", [(1, False), (-3, False), (5, False), (9, True), (-1, True)])
@@ -526,11 +536,7 @@ def test_campaign_elementwise_on_a_split_parameter_before_it_is_gathered():
     top = lambda v: md.top_k(v, "d", k=4, out="k4")[0]
     mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"k4": "y"}, params={"d": "x"})
     for fn in (lambda v: (top(v), md.erf(v) / top(v)), lambda v: (md.erf(v), top(v), md.erf(v) / top(v))):
-        moved = _moved(fn, mesh, layout, v, param_gather="auto")
-        assert moved["explicit"] <= moved["gspmd"], moved
-        e, h = _explain_vs_hlo(fn, mesh, layout, v, param_gather="auto")
-        assert e == h == {"all-gather": 24}
-        assert_same(md.lower(fn, mesh, layout, param_gather="auto")(v), fn(v))
+        _kept(fn, mesh, layout, v, param_gather="auto", moved={"all-gather": 24})
 
 
 def test_campaign_linear_op_on_a_pending_value_that_is_also_returned():
@@ -546,11 +552,7 @@ def test_campaign_linear_op_on_a_pending_value_that_is_also_returned():
 
     mesh = md.Mesh({"x": 4, "y": 2})
     layout = md.Layout({"c": "x", "e": ("y", "x")}, params={"c": "y"})
-    moved = _moved(fn, mesh, layout, table, ids, param_gather="auto")
-    assert moved["explicit"] <= moved["gspmd"], moved
-    e, h = _explain_vs_hlo(fn, mesh, layout, table, ids, param_gather="auto")
-    assert e == h
-    assert_same(md.lower(fn, mesh, layout, param_gather="auto")(table, ids), fn(table, ids))
+    _kept(fn, mesh, layout, table, ids, param_gather="auto")
 
 
 @pytest.mark.xfail(strict=True, reason="open: a reshape splitting a dim split over x:4 into p2 q4 gathers the dim "
@@ -573,11 +575,7 @@ def test_campaign_contraction_whose_partial_sum_serves_the_gradient_too():
     loss = lambda a, w: md.sum(md.tanh(md.einsum(w, a, out=""))).array
     grad = lambda a, w: jax.grad(loss, argnums=(0, 1))(a, w)
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"e": "x"})
-    moved = _moved(grad, mesh, layout, a, w)
-    assert moved["explicit"] <= moved["gspmd"], moved
-    e, h = _explain_vs_hlo(grad, mesh, layout, a, w)
-    assert e == h == {"all-reduce": 112}
-    assert_same(md.lower(grad, mesh, layout)(a, w), grad(a, w))
+    _kept(grad, mesh, layout, a, w, moved={"all-reduce": 112})
 
 
 def test_campaign_scalar_contraction_reduces_once_for_value_and_gradient():
@@ -590,11 +588,7 @@ def test_campaign_scalar_contraction_reduces_once_for_value_and_gradient():
     loss = lambda w, x: md.sum(md.tanh(md.einsum(w, x, out=""))).array
     grad = lambda w, x: jax.grad(loss)(w, x)
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"c": "x"})
-    moved = _moved(grad, mesh, layout, w, x)
-    assert moved["explicit"] <= moved["gspmd"], moved
-    e, h = _explain_vs_hlo(grad, mesh, layout, w, x)
-    assert e == h == {"all-reduce": 7}
-    assert_same(md.lower(grad, mesh, layout)(w, x), grad(w, x))
+    _kept(grad, mesh, layout, w, x, moved={"all-reduce": 7})
 
 
 def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_output():
@@ -610,11 +604,7 @@ def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_
     grad = lambda v, w, ids: jax.grad(lambda w: md.sum(md.tanh(fn(v, w, ids))).array)(w)
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"d": "x"})
     for f in (fn, grad):
-        moved = _moved(f, mesh, layout, v, w, ids)
-        assert moved["explicit"] <= moved["gspmd"], moved
-        e, h = _explain_vs_hlo(f, mesh, layout, v, w, ids)
-        assert e == h
-        assert_same(md.lower(f, mesh, layout)(v, w, ids), f(v, w, ids))
+        _kept(f, mesh, layout, v, w, ids)
 
 
 def test_campaign_where_between_a_value_and_itself_drops_the_predicate():
@@ -637,11 +627,7 @@ def test_campaign_take_along_a_split_dim_by_ids_split_the_same_way():
     ids = md.named(jnp.asarray(r.integers(-3, 19, 16), jnp.int32), "b")
     fn = lambda x, ids: md.take(x, ids, "b")
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"b": "x"})
-    moved = _moved(fn, mesh, layout, x, ids)
-    assert moved["explicit"] <= moved["gspmd"], moved
-    e, h = _explain_vs_hlo(fn, mesh, layout, x, ids)
-    assert e == h == {"all-gather": 3584}
-    assert_same(md.lower(fn, mesh, layout)(x, ids), fn(x, ids))
+    _kept(fn, mesh, layout, x, ids, moved={"all-gather": 3584})
 
 
 def test_explain_sees_through_the_same_jit_called_twice():

@@ -93,7 +93,9 @@ class Report:
             lines += [f"pipeline ({p['schedule']}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
                       f"microbatch{'es' * (p['microbatches'] > 1)}, {p['ticks']} ticks, bubble "
                       f"{p['bubble_fraction']:.0%}" + (" (one microbatch: all bubble; set md.Layout(..., "
-                                                      "microbatches=...))" if p["microbatches"] == 1 else ""), ""]
+                                                      "microbatches=...))" if p["microbatches"] == 1 else "")
+                      + (f"; at most {p['in_flight']} microbatch inputs kept per stage" if "in_flight" in p else ""),
+                      ""]
         lines += ["| kind | count | bytes/device |", "| --- | ---: | ---: |"]
         for kind, row in self.summary().items():
             lines.append(f"| {kind} | {row['count']} | {fmt_bytes(row['bytes'])} |")

@@ -67,7 +67,7 @@ class LoweredFunction:
                                f"{suggest(str(param_gather), PARAM_GATHER)}")
         if schedule not in SCHEDULES:
             raise MeshDSLError(f"md.lower: schedule must be one of {SCHEDULES}, got {schedule!r}"
-                               f"{suggest(str(schedule), SCHEDULES)}; circular and 1f1b are not lowered yet")
+                               f"{suggest(str(schedule), SCHEDULES)}; circular is not lowered yet")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.backend, self.param_gather, self.schedule = backend, param_gather, schedule

@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
            "microbatches along batch (GPipe schedule)")
     a("--schedule", default="gpipe", metavar="NAME",
-      help="pipeline schedule of a layout that splits 'layers': gpipe (1f1b and circular: not implemented yet)")
+      help="pipeline schedule of a layout that splits 'layers': gpipe (1f1b: md.lower with md.scan(head=), not yet "
+           "the T5 models; circular: not implemented yet)")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
     a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")

@@ -30,7 +30,7 @@ The step must treat microbatch rows independently (true of layers over a batch o
 Random numbers are placed by their global positions along the microbatch dim only: a draw over a
 dim made from it under another name (MoE's token ``group``: router jitter, expert dropout) is the
 same for every microbatch, unlike the unsharded program's. Without ``microbatches=`` the pipeline
-runs one microbatch (correct, all bubble). Schedules other than GPipe are refused with an error.
+runs one microbatch (correct, all bubble). ``schedule='1f1b'``: :mod:`meshdsl.ops.pipeline_1f1b`.
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ from ..dims import Dim, Shape
 from ..errors import LayoutError, MeshDSLError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, Placement, is_named
-from . import loop, pipeline_ys
+from . import loop, pipeline_1f1b, pipeline_ys
 
 __all__ = ["run", "SCHEDULES"]
 
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "1f1b")
 
 
-def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where):
-    """``(carry, ys)`` of ``md.scan`` over ``dim`` split by the layout: a GPipe pipeline."""
+def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=None):
+    """``(carry, ys)`` of ``md.scan`` over ``dim`` split by the layout (``(head(carry), ys)`` with a
+    ``head``): a GPipe pipeline, or 1F1B (:mod:`meshdsl.ops.pipeline_1f1b`)."""
     axis, stages = _pipe_axis(ctx, dim, length, where)
     others = sorted(d for d, axes in ctx.layout.rules.items() if axis in axes and d != dim)
     if others:
@@ -65,10 +66,22 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where):
     micro, m = _microbatches(ctx, c_leaves, dim, axis, where)
     inputs, templates = _cut(ctx, c_leaves, axis, micro, m, where)
     xs = [_local_stack(ctx, leaf, dim, axis) for leaf in x_leaves]
-    ticks = m + stages - 1
     line = ctx.op[1] if ctx.op else "?"
-    ctx.pipelines.append({"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": ctx.schedule,
-                          "ticks": ticks, "bubble_fraction": (stages - 1) / ticks, "line": line})
+    entry = {"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": ctx.schedule,
+             "ticks": m + stages - 1, "bubble_fraction": (stages - 1) / (m + stages - 1), "line": line}
+    if ctx.schedule == "1f1b":
+        if head is None:
+            raise LayoutError(f"{where}: schedule '1f1b' runs each microbatch's backward pass inside the pipeline, "
+                              "so the loss must be computed there: pass md.scan(..., head=loss_fn) (the final "
+                              "carry -> the loss summed over its rows), or use schedule='gpipe'")
+        rows = templates[0][0]
+        frame = lambda index, hoist: Microbatch(rows.names[0], m, rows[rows.names[0]].size, templates[0][2].axes[0],  # noqa: E731
+                                                index, axis, hoist)
+        ctx.pipelines.append({**entry, "ticks": m + 2 * stages - 2, "in_flight": 2 * stages - 1})
+        total, pending = pipeline_1f1b.run(ctx, step, head, dim, length // stages, xs, x_tree, c_tree, inputs,
+                                           templates, axis, stages, m, frame, where, line)
+        return ctx.out(total, Shape(()), {}, frozenset(pending)), None
+    ctx.pipelines.append(entry)
     widen = frozenset()
     mark = ctx.checkpoint()
     while True:
@@ -82,7 +95,10 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where):
     outs, (ys, y_templates) = outs
     carry = [_join(ctx, o, t, micro, axis) for o, t in zip(outs, templates)]
     ys = pipeline_ys.assemble(ctx, ys, y_templates, m, C.axis_index((axis,)), axis)
-    return jax.tree_util.tree_unflatten(c_tree, carry), jax.tree_util.tree_unflatten(y_tree, ys)
+    carry = jax.tree_util.tree_unflatten(c_tree, carry)
+    if head is not None:
+        carry = pipeline_1f1b.head_value(head, carry, where)
+    return carry, jax.tree_util.tree_unflatten(y_tree, ys)
 
 
 def _pipe_axis(ctx, dim, length, where):
@@ -155,10 +171,11 @@ class Microbatch:
     """The microbatch a stage processes during one tick: ``index`` (traced) of ``count``
     microbatches of ``size`` rows (global) along ``dim``, split over ``axes`` like the carry."""
 
-    def __init__(self, dim, count, size, axes, index, stage_axis):
+    def __init__(self, dim, count, size, axes, index, stage_axis, hoist=frozenset()):
         self.dim, self.count, self.size, self.axes, self.index = dim, count, size, axes, index
         self.stage_axis = stage_axis   # values legitimately differ between stages: x.array keeps that
         self.trace = jaxcompat.current_trace()   # the tick's: cuts are made there, once per tick
+        self.hoist = hoist   # 1F1B: values read from outside vary over these, cast where they are made
         self._cut: dict = {}
 
     def take(self, ctx, x: NamedArray) -> NamedArray:
@@ -172,13 +189,13 @@ class Microbatch:
             local = ctx.local(x, axes, ctx.vary(axes.values(), [x], keep), keep_pending=keep)
             x = NamedArray(local, x.dims, is_param=x.is_param, placement=Placement(pl.axes, keep))
         if self.dim not in x.names or x.dims[self.dim].size != self.size * self.count or self.count == 1:
-            return x
+            return self._hoisted(ctx, x)
         hit = self._cut.get(id(x.raw))
         if hit is None:
             pl = ctx.placement(x)
             target = {d.name: a for d, a in zip(x.dims, pl.axes)}
             target[self.dim] = self.axes
-            vary = ctx.vary(target.values(), [x], pl.pending) | {self.stage_axis}   # cast once, outside the ticks
+            vary = ctx.vary(target.values(), [x], pl.pending) | {self.stage_axis} | self.hoist   # cast once, outside
             local = ctx.local(x, target, vary, keep_pending=pl.pending)
             pos = x.names.index(self.dim)
             rows = local.shape[pos] // self.count
@@ -187,6 +204,20 @@ class Microbatch:
             dims = Shape(Dim(self.dim, self.size) if d.name == self.dim else d for d in x.dims)
             placement = Placement(tuple(target[d.name] for d in x.dims), pl.pending)
             hit = self._cut[id(x.raw)] = (x, NamedArray(part, dims, is_param=x.is_param, placement=placement))
+        return hit[1]
+
+    def _hoisted(self, ctx, x: NamedArray) -> NamedArray:
+        """``x``, made outside the step, cast to vary over ``hoist`` in the trace that made it (so
+        its gradient is summed once there, not in every tick)."""
+        trace = jaxcompat.current_trace()
+        need = self.hoist - varying_axes(x.raw)
+        if not need or not jnp.issubdtype(x.dtype, jnp.inexact) or jaxcompat.enclosing_trace(x.raw, trace) is trace:
+            return x
+        hit = self._cut.get(id(x.raw))
+        if hit is None:
+            with jaxcompat.in_trace(jaxcompat.enclosing_trace(x.raw, trace)):
+                arr = C.cast(ctx, x.raw, loop.order(ctx, need))
+            hit = self._cut[id(x.raw)] = (x, NamedArray(arr, x.dims, is_param=x.is_param, placement=ctx.placement(x)))
         return hit[1]
 
     def block_start(self, name: str, size: int, split, block: int):

@@ -1,0 +1,155 @@
+"""The 1F1B schedule: ``md.scan(..., head=loss)`` over a split ``layers`` dim with
+``schedule="1f1b"`` equals the unsharded program (loss and gradients), keeps its temp memory flat
+as the microbatches grow (GPipe's grows), sends as many shifts as GPipe, computes nothing on idle
+ticks, is explained exactly, and refuses what it cannot run."""
+
+import jax
+import jax.extend
+import pytest
+
+import meshdsl as md
+from helpers import assert_same, bytes_by_kind, explain_summary, hlo_summary
+
+MESH = md.Mesh({"pipe": 4, "data": 2})
+
+
+def inputs(batch=16, layers=8, d=32):
+    k = jax.random.split(jax.random.key(0), 4)
+    x = md.named(jax.random.normal(k[0], (batch, d)), "batch d_model")
+    w1 = md.param(md.named(jax.random.normal(k[1], (layers, d, 2 * d)) * 0.1, "layers d_model d_ff"))
+    w2 = md.param(md.named(jax.random.normal(k[2], (layers, 2 * d, d)) * 0.1, "layers d_ff d_model"))
+    v = md.param(md.named(jax.random.normal(k[3], (d,)), "d_model"))
+    return x, w1, w2, v
+
+
+def step(v):
+    def run(h, w):
+        f = md.relu(md.einsum(h, w["w1"], out="batch d_ff"))
+        return h + md.einsum(f, w["w2"], out="batch d_model") * v, None   # v: a weight read from outside
+    return run
+
+
+def model(x, w1, w2, v):
+    """The head (summed over the rows) also reads ``v`` from outside: its gradient has three uses."""
+    loss, _ = md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", head=lambda h: md.sum(md.square(h - v)))
+    return loss
+
+
+def loss_and_grads(x, w1, w2, v):
+    return jax.value_and_grad(lambda *a: model(*a).array, argnums=(0, 1, 2, 3))(x, w1, w2, v)
+
+
+LAYOUTS = {
+    "pipe only, one microbatch": md.Layout({"layers": "pipe"}),
+    "pipe x data, 4 microbatches": md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": 4}),
+    "pipe x Megatron": md.Layout({"layers": "pipe", "d_ff": "data"}, microbatches={"batch": 2}),
+    "pipe x data x ZeRO-3": md.Layout({"layers": "pipe", "batch": "data"}, params={"d_model": "data"},
+                                      microbatches={"batch": 2}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_loss_and_gradients_equal_the_unsharded_program(name):
+    """Float32 against float32: the loss is ~2e3 and the gradients ~5e2, so atol 5e-5 is a relative
+    1e-7 (the float32 reference itself is 1.7e-4 off a float64 run on the loss)."""
+    args = inputs()
+    f = md.lower(model, MESH, LAYOUTS[name], schedule="1f1b")
+    assert_same(f(*args), model(*args), rtol=1e-6, atol=1e-3)
+    g = md.lower(loss_and_grads, MESH, LAYOUTS[name], schedule="1f1b")
+    assert_same(g(*args), loss_and_grads(*args), rtol=1e-6, atol=5e-5)
+
+
+def test_a_head_without_a_pipeline_is_applied_to_the_final_carry():
+    args = inputs()
+    expected = md.sum(md.square(md.scan(step(args[3]), args[0], {"w1": args[1], "w2": args[2]},
+                                        dim="layers")[0] - args[3]))
+    assert_same(model(*args), expected)
+    assert_same(md.lower(model, MESH, md.Layout({"batch": "data"}))(*args), expected, atol=1e-3)
+    gpipe = md.lower(model, MESH, LAYOUTS["pipe x data, 4 microbatches"], schedule="gpipe")
+    assert_same(gpipe(*args), expected, atol=1e-3)
+
+
+def test_explain_reports_the_schedule_and_equals_the_compiled_bytes():
+    args, layout = inputs(), LAYOUTS["pipe x data, 4 microbatches"]
+    report = md.explain(loss_and_grads, MESH, layout, *args, schedule="1f1b")
+    p = report.to_dict()["pipeline"]
+    assert {k: p[k] for k in ("stages", "microbatches", "schedule", "ticks", "in_flight")} == \
+        {"stages": 4, "microbatches": 4, "schedule": "1f1b", "ticks": 4 + 2 * 4 - 2, "in_flight": 7}
+    assert p["bubble_fraction"] == pytest.approx(3 / 7)      # GPipe's: idle phases compute nothing
+    assert "pipeline (1f1b) over pipe: 4 stages, 4 microbatches, 10 ticks, bubble 43%; at most 7 microbatch " \
+           "inputs kept per stage" in report.to_markdown()
+    measured = hlo_summary(md.lower(loss_and_grads, MESH, layout, schedule="1f1b"), *args)
+    assert bytes_by_kind(measured) == bytes_by_kind(explain_summary(report))
+    # M + S - 2 shifts each way (GPipe: M + S - 1), each one microbatch's activations [16/2/4 rows, 32] f32
+    permutes = [r for r in report.collectives if r.kind == "collective-permute"]
+    assert sum(r.count for r in permutes) == 2 * (4 + 4 - 2)
+    assert all(r.bytes == 2 * 32 * 4 for r in permutes)
+    gpipe = md.explain(loss_and_grads, MESH, layout, *args, schedule="gpipe")
+    assert explain_summary(gpipe)["collective-permute"][0] == 2 * (4 + 4 - 1)
+    # gradients are summed over data once per step, not once per microbatch (v's with its sum over
+    # pipe: it is read by every stage and by the head)
+    over_data = [r for r in report.collectives if r.kind == "all-reduce" and "data" in r.axes and r.phase == "backward"]
+    assert sorted((r.axes, r.count) for r in over_data) == [(("data",), 1), (("data",), 1), (("pipe", "data"), 1)]
+
+
+def _temp(schedule, m):
+    args = inputs(batch=2 * 2 * m, d=64)      # 2 rows per device and microbatch, whatever M
+    layout = md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": m})
+    f = md.lower(loss_and_grads, MESH, layout, schedule=schedule)
+    return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_temp_memory_is_flat_in_microbatches_where_gpipes_grows():
+    """Microbatches of a fixed size: GPipe keeps every tick's activations for its backward pass
+    (M + S - 1 microbatches); 1F1B keeps at most 2S - 1 microbatch inputs."""
+    gpipe = {m: _temp("gpipe", m) for m in (2, 8)}
+    one = {m: _temp("1f1b", m) for m in (2, 8)}
+    assert gpipe[8] > 1.1 * gpipe[2]
+    assert one[8] < 1.02 * one[2]
+    assert one[8] < gpipe[8]
+
+
+def _subjaxprs(params):
+    for v in params.values():
+        for item in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                yield item
+
+
+def _eqns(jaxpr, inside_cond=False):
+    for e in jaxpr.eqns:
+        yield e, inside_cond
+        for sub in _subjaxprs(e.params):
+            yield from _eqns(sub, inside_cond or e.primitive.name == "cond")
+
+
+def test_idle_ticks_compute_nothing():
+    """Every matmul of the step runs inside a ``cond`` of the tick loop: a stage with no
+    microbatch at hand skips its layers (both in the forward and in the backward phase)."""
+    args, layout = inputs(), LAYOUTS["pipe x data, 4 microbatches"]
+    closed, _, _ = md.lower(loss_and_grads, MESH, layout, schedule="1f1b").trace(*args)
+    dots = [inside for e, inside in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(dots)
+
+
+def test_errors():
+    x, w1, w2, v = inputs()
+    layout = LAYOUTS["pipe x data, 4 microbatches"]
+    with pytest.raises(md.LayoutError, match=r"schedule '1f1b' runs each microbatch's backward pass inside the "
+                                             r"pipeline.*pass md.scan\(\.\.\., head=loss_fn\)"):
+        md.lower(lambda x, w1, w2, v: md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers")[0], MESH, layout,
+                 schedule="1f1b")(x, w1, w2, v)
+    with pytest.raises(md.LayoutError, match=r"head must return a NamedArray with no dims.*got \[batch:4\]"):
+        md.lower(lambda x, w1, w2, v: md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers",
+                                              head=lambda h: md.sum(h, "d_model"))[0], MESH, layout,
+                 schedule="1f1b")(x, w1, w2, v)
+    with pytest.raises(md.LayoutError, match=r"head must return a NamedArray with no dims.*got \[batch:16\]"):
+        md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", head=lambda h: md.sum(h, "d_model"))
+
+    def with_ys(x, w1, w2, v):
+        return md.scan(lambda h, w: (step(v)(h, w)[0], md.sum(h, "d_model")), x, {"w1": w1, "w2": w2},
+                       dim="layers", head=md.sum)[0]
+    with pytest.raises(md.LayoutError, match=r"schedule '1f1b' runs a step that returns no scan outputs"):
+        md.lower(with_ys, MESH, layout, schedule="1f1b")(x, w1, w2, v)

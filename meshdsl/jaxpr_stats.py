@@ -148,6 +148,20 @@ def live(jaxpr):
     return dce(cse(inline(getattr(jaxpr, "jaxpr", jaxpr))))
 
 
+def _canonical(eqn, keys, params):
+    """The CSE key of ``eqn``: its primitive, operands and parameters, with the two sides of a
+    ``dot_general`` whose result does not depend on their order (one side has no free dims) in a
+    fixed order: ``einsum(a, b, out="")`` and ``einsum(b, a, out="")`` are one value to XLA."""
+    if eqn.primitive.name == "dot_general":
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        free = [len(v.aval.shape) - len(c) - len(b) for v, c, b in zip(eqn.invars, (lc, rc), (lb, rb))]
+        if free == [0, 0]:
+            sides = sorted([(keys[0], tuple(lc), tuple(lb)), (keys[1], tuple(rc), tuple(rb))], key=repr)
+            params = {**params, "dimension_numbers": tuple(sides)}
+            keys = []
+    return eqn.primitive, tuple(keys), tuple(sorted(params.items()))
+
+
 def cse(jaxpr):
     """``jaxpr`` with each pure equation that repeats an earlier one (same primitive, parameters and
     inputs) replaced by the earlier one's results: a program that computes one value twice (two
@@ -185,8 +199,8 @@ def cse(jaxpr):
                 not isinstance(cases[0], jcore.Literal):
             subst[eqn.outvars[0]] = subst.get(cases[0], cases[0])  # where(p, x, x) is x: p unused
             continue
-        key = (eqn.primitive, tuple(key_of(v) for v in eqn.invars),
-               tuple(sorted((k, param_key(v)) for k, v in eqn.params.items())))
+        key = _canonical(eqn, [key_of(v) for v in eqn.invars],
+                         {k: param_key(v) for k, v in eqn.params.items()})
         first = seen.get(key)
         if first is not None and len(first.outvars) == len(eqn.outvars):
             subst.update(zip(eqn.outvars, first.outvars))

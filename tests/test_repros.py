@@ -703,3 +703,19 @@ def test_campaign_slice_of_only_padding_reads_nothing():
     _same(fn, {"x": 2, "y": 4}, {"c": ("y", "x")}, w)
     grad = lambda w: jax.grad(lambda w: md.sum(md.sin(fn(w) + w)).array)(w)
     _same(grad, {"x": 2, "y": 4}, {"c": ("y", "x")}, w)
+
+
+@pytest.mark.parametrize("name, out, moved", [("full contraction", "", 7.0), ("batch dims only", "a", 28.0),
+                                              ("one side with free dims", "a", 56.0)])
+def test_campaign_einsum_with_its_operands_swapped(name, out, moved):
+    """einsum(v, w) next to einsum(w, v): where neither side has a free dim XLA computes one value
+    (one all-reduce); where one has, it computes both (the all-reduces combined, twice the bytes).
+    Explain counted two all-reduces of the full contraction (8 B where XLA moved 4)."""
+    w = md.named(jnp.arange(64.0).reshape(4, 16), "a c")
+    one_side = name == "one side with free dims"
+    v = md.named(jnp.arange(16.0), "c") if one_side else md.named(jnp.arange(64.0).reshape(4, 16), "a c")
+    fn = lambda w, v: (md.einsum(w, v, out=out), md.einsum(v, w, out=out))
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"c": "x"})
+    e, h = _explain_vs_hlo(fn, mesh, layout, w, v)
+    assert e == h == {"all-reduce": moved}
+    _same(fn, {"x": 8}, {"c": "x"}, w, v)

@@ -148,10 +148,23 @@ def live(jaxpr):
     return dce(cse(inline(getattr(jaxpr, "jaxpr", jaxpr))))
 
 
+_GATHER_PARAMS = ("all_gather_dimension", "axis_name", "axis_size", "tiled")
+
+
+def _as_xla_sees(text: str) -> str:
+    """A printed jaxpr without what XLA does not see: the varying-axes types, and the difference
+    between a gather typed varying and one typed invariant (one all-gather to XLA)."""
+    text = re.sub(r"\{V:[^}]*\}", "", text).replace("all_gather_invariant", "all_gather")
+    return re.sub(r"\s*axis_index_groups=None", "", text)
+
+
 def _canonical(eqn, keys, params):
     """The CSE key of ``eqn``: its primitive, operands and parameters, with the two sides of a
     ``dot_general`` whose result does not depend on their order (one side has no free dims) in a
-    fixed order: ``einsum(a, b, out="")`` and ``einsum(b, a, out="")`` are one value to XLA."""
+    fixed order: ``einsum(a, b, out="")`` and ``einsum(b, a, out="")`` are one value to XLA; so are
+    an ``all_gather`` and an ``all_gather_invariant`` of one value."""
+    if eqn.primitive.name in ("all_gather", "all_gather_invariant") and params.get("axis_index_groups") is None:
+        return "all_gather", tuple(keys), tuple((k, params[k]) for k in _GATHER_PARAMS)
     if eqn.primitive.name == "dot_general":
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         free = [len(v.aval.shape) - len(c) - len(b) for v, c, b in zip(eqn.invars, (lc, rc), (lb, rb))]
@@ -178,7 +191,7 @@ def cse(jaxpr):
 
     def param_key(value):
         if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-            return ("jaxpr", str(value))  # structure, not name scopes: tags differ, programs do not
+            return ("jaxpr", _as_xla_sees(str(value)))  # structure, not name scopes: tags differ, programs do not
         if callable(value) or type(value).__name__ == "WrappedFun":  # rules (custom_vjp's fwd / bwd): the program is already differentiated
             return "callable"
         if isinstance(value, (tuple, list)):

@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402,F401 - sets up devices first
-from bench import communication, compile_time, fused_step, memory, pipeline, readme, step_time  # noqa: E402
+from bench import communication, compile_time, fused_step, memory, pipeline, readme, schedules, step_time  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     start = time.perf_counter()
     for name, bench in (("communication", communication), ("compile time", compile_time), ("memory", memory),
-                        ("pipeline", pipeline), ("fused step", fused_step), ("step time", step_time)):
+                        ("pipeline", pipeline), ("schedules", schedules), ("fused step", fused_step),
+                        ("step time", step_time)):
         t = time.perf_counter()
         print(f"== {name}", flush=True)
         print(bench.run(a.quick), flush=True)

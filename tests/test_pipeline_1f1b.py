@@ -5,6 +5,7 @@ ticks, is explained exactly, and refuses what it cannot run."""
 
 import jax
 import jax.extend
+import numpy as np
 import pytest
 
 import meshdsl as md
@@ -48,7 +49,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pipe only, one microbatch" else n
+                                  for n in LAYOUTS])   # one microbatch: also drawn by the random pipelines
 def test_loss_and_gradients_equal_the_unsharded_program(name):
     """Float32 against float32: the loss is ~2e3 and the gradients ~5e2, so atol 5e-5 is a relative
     1e-7 (the float32 reference itself is 1.7e-4 off a float64 run on the loss)."""
@@ -153,3 +155,64 @@ def test_errors():
                        dim="layers", head=md.sum)[0]
     with pytest.raises(md.LayoutError, match=r"schedule '1f1b' runs a step that returns no scan outputs"):
         md.lower(with_ys, MESH, layout, schedule="1f1b")(x, w1, w2, v)
+
+
+def test_a_head_dividing_by_a_pending_sum_made_outside():
+    """The head divides by a sum over the batch made outside the pipeline (pending over data where
+    it is read, as T5's token count): reduced where it is made, not inside the stage (reduced
+    inside, the gradients came out wrong by up to 55%)."""
+    args = inputs()
+
+    def fn(x, w1, w2, v):
+        total = md.sum(md.square(md.stop_gradient(x)))
+        return md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers",
+                       head=lambda h: md.sum(md.square(h - v)) / total)[0]
+
+    def grads(*a):
+        return jax.value_and_grad(lambda *b: fn(*b).array, argnums=(1, 2, 3))(*a)
+    g = md.lower(grads, MESH, LAYOUTS["pipe x data, 4 microbatches"], schedule="1f1b")
+    assert_same(g(*args), grads(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_aux_values_of_the_head_are_summed_and_not_differentiated():
+    """head -> (loss, aux): the aux values (metrics) come back summed over the microbatches under
+    every schedule, and carry no gradient."""
+    args = inputs()
+
+    def fn(x, w1, w2, v):
+        def head(h):
+            return md.sum(md.square(h - v)), {"norm": md.sum(md.square(h)), "count": md.sum(md.ones(h.dims))}
+        return md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", head=head)[0]
+
+    def grads(*a):
+        (loss, aux), g = jax.value_and_grad(lambda *b: (fn(*b)[0].array, fn(*b)), argnums=(1, 2, 3),
+                                            has_aux=True)(*a)
+        return loss, aux[1], g
+    expected = grads(*args)
+    assert float(expected[1]["count"].array) == 16 * 32
+    for schedule in ("gpipe", "1f1b"):
+        assert_same(md.lower(grads, MESH, LAYOUTS["pipe x data, 4 microbatches"], schedule=schedule)(*args),
+                    expected, rtol=1e-6, atol=1e-3)
+    aux_grad = jax.grad(lambda v: fn(args[0], args[1], args[2], v)[1]["norm"].array)(args[3])
+    assert not np.any(np.asarray(aux_grad.array))
+
+
+def test_a_scan_may_keep_gpipe_under_a_1f1b_program():
+    """md.scan(..., schedule="gpipe") overrides md.lower's schedule for that scan (an encoder whose
+    output a 1F1B decoder reads); explain's first pipeline entry is that scan's."""
+    args = inputs()
+
+    def fn(x, w1, w2, v):
+        encoded, _ = md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", schedule="gpipe")
+        return md.scan(lambda h, w: step(v)(h + encoded, w), x, {"w1": w1, "w2": w2}, dim="layers",
+                       head=lambda h: md.sum(md.square(h)))[0]
+
+    def grads(*a):
+        return jax.value_and_grad(lambda *b: fn(*b).array, argnums=(0, 1, 2, 3))(*a)
+    layout = LAYOUTS["pipe x data, 4 microbatches"]
+    assert_same(md.lower(grads, MESH, layout, schedule="1f1b")(*args), grads(*args), rtol=1e-5, atol=1e-2)
+    report = md.explain(grads, MESH, layout, *args, schedule="1f1b")
+    assert report.pipeline["schedule"] == "gpipe" and report.pipeline["count"] == 2
+    with pytest.raises(md.MeshDSLError, match="schedule 'zigzag' is not lowered yet"):
+        md.lower(lambda x, w1, w2, v: md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers",
+                                              schedule="zigzag")[0], MESH, layout)(*args)

@@ -18,6 +18,7 @@ from jax.extend.random import threefry2x32_p
 
 from .. import collectives as C
 from ..errors import ShapeError
+from ..jaxcompat import varying_axes
 from .common import new_dims, where_
 from ..named import NamedArray
 from .registry import op
@@ -98,8 +99,13 @@ def _bits(ctx, key, dims):
             hi = hi + term
         else:
             lo = lo + term
-    if vary:
-        k1, k2, hi, lo = (C.cast(ctx, v, vary) for v in (k1, k2, hi, lo))
+    # the four words vary alike (threefry's loop needs it): over the value's splits, and over
+    # whatever the key or the positions vary over (a pipeline's microbatch index varies by stage)
+    words = (k1, k2, hi, lo)
+    every = set(vary).union(*(varying_axes(v) for v in words))
+    if every:
+        k1, k2, hi, lo = (C.cast(ctx, v, tuple(a for a in ctx.mesh.axis_names if a in every - varying_axes(v)))
+                          for v in words)
     b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
     return b1 ^ b2, dims, axes
 

@@ -51,9 +51,11 @@ __all__ = ["run", "SCHEDULES"]
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=None):
+def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=None, schedule=None):
     """``(carry, ys)`` of ``md.scan`` over ``dim`` split by the layout (``(head(carry), ys)`` with a
-    ``head``): a GPipe pipeline, or 1F1B (:mod:`meshdsl.ops.pipeline_1f1b`)."""
+    ``head``): a GPipe pipeline, or 1F1B (:mod:`meshdsl.ops.pipeline_1f1b`); ``schedule`` (this
+    scan's) overrides md.lower's."""
+    schedule = schedule or ctx.schedule
     axis, stages = _pipe_axis(ctx, dim, length, where)
     others = sorted(d for d, axes in ctx.layout.rules.items() if axis in axes and d != dim)
     if others:
@@ -61,15 +63,15 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
                           f"{others} to it, which a stage cannot split: map them to other axes")
     if ctx.frame is not None:
         raise LayoutError(f"{where}: a pipeline inside a pipeline; split only the outer scan's dim")
-    if ctx.schedule not in SCHEDULES:
-        raise MeshDSLError(f"{where}: schedule {ctx.schedule!r} is not lowered yet; use one of {SCHEDULES}")
+    if schedule not in SCHEDULES:
+        raise MeshDSLError(f"{where}: schedule {schedule!r} is not lowered yet; use one of {SCHEDULES}")
     micro, m = _microbatches(ctx, c_leaves, dim, axis, where)
     inputs, templates = _cut(ctx, c_leaves, axis, micro, m, where)
     xs = [_local_stack(ctx, leaf, dim, axis) for leaf in x_leaves]
     line = ctx.op[1] if ctx.op else "?"
-    entry = {"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": ctx.schedule,
+    entry = {"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": schedule,
              "ticks": m + stages - 1, "bubble_fraction": (stages - 1) / (m + stages - 1), "line": line}
-    if ctx.schedule == "1f1b":
+    if schedule == "1f1b":
         if head is None:
             raise LayoutError(f"{where}: schedule '1f1b' runs each microbatch's backward pass inside the pipeline, "
                               "so the loss must be computed there: pass md.scan(..., head=loss_fn) (the final "
@@ -78,9 +80,10 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
         frame = lambda index, hoist: Microbatch(rows.names[0], m, rows[rows.names[0]].size, templates[0][2].axes[0],  # noqa: E731
                                                 index, axis, hoist)
         ctx.pipelines.append({**entry, "ticks": m + 2 * stages - 2, "in_flight": 2 * stages - 1})
-        total, pending = pipeline_1f1b.run(ctx, step, head, dim, length // stages, xs, x_tree, c_tree, inputs,
-                                           templates, axis, stages, m, frame, where, line)
-        return ctx.out(total, Shape(()), {}, frozenset(pending)), None
+        totals, tree, ys = pipeline_1f1b.run(ctx, step, head, dim, length // stages, xs, x_tree, c_tree, inputs,
+                                             templates, axis, stages, m, frame, where, line)
+        values = [ctx.out(total, Shape(()), {}, frozenset(pending)) for total, pending in totals]
+        return jax.tree_util.tree_unflatten(tree, values), jax.tree_util.tree_unflatten(ys, [])
     ctx.pipelines.append(entry)
     widen = frozenset()
     mark = ctx.checkpoint()
@@ -210,14 +213,17 @@ class Microbatch:
         """``x``, made outside the step, cast to vary over ``hoist`` in the trace that made it (so
         its gradient is summed once there, not in every tick)."""
         trace = jaxcompat.current_trace()
+        pl = ctx.placement(x)
         need = self.hoist - varying_axes(x.raw)
-        if not need or not jnp.issubdtype(x.dtype, jnp.inexact) or jaxcompat.enclosing_trace(x.raw, trace) is trace:
+        if not (need or pl.pending) or not jnp.issubdtype(x.dtype, jnp.inexact) or \
+                jaxcompat.enclosing_trace(x.raw, trace) is trace:
             return x
         hit = self._cut.get(id(x.raw))
-        if hit is None:
+        if hit is None:   # a pending sum is reduced there too (a reduction traced inside the stage is not)
             with jaxcompat.in_trace(jaxcompat.enclosing_trace(x.raw, trace)):
-                arr = C.cast(ctx, x.raw, loop.order(ctx, need))
-            hit = self._cut[id(x.raw)] = (x, NamedArray(arr, x.dims, is_param=x.is_param, placement=ctx.placement(x)))
+                arr = ctx.local(x, dict(zip(x.names, pl.axes)), ctx.vary(pl.axes, [x], frozenset()))
+                arr = C.cast(ctx, arr, loop.order(ctx, self.hoist - varying_axes(arr)))
+            hit = self._cut[id(x.raw)] = (x, NamedArray(arr, x.dims, is_param=x.is_param, placement=Placement(pl.axes)))
         return hit[1]
 
     def block_start(self, name: str, size: int, split, block: int):

@@ -38,14 +38,16 @@ from ..errors import LayoutError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, is_named
 from . import loop
+from .elementwise import stop_gradient
 
 __all__ = ["run", "head_value"]
 
 
 def run(ctx, step, head, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axis, stages, m, frame, where,
         line):
-    """``(total, pending)``: the head's sum over the finished microbatches, a local scalar (non-zero
-    on the last stage), and the mesh axes it is a pending sum over. ``inputs``: each carry leaf's
+    """``([(total, pending)], tree, ys_tree)``: each head value's sum over the finished
+    microbatches, a local scalar (non-zero on the last stage), and the mesh axes it is a pending sum
+    over; the structure of the head's values and of the step's (empty) scan outputs. ``inputs``: each carry leaf's
     ``[M, rows, ...]``; ``frame(index, hoist)``: the :class:`~meshdsl.ops.pipeline.Microbatch` of a
     traced microbatch index, casting what the step reads from outside to vary over ``hoist``."""
     widen = frozenset()
@@ -64,12 +66,18 @@ def run(ctx, step, head, dim, per_stage, xs, x_tree, c_tree, inputs, templates, 
     def pipelined(ws, ins, cs):
         return p.forward_only(ws, ins, cs)
 
-    def bwd(grads, g):
-        scale = lambda a: a if a.dtype == jax.dtypes.float0 else a * g.astype(a.dtype)  # noqa: E731
-        return tuple([scale(a) for a in part] for part in grads)
+    def bwd(grads, g):   # g: the cotangents of the loss and of the aux values (not differentiated)
+        scale = lambda a: a if a.dtype == jax.dtypes.float0 else a * g[0].astype(a.dtype)  # noqa: E731
+        g_ws, g_ins, g_cs = (tuple(scale(a) for a in part) for part in grads)
+        # a captured value the stage read without a cast (plain jax code on it): the implicit cast's
+        # transpose, a sum over the axes its cotangent varies over and it does not, once per step
+        g_cs = [g if g.dtype == jax.dtypes.float0 else C.psum(ctx, g, loop.order(ctx, varying_axes(g) - varying_axes(c)))
+                for g, c in zip(g_cs, p.consts)]
+        return list(g_ws), list(g_ins), g_cs
 
     pipelined.defvjp(p.joint, bwd)
-    return pipelined(x_arrays, ins, p.consts), p.seen["pending"] | {axis}
+    totals = pipelined(x_arrays, ins, p.consts)
+    return [(t, pending | {axis}) for t, pending in zip(totals, p.seen["pending"])], p.seen["tree"], p.seen["ys"]
 
 
 class _Pipeline:
@@ -90,7 +98,8 @@ class _Pipeline:
         return C.cast(self.ctx, jnp.zeros(a.shape, a.dtype), loop.order(self.ctx, varying_axes(a)))
 
     def scalar(self):
-        return self.cast(jnp.zeros((), self.seen["dtype"]))
+        """Zeros for the head's values (the loss and the aux values)."""
+        return [self.cast(jnp.zeros((), dtype)) for dtype in self.seen["dtype"]]
 
     def trace(self, step, head, dim, per_stage, xs, x_arrays, x_tree, ins, c_tree, templates, frame, where):
         """Trace the stage (its layers, and the head on the last stage) once into ``self.converted``
@@ -104,6 +113,7 @@ class _Pipeline:
                 weights = [NamedArray(a, t[0], is_param=t[1], placement=t[2]) for a, t in zip(ws, x_templates)]
                 carry = [NamedArray(b, t[0], is_param=t[1], placement=t[2]) for b, t in zip(x_in, templates)]
                 carry, ys = loop.run(ctx, step, dim, per_stage, weights, x_tree, carry, c_tree, False, 1, where)
+                self.seen["ys"] = jax.tree_util.tree_structure(ys, is_leaf=is_named)
                 if jax.tree_util.tree_leaves(ys):
                     raise LayoutError(f"{where}: schedule '1f1b' runs a step that returns no scan outputs (ys); "
                                       "return None from the step, or use schedule='gpipe'")
@@ -127,11 +137,15 @@ class _Pipeline:
     def _head(self, head, carry, where):
         """The head's value on the finished microbatch, local with its pending sums kept: what the
         last stage adds to the total."""
-        loss = head_value(head, carry, where)
-        pl = self.ctx.placement(loss)
-        arr = self.ctx.local(loss, {}, varying_axes(loss.raw) | pl.pending, keep_pending=pl.pending)
-        self.seen.update(pending=pl.pending, dtype=arr.dtype)
-        return self.cast(arr)
+        leaves, self.seen["tree"] = jax.tree_util.tree_flatten(head_value(head, carry, where), is_leaf=is_named)
+        out, self.seen["pending"], self.seen["dtype"] = [], [], []
+        for value in leaves:
+            pl = self.ctx.placement(value)
+            arr = self.ctx.local(value, {}, varying_axes(value.raw) | pl.pending, keep_pending=pl.pending)
+            self.seen["pending"].append(pl.pending)
+            self.seen["dtype"].append(arr.dtype)
+            out.append(self.cast(arr))
+        return out
 
     def send(self, arrays, back: bool):
         if self.stages == 1:
@@ -161,7 +175,7 @@ class _Pipeline:
             on = (t - stage >= 0) & (t - stage < m)
             out, loss = jax.lax.cond(on, lambda: self.converted(ws, x_in, idx, *cs),
                                      lambda: ([self.zeros(a) for a in x_in], self.scalar()))
-            return self.send(out, False) if sends else recv, total + loss
+            return self.send(out, False) if sends else recv, [a + b for a, b in zip(total, loss)]
 
         end = m + self.stages - 1
         return self._loop(tick, ([self.zeros(i[0]) for i in ins], self.scalar()),
@@ -171,8 +185,11 @@ class _Pipeline:
         """Gradients of the float weights, the input and the float captured values, and the loss."""
         def f(dws, x_, dcs):
             return self.converted(_merge(ws, self.wdiff, dws), x_, idx, *_merge(cs, self.diff, dcs))
-        (_, loss), back = jax.vjp(f, _only(ws, self.wdiff), x_in, _only(cs, self.diff))
-        return (*back((g_out, g_loss)), loss)
+        def split(*a):   # the loss is differentiated, the aux values are not
+            out, values = f(*a)
+            return (out, values[0]), values[1:]
+        (_, loss), back, aux = jax.vjp(split, _only(ws, self.wdiff), x_in, _only(cs, self.diff), has_aux=True)
+        return (*back((g_out, g_loss)), [loss, *aux])
 
     def joint(self, ws, ins, cs):
         """Value and gradients: ``M + 2S - 2`` ticks in phases (forward only while the first
@@ -208,7 +225,7 @@ class _Pipeline:
             x_b = [jnp.where(last, jnp.where(stage == 0, a, r), sl)
                    for a, r, sl in zip(_pick(ins, bi), recv_f, _pick(slots, bi % k))]
             g_out = [jnp.where(last, self.zeros(g), g) for g in recv_b]
-            g_loss = self.cast(jnp.where(last, 1, 0).astype(self.seen["dtype"]))
+            g_loss = self.cast(jnp.where(last, 1, 0).astype(self.seen["dtype"][0]))
             nothing = lambda: ([self.zeros(w) for w in _only(ws, self.wdiff)],  # noqa: E731
                                [self.zeros(a) for a in x_b], [self.zeros(c) for c in _only(cs, self.diff)],
                                self.scalar())
@@ -217,7 +234,7 @@ class _Pipeline:
             g_ins = [jnp.where(b_on & (stage == 0), jax.lax.dynamic_update_index_in_dim(a, g, bi, 0), a)
                      for a, g in zip(g_ins, g_x)]
             acc_ws, acc_cs = [a + g for a, g in zip(acc_ws, g_ws)], [a + g for a, g in zip(acc_cs, g_cs)]
-            total = total + loss
+            total = [a + b for a, b in zip(total, loss)]
             if send_b:
                 recv_b = self.send(g_x, True)
         if do_f:
@@ -244,11 +261,16 @@ def _expand(arrays, mask, grads):
     return _merge([np.zeros(a.shape, jax.dtypes.float0) for a in arrays], mask, grads)
 
 
-def head_value(head, carry, where) -> NamedArray:
-    """``head(carry)``, which must be a NamedArray with no dims."""
-    loss = head(carry)
-    if not is_named(loss) or loss.dims.names:
-        got = f"[{loss.dims}]" if is_named(loss) else type(loss).__name__
-        raise LayoutError(f"{where}: md.scan's head must return a NamedArray with no dims (a loss summed over "
-                          f"the rows of the carry), got {got}")
-    return loss
+def head_value(head, carry, where):
+    """``head(carry)``: a loss, or ``(loss, aux)`` with ``aux`` a pytree of values that are not
+    differentiated (metrics); each a NamedArray with no dims, a sum over the rows of the carry."""
+    value = head(carry)
+    loss, aux = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+    for v in [loss] + jax.tree_util.tree_leaves(aux, is_leaf=is_named):
+        if not is_named(v) or v.dims.names:
+            got = f"[{v.dims}]" if is_named(v) else type(v).__name__
+            raise LayoutError(f"{where}: md.scan's head must return a NamedArray with no dims (a loss summed over "
+                              f"the rows of the carry), or (loss, aux) with aux made of such values; got {got}")
+    if aux is None:
+        return loss
+    return loss, jax.tree_util.tree_map(stop_gradient, aux, is_leaf=is_named)

@@ -25,12 +25,16 @@ from . import loop, pipeline, pipeline_1f1b
 __all__ = ["scan"]
 
 
-def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll: int = 1, head=None):
+def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll: int = 1, head=None,
+         schedule: str | None = None):
     """Scan ``step`` over ``dim`` of the NamedArrays in ``xs``; returns ``(carry, ys)``.
 
     ``head``: a function of the final carry returning a loss with no dims, summed over the rows of
-    the carry (a summed token loss, say); then ``(head(carry), ys)`` is returned. Under a pipeline
-    with ``schedule="1f1b"`` it runs on the last stage for every microbatch (required there)."""
+    the carry (a summed token loss, say), or ``(loss, aux)`` with ``aux`` values that are not
+    differentiated (metrics); then ``(head(carry), ys)`` is returned. Under a pipeline with
+    ``schedule="1f1b"`` it runs on the last stage for every microbatch (required there).
+    ``schedule``: this scan's pipeline schedule where the layout splits ``dim`` (default: md.lower's);
+    an encoder whose output feeds a later stack, say, runs ``"gpipe"`` under a 1F1B decoder."""
     ctx = active()
     line = user_line(2)
     where = f"md.scan at {line}"
@@ -53,7 +57,7 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
             raise LayoutError(f"{where}: the layout splits {dim!r} (a pipeline), which runs forward only; "
                               f"remove reverse=True or the rule for {dim!r}")
         with ctx.at("scan", line):
-            return pipeline.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head)
+            return pipeline.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head, schedule)
     with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
         carry, ys = loop.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
     return (carry if head is None else pipeline_1f1b.head_value(head, carry, where)), ys

@@ -75,11 +75,12 @@ def with_remat(fn, policy: str = "none"):
 
 
 def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=None, remat: str = "none",
-                reverse: bool = False, unroll: int = 1):
+                reverse: bool = False, unroll: int = 1, head=None, schedule=None):
     """Run ``step(layer, carry, key) -> (carry, y)`` for each layer of a stacked ``module``.
 
     Every parameter of ``module`` must have ``dim``. Returns ``(carry, ys)`` with ``ys`` stacked
     along ``dim``. ``key``: per-layer keys ``fold_in(key, l)`` (None: ``step`` gets None).
+    ``head`` and ``schedule``: as in ``md.scan`` (then ``(head(carry), ys)``).
     """
     graphdef, state = nnx.split(module)
     length = _stack_length(state, dim)
@@ -90,7 +91,8 @@ def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=Non
     run = with_remat(one_layer, remat)
 
     if key is None:
-        return md.scan(lambda c, s: run(s, c, None), carry, state, dim=dim, reverse=reverse, unroll=unroll)
+        return md.scan(lambda c, s: run(s, c, None), carry, state, dim=dim, reverse=reverse, unroll=unroll,
+                       head=head, schedule=schedule)
 
     def keyed(c, xs):
         s, layer = xs
@@ -100,7 +102,8 @@ def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=Non
     # The layer numbers travel with the layers' parameters, so a layout that splits the layers
     # (a pipeline) hands every stage the numbers of its own layers.
     numbers = md.arange(md.Dim(dim, length))
-    return md.scan(keyed, carry, (state, numbers), dim=dim, reverse=reverse, unroll=unroll)
+    return md.scan(keyed, carry, (state, numbers), dim=dim, reverse=reverse, unroll=unroll, head=head,
+                   schedule=schedule)
 
 
 def layer_at(module: nnx.Module, index: int, dim: str = "layers") -> nnx.Module:

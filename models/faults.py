@@ -23,13 +23,10 @@ from meshdsl.ops.pipeline import SCHEDULES
 from meshdsl.units import fmt_bytes
 
 __all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
-           "checked_vocabulary", "mesh_warnings", "check_schedule"]
+           "checked_vocabulary", "mesh_warnings", "check_schedule", "check_schedule_for"]
 
 #: pipeline schedules named in the literature that meshdsl does not lower (yet)
 PLANNED_SCHEDULES = ("circular",)
-#: schedules md.lower runs that the training CLI's models cannot use yet, and why
-NOT_FOR_T5 = {"1f1b": "md.lower runs it for an md.scan with head=, the loss computed inside the pipeline; "
-                      "T5 computes its loss after the decoder stack"}
 
 
 class UsageError(SystemExit):
@@ -158,14 +155,20 @@ def checked_vocabulary(text_files):
 
 def check_schedule(name: str) -> None:
     """``--schedule``: one of the pipeline schedules md.lower implements, else a UsageError naming them."""
-    if name in SCHEDULES and name not in NOT_FOR_T5:
+    if name in SCHEDULES:
         return
-    known = ", ".join(s for s in SCHEDULES if s not in NOT_FOR_T5)
-    why = ("is not implemented yet" if name in PLANNED_SCHEDULES else
-           f"is not supported by the training CLI's models yet ({NOT_FOR_T5[name]})" if name in NOT_FOR_T5 else
-           "is not a pipeline schedule")
+    known = ", ".join(SCHEDULES)
+    why = "is not implemented yet" if name in PLANNED_SCHEDULES else "is not a pipeline schedule"
     raise UsageError(f"--schedule {name}: {why}; the schedules that exist: {known} "
                      f"({', '.join(PLANNED_SCHEDULES)}: planned, not implemented)")
+
+
+def check_schedule_for(name: str, config) -> None:
+    """``--schedule 1f1b`` with an MoE model: refused (its router losses are scan outputs of the
+    decoder stack, which 1F1B's joint forward/backward loop cannot differentiate yet)."""
+    if name == "1f1b" and config.is_moe:
+        raise UsageError(f"--schedule 1f1b: not yet for MoE models ({config.name}): their router losses are "
+                         "outputs of each layer, which the 1F1B loop cannot differentiate yet; use --schedule gpipe")
 
 
 def mesh_warnings(mesh, layout) -> list[str]:

@@ -23,18 +23,28 @@ DECODER_TOKENS = "batch targets"
 def cross_entropy(logits: md.NamedArray, targets: md.NamedArray, weights: md.NamedArray | None = None,
                   z_loss: float = 0.0):
     """Mean cross-entropy (and T5X's z-loss) over tokens with weight > 0: ``(loss, metrics)``."""
+    w = _weights(targets, weights)
+    total = md.sum(w)
+    loss, metrics = _token_terms(logits, targets, w, total, z_loss)
+    return loss, {**metrics, "tokens": total}
+
+
+def _weights(targets, weights):
+    return md.ones(targets.dims) if weights is None else weights.astype(jnp.float32)
+
+
+def _token_terms(logits, targets, w, total, z_loss):
+    """The loss and its metrics as sums over the tokens (each over ``total``, the weight of the
+    whole batch): additive over rows, so a pipeline may sum them over microbatches."""
     vocab = logits.dims["vocab"]
     logits = logits.astype(jnp.float32)
     lse = md.logsumexp(logits, "vocab")
     target_logit = md.sum(logits * md.one_hot(targets, vocab), "vocab")
     nll = lse - target_logit
-    w = md.ones(targets.dims) if weights is None else weights.astype(jnp.float32)
-    total = md.sum(w)
     ce = md.sum(nll * w) / total
     z = md.sum(md.square(lse) * w) / total
     correct = md.equal(md.argmax(logits, "vocab"), targets).astype(jnp.float32)
-    metrics = {"loss": ce, "z_loss": z, "accuracy": md.sum(correct * w) / total, "tokens": total}
-    return ce + z_loss * z, metrics
+    return ce + z_loss * z, {"loss": ce, "z_loss": z, "accuracy": md.sum(correct * w) / total}
 
 
 def _moe_terms(model_metrics):
@@ -59,10 +69,14 @@ def t5_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "n
     c = model.config
     enc = batch["encoder_input_tokens"]
     mask = md.not_equal(enc, 0) if mask_padding else None
-    logits, moe = model.forward(enc, batch["decoder_input_tokens"], key=key, train=train,
-                                encoder_mask=mask, remat=remat)
-    loss, metrics = cross_entropy(logits, batch["decoder_target_tokens"], batch.get("decoder_loss_weights"),
-                                  c.z_loss)
+    targets = batch["decoder_target_tokens"]
+    w = _weights(targets, batch.get("decoder_loss_weights"))
+    total = md.sum(w)
+    # the loss is the decoder stack's head: inside the pipeline under schedule="1f1b"
+    (loss, metrics), moe = model.forward(enc, batch["decoder_input_tokens"], key=key, train=train,
+                                         encoder_mask=mask, remat=remat,
+                                         head=lambda logits: _token_terms(logits, targets, w, total, c.z_loss))
+    metrics = {**metrics, "tokens": total}
     router = _moe_terms(moe)
     if router:
         loss = loss + c.load_balancing_coef * router["load_balancing_loss"] + \

@@ -157,7 +157,7 @@ class Stack(nnx.Module):
                       param_dtype=param_dtype)
             for i in range(c.period)])
 
-    def __call__(self, x, *args, key=None, train=False, remat="none"):
+    def __call__(self, x, *args, key=None, train=False, remat="none", head=None, schedule=None):
         def step(period, carry, layer_key):
             keys = _keys(layer_key, len(period.layers))
             metrics = []
@@ -166,7 +166,7 @@ class Stack(nnx.Module):
                 metrics.append(m)
             return carry, metrics
 
-        x, metrics = scan_layers(self, x, step, key=key, remat=remat)
+        x, metrics = scan_layers(self, x, step, key=key, remat=remat, head=head, schedule=schedule)
         return x, _per_layer(metrics)
 
 
@@ -195,11 +195,16 @@ class T5(nnx.Module):
         """Logits ``[batch, <decoder length>, vocab]``; see :meth:`forward` for the options."""
         return self.forward(encoder_ids, decoder_ids, **kw)[0]
 
-    def forward(self, encoder_ids, decoder_ids, *, key=None, train=False, encoder_mask=None, remat="none"):
+    def forward(self, encoder_ids, decoder_ids, *, key=None, train=False, encoder_mask=None, remat="none",
+                head=None):
         """``(logits, metrics)``. ``key``: dropout / jitter (None: deterministic). ``train``: MoE
         training capacity. ``encoder_mask``: ``[batch, <encoder length>]``, true for real tokens
         (None: attend to all, as Hugging Face without an attention mask). ``metrics``: per sparse
-        layer ``(encoder, decoder)`` lists of the MoE metrics, each stacked along ``layers``."""
+        layer ``(encoder, decoder)`` lists of the MoE metrics, each stacked along ``layers``.
+        ``head``: a function of the logits returning a loss summed over the rows (or ``(loss,
+        aux)``, see ``md.scan``), run as the decoder stack's head; then ``(head(logits), metrics)``:
+        under a pipeline with ``schedule="1f1b"`` the loss is computed inside it, per microbatch.
+        The encoder stack's pipeline is GPipe in any case (its output feeds the decoder)."""
         k = _keys(key, 4)
         enc_ids, _ = _as_tokens(encoder_ids, "encoder_ids")
         dec_ids, dec_len = _as_tokens(decoder_ids, "decoder_ids")
@@ -209,10 +214,14 @@ class T5(nnx.Module):
         y = dropout(_leave(self.shared(_enter(dec_ids))), self.config.dropout_rate, k[1])
         n = y.dims["length"].size
         bias = self.decoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
-        y, dec_metrics = self.decoder(y, context, bias, mask, key=k[2], train=train, remat=remat)
-        y = _enter(dropout(self.decoder_norm(y), self.config.dropout_rate, k[3]))
-        logits = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
-        return md.rename(logits, {"seq": dec_len}), (enc_metrics, dec_metrics)
+        def logits(y):
+            y = _enter(dropout(self.decoder_norm(y), self.config.dropout_rate, k[3]))
+            out = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
+            return md.rename(out, {"seq": dec_len})
+
+        top = None if head is None else (lambda y: head(logits(y)))
+        y, dec_metrics = self.decoder(y, context, bias, mask, key=k[2], train=train, remat=remat, head=top)
+        return (y if head is not None else logits(y)), (enc_metrics, dec_metrics)
 
     def encode(self, ids, mask=None, *, key=None, train=False, remat="none"):
         """Encoder output ``[batch, length, d_model]`` for token ids ``[batch, length]``; ``mask``
@@ -221,7 +230,7 @@ class T5(nnx.Module):
         x = dropout(_leave(self.shared(_enter(ids))), self.config.dropout_rate, k[0])
         n = x.dims["length"].size
         bias = self.encoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
-        x, metrics = self.encoder(x, bias, mask, key=k[1], train=train, remat=remat)
+        x, metrics = self.encoder(x, bias, mask, key=k[1], train=train, remat=remat, schedule="gpipe")
         return dropout(self.encoder_norm(x), self.config.dropout_rate, k[2]), metrics
 
 

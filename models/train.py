@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
            "microbatches along batch (GPipe schedule)")
     a("--schedule", default="gpipe", metavar="NAME",
-      help="pipeline schedule of a layout that splits 'layers': gpipe (1f1b: md.lower with md.scan(head=), not yet "
-           "the T5 models; circular: not implemented yet)")
+      help="pipeline schedule of a layout that splits 'layers': gpipe, 1f1b (dense T5: the decoder stack's loss "
+           "inside the pipeline, temp memory flat in --microbatches; not MoE yet); circular: not implemented yet")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
     a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")
@@ -340,6 +340,7 @@ def _run(args) -> dict:
     except TypeError as e:
         raise UsageError(f"--override: {e}; the model config's keys are "
                          f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
+    faults.check_schedule_for(args.schedule, config)
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches:

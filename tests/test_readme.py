@@ -17,8 +17,8 @@ def test_readme_example_runs(capsys):
 
 
 def test_the_pipeline_row_of_the_cheat_sheet_is_truthful():
-    """GPipe: yes (md.lower takes it, the CLI's --schedule too); 1F1B: md.lower with a scan head, not the
-    CLI's T5 models (it refuses it); circular: not yet (both refuse it)."""
+    """GPipe and 1F1B: yes (md.lower takes them, the CLI's --schedule too); circular: not yet (both
+    refuse it)."""
     import pytest
 
     import meshdsl as md
@@ -26,14 +26,13 @@ def test_the_pipeline_row_of_the_cheat_sheet_is_truthful():
 
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| Pipeline (GPipe, 1F1B) |")]
-    assert "--schedule gpipe" in row and "(not yet in the T5 CLI; circular schedule: not yet)" in row
+    assert "--schedule gpipe" in row and "--schedule 1f1b" in row and "circular schedule: not yet" in row
     assert "MoE-T5 stacks" in row and "scan outputs with the `batch` dim" in row
     assert 'schedule="1f1b"' in row and "head=loss" in row
     for name in ("gpipe", "1f1b"):
         md.lower(lambda x: x, md.Mesh({"pipe": 8}), md.Layout({"layers": "pipe"}), schedule=name)
     faults.check_schedule("gpipe")
-    with pytest.raises(SystemExit, match="is not supported by the training CLI's models yet"):
-        faults.check_schedule("1f1b")
+    faults.check_schedule("1f1b")
     with pytest.raises(md.MeshDSLError, match="not lowered yet"):
         md.lower(lambda x: x, md.Mesh({"pipe": 8}), md.Layout({"layers": "pipe"}), schedule="circular")
     with pytest.raises(SystemExit, match="is not implemented yet"):

@@ -305,3 +305,19 @@ def test_plot_pipeline_draws_which_stage_works_on_which_microbatch():
     assert png_bytes(fig) > 1000
     with pytest.raises(ValueError, match="no pipeline"):
         md.plot_pipeline({})
+
+
+def test_plot_pipeline_draws_the_1f1b_schedule():
+    """Each tick's forward and backward phase: stage s runs microbatch t - s forward and
+    t - (2S - 2 - s) backward; the last stage's forward pass is part of its backward phase."""
+    from meshdsl.pipeline_plot import one_f_one_b_grid
+    grid = one_f_one_b_grid(2, 2)
+    assert grid == [[(0, None), (1, None), (None, 0), (None, 1)], [(None, None), (None, 0), (None, 1), (None, None)]]
+    entry = {"schedule": "1f1b", "axis": "pipe", "stages": 4, "microbatches": 3, "ticks": 3 + 2 * 4 - 2,
+             "bubble_fraction": 3 / 6}
+    fig = md.plot_pipeline(entry)
+    (ax,) = fig.axes
+    assert sorted(t for t in texts(ax) if t.isdigit()) == sorted(["0", "1", "2"] * (4 + 3))   # B: 4 stages, F: 3
+    assert len(ax.patches) == 4 * 9 * 2
+    assert "1f1b: 4 stages, 3 microbatches, 9 ticks, bubble 50%" in ax.get_title()
+    assert png_bytes(fig) > 1000

@@ -238,23 +238,37 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step(schedule):
     assert_same(f(model, batch, key), jax.jit(step)(model, batch, key), rtol=2e-4, atol=2e-5)
 
 
-def _cli_records(tmp_path, model, override, runs):
-    """The metrics.jsonl records of 3 steps of the training CLI, one list per run's extra flags."""
+def _cli_records(tmp_path, model, override, runs, steps=3, batch=8):
+    """The metrics.jsonl records of ``steps`` steps of the training CLI, one list per run's extra flags."""
     import json
 
     from meshdsl.models.train import main
 
-    common = ["--model", model, "--override", override, "--batch", "8", "--encoder-length", "32",
-              "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", "3", "--ckpt-every", "0"]
+    common = ["--model", model, "--override", override, "--batch", str(batch), "--encoder-length", "32",
+              "--log-every", "1", "--no-explain", "--eval-batches", "0", "--steps", str(steps), "--ckpt-every", "0"]
     records = []
     for i, extra in enumerate(runs):
         out = str(tmp_path / f"run{i}")
         result = main([*common, *extra, "--out", out])
-        assert result["trainer"].grad_fn.schedule == "gpipe"
+        schedule = extra[extra.index("--schedule") + 1] if "--schedule" in extra else "gpipe"
+        assert result["trainer"].grad_fn.schedule == schedule
         with open(f"{out}/metrics.jsonl") as f:
             records.append([json.loads(line) for line in f])
-        assert len(records[-1]) == 3
+        assert len(records[-1]) == steps
     return records
+
+
+@pytest.mark.slow  # ~2 min; test_t5_trains_under_a_pipeline_with_the_unsharded_step[1f1b] checks the step by default
+def test_training_cli_under_1f1b_gives_the_data_parallel_losses(tmp_path):
+    """python -m meshdsl.models.train --mesh pipe:4,data:2 --layout batch:data;layers:pipe
+    --microbatches 8 --schedule 1f1b (T5 with 4 + 4 layers): the first 10 losses and accuracies
+    equal data parallel's."""
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,encoder_layers=4,decoder_layers=4"
+    pipe, data = _cli_records(tmp_path, "t5-tiny", override, [
+        ["--mesh", "pipe:4,data:2", "--layout", "batch:data;layers:pipe", "--microbatches", "8", "--schedule", "1f1b"],
+        ["--mesh", "data:8", "--layout", "batch:data"]], steps=10, batch=16)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in data], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow  # ~50 s; test_t5_trains_under_a_pipeline_with_the_unsharded_step checks the same training by default

@@ -145,7 +145,8 @@ def loss_and_grads(model, batch, key):
     return nnx.value_and_grad(lambda m: t5_loss(m, batch, key=key, train=True)[0].array)(model)
 
 
-@pytest.mark.parametrize("rules, stays", [({"batch": "data"}, True), (MEGATRON, False)],
+@pytest.mark.parametrize("rules, stays", [pytest.param({"batch": "data"}, True, marks=pytest.mark.slow),
+                                          (MEGATRON, False)],   # ZeRO-3 alone: -m slow (~35 s)
                          ids=["ZeRO-3", "Megatron + ZeRO-3"])
 def test_param_gather_auto_gathers_a_parameter_only_where_cheaper(rules, stays, batch):
     """A tied embedding [vocab:1024, d_model:128] stored d_model:data, read by two lookups and

@@ -208,7 +208,7 @@ def test_layout_microbatches_are_checked_and_shown():
 # GPipe with -m slow (~60 s): under 1F1B the encoder stack runs GPipe with the same layout, dropout and captures
 @pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_t5_trains_under_a_pipeline_with_the_unsharded_step(schedule):
-    """T5 (4 + 4 layers, dropout on) under pipe x data x Megatron with 2 microbatches: the decoder
+    """T5 (2 + 2 layers, dropout on) under pipe x data x Megatron with 2 microbatches: the decoder
     captures the encoder output (cut per microbatch), dropout masks equal the unsharded ones.
     1F1B: the decoder stack's loss (its head) runs inside the pipeline, the encoder's is GPipe; the
     metrics come back as the head's aux values."""
@@ -217,8 +217,8 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step(schedule):
     from meshdsl.models.loss import t5_loss
     from meshdsl.models.t5 import T5
 
-    config = get_config("t5-tiny").replace(d_model=32, d_ff=64, heads=4, d_kv=8, vocab=64, encoder_layers=4,
-                                           decoder_layers=4, dropout_rate=0.1)
+    config = get_config("t5-tiny").replace(d_model=32, d_ff=64, heads=4, d_kv=8, vocab=64, encoder_layers=2,
+                                           decoder_layers=2, dropout_rate=0.1)
     model, key = T5(config, rngs=nnx.Rngs(0)), jax.random.key(1)
     r = np.random.RandomState(0)
     batch = {"encoder_input_tokens": md.named(jnp.asarray(r.randint(1, 64, (8, 16))), "batch inputs"),

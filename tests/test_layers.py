@@ -163,7 +163,7 @@ def test_feedforward_is_layout_invariant(x):
     check_invariance(program, modules, x, jax.random.key(6))
 
 
-@pytest.mark.parametrize("top_k, train", [(1, True), (2, False)])
+@pytest.mark.parametrize("top_k, train", [pytest.param(1, True, marks=pytest.mark.slow), (2, False)])  # (1, True): ~27 s
 def test_moe_is_layout_invariant(x, top_k, train):
     """Training capacity (factor 1.0: tokens are dropped) and evaluation capacity; jitter noise is
     random, and checked with the other random layers below."""
@@ -206,6 +206,7 @@ def encoder(remat="none"):
     return program
 
 
+@pytest.mark.slow   # ~35 s; test_models' T5 and MoE-T5 invariance scan their stacks under every layout by default
 def test_scanned_stack_is_layout_invariant(x):
     """The layers inside md.scan (their own six layouts are tested above), with per-layer dropout
     keys and remat: ZeRO-3 storage gathered per step, and the mixed 3-D layout (tensor parallel

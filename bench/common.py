@@ -59,6 +59,11 @@ def fmt_kinds(by_kind: dict) -> str:
     return ", ".join(f"{k} {v['count']}x {fmt_bytes(v['bytes'])}" for k, v in by_kind.items()) or "none"
 
 
+def same_bytes(a: dict, b: dict) -> bool:
+    """Two per-kind summaries move the same bytes of each kind."""
+    return {k: v["bytes"] for k, v in a.items()} == {k: v["bytes"] for k, v in b.items()}
+
+
 def ratio(a: float, b: float) -> str:
     if b == 0:
         return "1.00" if a == 0 else "inf"

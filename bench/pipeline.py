@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 import meshdsl as md  # noqa: E402
 from meshdsl import hlo_comm  # noqa: E402
 from bench import models  # noqa: E402
-from bench.common import fmt_kinds, hlo_bytes, ratio, total, write  # noqa: E402
+from bench.common import fmt_kinds, hlo_bytes, ratio, same_bytes, total, write  # noqa: E402
 from meshdsl.models.loss import t5_loss  # noqa: E402
 
 F32 = 4
@@ -101,7 +101,7 @@ def run(quick: bool = False) -> str:
         rows.append(one(cfg, graphdef, state, model, batch, mesh, s, m))
         r = rows[-1]
         print(f"M={m:3d} explicit {total(r['explicit']) / 2**20:9.2f} MiB  minimum {r['minimum'] / 2**20:9.2f} MiB  "
-              f"explain = HLO {_same(r['explain'], r['explicit'])}  temp {r['temp_bytes'] / 2**20:8.1f} MiB  "
+              f"explain = HLO {same_bytes(r['explain'], r['explicit'])}  temp {r['temp_bytes'] / 2**20:8.1f} MiB  "
               f"compile {r['compile_s']:.0f} s", flush=True)
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     columns = [
@@ -111,7 +111,7 @@ def run(quick: bool = False) -> str:
         ("explicit MiB", lambda r: mib(total(r["explicit"]))),
         ("minimum MiB", lambda r: mib(r["minimum"])),
         ("explicit / minimum", lambda r: ratio(total(r["explicit"]), r["minimum"])),
-        ("explain = HLO", lambda r: "yes" if _same(r["explain"], r["explicit"]) else "no"),
+        ("explain = HLO", lambda r: "yes" if same_bytes(r["explain"], r["explicit"]) else "no"),
         ("gspmd (HLO)", lambda r: fmt_kinds(r["gspmd"]) if r["gspmd"] is not None else r["gspmd_note"]),
         ("explicit / gspmd", lambda r: ratio(total(r["explicit"]), total(r["gspmd"])) if r["gspmd"] else "-"),
         ("temp MiB (compiled)", lambda r: mib(r["temp_bytes"])),
@@ -128,10 +128,6 @@ def run(quick: bool = False) -> str:
                        "its final norm (the norm's scaling keeps the pending sum, reduced again where the decoder "
                        "reads it). gspmd: the same layout as sharding constraints, no pipeline: XLA gathers the "
                        "layers' weights.")
-
-
-def _same(a: dict, b: dict) -> bool:
-    return {k: v["bytes"] for k, v in a.items()} == {k: v["bytes"] for k, v in b.items()}
 
 
 if __name__ == "__main__":

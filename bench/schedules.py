@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 from meshdsl import hlo_comm  # noqa: E402
-from bench.common import fmt_kinds, ratio, total, write  # noqa: E402
+from bench.common import fmt_kinds, ratio, same_bytes, total, write  # noqa: E402
 
 F32 = 4
 LAYERS, D_MODEL, D_FF, ROWS = 8, 512, 2048, 2     # ROWS: per device and microbatch
@@ -102,7 +102,7 @@ def run(quick: bool = False) -> str:
         ("explicit (HLO)", lambda r: fmt_kinds(r["explicit"])),
         ("explicit MiB", lambda r: mib(total(r["explicit"]))), ("minimum MiB", lambda r: mib(r["minimum"])),
         ("explicit / minimum", lambda r: ratio(total(r["explicit"]), r["minimum"])),
-        ("explain = HLO", lambda r: "yes" if _same(r["explain"], r["explicit"]) else "no"),
+        ("explain = HLO", lambda r: "yes" if same_bytes(r["explain"], r["explicit"]) else "no"),
         ("temp MiB (compiled)", lambda r: mib(r["temp_bytes"])),
         ("temp / GPipe's", lambda r: ratio(r["temp_bytes"], by[("gpipe", r["microbatches"])]["temp_bytes"])),
     ]
@@ -114,10 +114,6 @@ def run(quick: bool = False) -> str:
                        "over data. GPipe above it: an all-reduce over pipe of the finished microbatches (they are on "
                        "the last stage) and of the input's gradient, which grow with the batch; 1F1B reduces only the "
                        "scalar loss.")
-
-
-def _same(a: dict, b: dict) -> bool:
-    return {k: v["bytes"] for k, v in a.items()} == {k: v["bytes"] for k, v in b.items()}
 
 
 if __name__ == "__main__":

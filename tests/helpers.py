@@ -60,3 +60,34 @@ def explain_summary(report) -> dict:
 
 def bytes_by_kind(summary: dict) -> dict:
     return {k: v[1] for k, v in summary.items()}
+
+
+# -- the three promises on one program (test_repros, test_campaign_findings) ----------------------
+
+def moved_by_backend(fn, mesh, layout, *args, **kw):
+    """Bytes per device the compiled program moves, explicit and gspmd backends."""
+    return {be: hlo_comm.analyze(md.lower(fn, mesh, layout, backend=be, **kw).lower(*args).compile())
+            .total_moved_bytes() for be in ("explicit", "gspmd")}
+
+
+def explain_vs_hlo(fn, mesh, layout, *args, **kw):
+    """(md.explain, compiled HLO) bytes per collective kind, kinds with bytes only."""
+    e = md.explain(fn, mesh, layout, *args, **kw).summary()
+    h = hlo_comm.analyze(md.lower(fn, mesh, layout, **kw).lower(*args).compile()).summary()
+    return ({k: v["bytes"] for k, v in e.items() if v["bytes"]},
+            {k: v["moved_bytes"] for k, v in h.items() if v["moved_bytes"]})
+
+
+def same_unsharded(fn, mesh, layout, *args, **kw):
+    """``fn`` lowered on a mesh and layout given as dicts equals ``fn`` unsharded."""
+    assert_same(md.lower(fn, md.Mesh(mesh), md.Layout(layout), **kw)(*args), fn(*args))
+
+
+def promises_kept(fn, mesh, layout, *args, moved=None, **kw):
+    """The three promises on one program: the unsharded values, no more bytes than gspmd, and
+    explain == the compiled HLO (== ``moved``, bytes per kind, when given)."""
+    b = moved_by_backend(fn, mesh, layout, *args, **kw)
+    assert b["explicit"] <= b["gspmd"], b
+    e, h = explain_vs_hlo(fn, mesh, layout, *args, **kw)
+    assert e == h and (moved is None or e == moved), (e, h)
+    assert_same(md.lower(fn, mesh, layout, **kw)(*args), fn(*args))

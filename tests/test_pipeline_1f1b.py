@@ -210,6 +210,7 @@ def test_a_scan_may_keep_gpipe_under_a_1f1b_program():
     def grads(*a):
         return jax.value_and_grad(lambda *b: fn(*b).array, argnums=(0, 1, 2, 3))(*a)
     layout = LAYOUTS["pipe x data, 4 microbatches"]
+    # values up to 2.5e5 (two stacks of residual layers): atol 1e-2 is a relative 4e-8 of the largest
     assert_same(md.lower(grads, MESH, layout, schedule="1f1b")(*args), grads(*args), rtol=1e-5, atol=1e-2)
     report = md.explain(grads, MESH, layout, *args, schedule="1f1b")
     assert report.pipeline["schedule"] == "gpipe" and report.pipeline["count"] == 2

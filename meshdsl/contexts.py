@@ -63,6 +63,10 @@ class GlobalContext:
         """Is a copy of ``x`` placed by ``target`` (axes per dim) already made? (explicit only)"""
         return False
 
+    def result_relaid(self, operands, target) -> bool:
+        """Will the result of the op at hand be relaid to ``target`` later? (explicit only)"""
+        return False
+
     def pieces(self, y: NamedArray, name: str, pieces) -> NamedArray:
         """``y`` is made of ``pieces`` ((operand, offset) along ``name``; zeros elsewhere): a pad or
         a concat. The explicit context remembers it, so a slice of ``y`` reads the pieces
@@ -105,6 +109,11 @@ class GlobalContext:
         split over ``split`` in blocks of ``block``): what new tensors (``arange``, random numbers)
         number their entries from, so that every layout draws the same values."""
         return C.axis_index(split) * block if split else 0
+
+    def same_rows(self, old, new) -> None:
+        """Dim ``new`` holds the rows of dim ``old`` in the same order (a rename, or a reshape's
+        leading dim of a merge or split): inside a pipeline, a microbatch's rows of ``new`` are
+        numbered within the whole batch too. Nothing to do outside one."""
 
     def position_extent(self, name: str, size: int) -> int:
         """The size of dim ``name`` that positions count in (inside a pipeline: a microbatch's

@@ -115,6 +115,13 @@ class ExplicitContext(LayoutContext):
         already or (the previous trace says) later? Reading that copy moves nothing more."""
         return tuple(target) in self._relaid.get(id(x.raw), ()) or self.foresight.will_make(x.raw, target)
 
+    def result_relaid(self, operands, target) -> bool:
+        """Will the result of the op at hand (reading ``operands``) be relaid to ``target`` later,
+        the previous trace says (a returned value gathered at the return)?"""
+        for x in operands:
+            self.foresight.number(x.raw)
+        return self.foresight.next_made(target)
+
     def pieces(self, y, name, pieces):
         self._pads[id(y.raw)] = (name, list(pieces))
         self._keepalive.append(y.raw)
@@ -175,6 +182,10 @@ class ExplicitContext(LayoutContext):
         if self.frame is None:
             return super().block_start(name, size, split, block)
         return self.frame.block_start(name, size, split, block)
+
+    def same_rows(self, old, new) -> None:
+        if self.frame is not None:
+            self.frame.same_rows(old, new)
 
     def position_extent(self, name: str, size: int) -> int:
         return size if self.frame is None else self.frame.extent(name, size)

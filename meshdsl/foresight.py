@@ -8,6 +8,8 @@ The rewriter decides op by op, in program order; a few choices depend on what la
 * an elementwise op on a parameter stored split (``erf(w)``) runs where ``w`` is stored; when a
   later op gathers ``w`` whole anyway (``top_k(w)``), reading that copy would move nothing and the
   result would already be where the layout wants it;
+* a reshape that could park a split on a kept dim (an all-to-all now, instead of a gather) when
+  its result is returned whole anyway: the parked split then moves twice;
 * an op reading a parameter and data varies over the data axes (``ExplicitContext.vary``: the
   parameter's gradient is then summed at the parameter's size); when the data is replicated and
   what it computes is returned, it is all-reduced only to type it replicated.
@@ -78,6 +80,13 @@ class Foresight:
         """Does the previous trace say a copy of ``array`` placed by ``target`` gets made? (Asked
         by an elementwise op that would read that copy: remembered, see :meth:`next`.)"""
         n = self.number(array)
+        self._wished.add((n, tuple(target)))
+        return tuple(target) in self.later.get(n, ())
+
+    def next_made(self, target) -> bool:
+        """Does the previous trace say a copy of the next op result placed by ``target`` gets made?
+        (Asked by an op choosing its result's placement before making it: reshape.)"""
+        n = self._count + 1
         self._wished.add((n, tuple(target)))
         return tuple(target) in self.later.get(n, ())
 

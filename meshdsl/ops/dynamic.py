@@ -14,7 +14,8 @@ Over a dim whole on every device both are local. Over a dim split on mesh axes:
 * ``dynamic_slice``: each device reads the entries that fall into its block, zeros elsewhere: the
   result is a *pending* partial sum over the split axes, so only the slice moves (one all-reduce
   of the slice when a whole value is needed, a reduce-scatter if the layout splits the result).
-  Booleans cannot be summed: they are read from the gathered dim.
+  Booleans cannot be summed: they are read from the gathered dim; so is a value another op
+  gathers along ``dim`` anyway (nothing more moves).
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
         raise ShapeError(f"{where_(ctx)}: size {size!r} must be a Python int in 0..{n} (the size of "
                          f"{name!r}), or None for one entry without the dim")
     axes = ctx.plan(x.dims, [x])
-    if jnp.issubdtype(x.dtype, jnp.bool_):
-        axes[name] = ()
+    if jnp.issubdtype(x.dtype, jnp.bool_) or axes[name] and ctx.relaid(x, [() if d.name == name else axes[d.name]
+                                                                           for d in x.dims]):
+        axes[name] = ()  # booleans; or a copy holding the dim whole is made anyway (top_k): read it
     vary = ctx.vary(axes.values(), [x])
     local = ctx.local(x, axes, vary)
     s = _start(ctx, start, n, size or 1, vary)

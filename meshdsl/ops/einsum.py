@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..jaxcompat import differentiated
-from ..named import NamedArray
+from ..named import NamedArray, Placement
 from ..relayout import relayout_bytes
 from .common import as_named, union_dims, where_
 from .reductions import sum as reduce_sum
@@ -64,6 +64,7 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
         out_names.append(name)
     out_dims = Shape(dims[n] for n in out_names)
     contracted = tuple(d.name for d in dims if d.name not in out_names)
+    xs = [_copy_made_anyway(ctx, x, contracted) for x in xs]
 
     linear = _linear_pending(ctx, xs, out_dims)
 
@@ -104,6 +105,24 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     # Parameters stayed where they are stored: bring the result where the plan puts it.
     local = ctx.local(result, target, vary, keep_pending=pending_of(target))
     return ctx.out(local, out_dims, target, pending_of(target))
+
+
+def _copy_made_anyway(ctx, x, contracted):
+    """``x``, or its copy in the layout's placement when ``x`` holds a contracted dim split where
+    the layout does not split it and that copy is made anyway (a value the program returns,
+    gathered at the return): reading it moves nothing more, and contracting the dim whole leaves
+    no partial sum to reduce (``einsum(x, h)`` with ``h`` split off the layout and returned:
+    gspmd's choice too)."""
+    pl = ctx.placement(x) if ctx.explicit else None
+    if pl is None or x.is_param:
+        return x
+    target = ctx.canonical(x.dims)
+    off = [n for d, axes, want in zip(x.dims, pl.axes, target) if (n := d.name) in contracted and axes and axes != want]
+    if not off or not ctx.relaid(x, target):
+        return x
+    split = frozenset(a for axes in target for a in axes)
+    copy = ctx.local(x, dict(zip(x.names, target)), split)
+    return NamedArray(copy, x.dims, placement=Placement(tuple(target)))
 
 
 def _whole_own_dims(ctx, xs, contracted, target):

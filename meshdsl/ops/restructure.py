@@ -11,7 +11,8 @@ is split on the mesh axes of its first dim: those of the first old dim (no move 
 layout gives the first new dim (a move now instead of later), whichever moves fewer bytes; where
 neither divides the sizes, the group is gathered first. (A dim split over more devices than a new
 leading dim has - ``d`` over 8 into ``p:2 q:4`` - would need part of a mesh axis per new dim; the
-group is gathered there.)
+group is gathered there.) A dim split over several axes spreads them over the dims it is split
+into, and dims merged keep their axes, when every element stays where it is (:func:`_spread`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def rename(ctx, x, mapping, new=None) -> NamedArray:
     if dupes:
         raise ShapeError(f"{where_(ctx)}: renaming [{x.dims}] with {mapping} gives two dims named {dupes[0]!r}")
     dims = Shape(Dim(mapping.get(d.name, d.name), d.size) for d in x.dims)
+    for old, d in zip(x.dims, dims):
+        ctx.same_rows(old, d)
     axes, pending = _renamed_axes(ctx, x, mapping)
     return ctx.out(x.raw, dims, axes, pending, is_param=x.is_param)
 
@@ -129,6 +132,9 @@ def reshape(ctx, x, dims) -> NamedArray:
         raise ShapeError(f"{where_(ctx)}: cannot reshape [{x.dims}] ({x.size} elements) to [{new}] "
                          f"({math.prod(sizes)} elements)")
     groups = _groups(list(x.dims), list(new))
+    for old_g, new_g in groups:
+        if old_g and new_g:
+            ctx.same_rows(old_g[0], new_g[0])
     pl = ctx.placement(x)
     if pl is None:
         return ctx.out(jnp.reshape(x.raw, new.sizes), new, is_param=x.is_param)
@@ -147,11 +153,16 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b); axes
     that fit neither may move to a whole kept dim (:func:`_parked`). The cheapest by bytes,
     counting the move of the result to the layout's placement."""
-    def plan(layout_first):
+    def plan(layout_first, spread=False):
         src, out = {}, {}
         for old_g, new_g in groups:
             if len(old_g) == 1 and len(new_g) == 1:
                 src[old_g[0].name] = out[new_g[0].name] = current[old_g[0].name]
+                continue
+            spreads = _spread(ctx, old_g, new_g, current) if spread else None
+            if spreads is not None:
+                src.update((d.name, current[d.name]) for d in old_g)
+                out.update((d.name, axes) for d, axes in zip(new_g, spreads))
                 continue
             major = current[old_g[0].name] if old_g else ()
             if layout_first and old_g and new_g:
@@ -168,21 +179,54 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
 
     wanted = ctx.canonical(new)   # the layout's placement of the result (a LayoutError if none)
 
+    # The result is relaid to the layout's placement later (returned), the previous trace says:
+    # a split the layout does not want is then sure to move.
+    certain = ctx.result_relaid([x], wanted)
+
     def cost(option):
         # The move now, and the move of the result to the splits the layout wants (a split the
-        # layout does not want is not charged: the next ops may well use it, einsums keep it).
+        # layout does not want is not charged, unless certain: the next ops may well use it,
+        # einsums keep it).
         src, out = option
         placed = [out[d.name] for d in new]
-        later = [w or p for w, p in zip(wanted, placed)]
+        later = wanted if certain else [w or p for w, p in zip(wanted, placed)]
         if len({a for axes in later for a in axes}) != sum(len(axes) for axes in later):
             later = wanted
         return (relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names], pending,
                                [src[n] for n in x.names], pending)
                 + relayout_bytes(ctx, new, x.dtype.itemsize, placed, pending, later, pending))
 
-    options = [o for o in (plan(False), plan(True)) if o is not None]
+    options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
     options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
     return min(options, key=cost)
+
+
+def _spread(ctx, old_g, new_g, current):
+    """Axes per new dim that keep every element where it is, or ``None``. Splitting one dim:
+    its axes, in order, go to the new dims, each taking the next axes while they divide what is
+    left of it (``c`` over ``y:2, x:4`` into ``p:2 q:4``: ``p`` over ``y``, ``q`` over ``x``); a
+    dim left partly split takes no more. Merging: leading dims split whole, then one split dim,
+    then whole ones (``[p:y q:x] -> [c]``: ``c`` over ``y, x``)."""
+    if len(old_g) == 1 and new_g:
+        rest, spread = list(current[old_g[0].name]), []
+        for d in new_g:
+            taken, left = [], d.size
+            while rest and left % ctx.axes_size([rest[0]]) == 0:
+                left //= ctx.axes_size([rest[0]])
+                taken.append(rest.pop(0))
+            if rest and left != 1:
+                return None   # the next axis would need part of this dim's elements
+            spread.append(tuple(taken))
+        return None if rest else spread
+    if len(new_g) == 1 and old_g:
+        merged = []
+        for k, d in enumerate(old_g):
+            axes = current[d.name]
+            if axes and any(e.size != ctx.axes_size(current[e.name]) for e in old_g[:k]):
+                return None   # a split after a dim not split whole: not one block per device
+            merged += axes
+        return [tuple(merged)]
+    return None
 
 
 def _parked(ctx, x, groups, current, option):

@@ -32,8 +32,9 @@ which the pipeline joins from the microbatches exactly. Routing is per group and
 group, so a microbatch routes and drops exactly the tokens the whole batch would whenever each
 group lies within one sequence (the default ``group_size``) or, for larger groups, within one
 device's rows of a microbatch. Router jitter and expert dropout draw over ``group``, which the
-pipeline does not place by its global position (only ``batch``): with M > 1 they are not the
-unsharded program's draws.
+pipeline numbers by its rows' global positions (``group`` is cut like ``batch``), so they are the
+unsharded program's draws. Under 1F1B, MoE-T5 sums the metrics per row in the carry and the loss
+reads them in the stack's head (:class:`meshdsl.models.t5.Stack`).
 """
 
 from __future__ import annotations

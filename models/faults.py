@@ -23,7 +23,7 @@ from meshdsl.ops.pipeline import SCHEDULES
 from meshdsl.units import fmt_bytes
 
 __all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
-           "checked_vocabulary", "mesh_warnings", "check_schedule", "check_schedule_for"]
+           "checked_vocabulary", "mesh_warnings", "check_schedule"]
 
 #: pipeline schedules named in the literature that meshdsl does not lower (yet)
 PLANNED_SCHEDULES = ("circular",)
@@ -161,14 +161,6 @@ def check_schedule(name: str) -> None:
     why = "is not implemented yet" if name in PLANNED_SCHEDULES else "is not a pipeline schedule"
     raise UsageError(f"--schedule {name}: {why}; the schedules that exist: {known} "
                      f"({', '.join(PLANNED_SCHEDULES)}: planned, not implemented)")
-
-
-def check_schedule_for(name: str, config) -> None:
-    """``--schedule 1f1b`` with an MoE model: refused (its router losses are scan outputs of the
-    decoder stack, which 1F1B's joint forward/backward loop cannot differentiate yet)."""
-    if name == "1f1b" and config.is_moe:
-        raise UsageError(f"--schedule 1f1b: not yet for MoE models ({config.name}): their router losses are "
-                         "outputs of each layer, which the 1F1B loop cannot differentiate yet; use --schedule gpipe")
 
 
 def mesh_warnings(mesh, layout) -> list[str]:

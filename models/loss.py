@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.layers.router import EXPERT_CHOICE
 
 __all__ = ["cross_entropy", "t5_loss", "batch_arrays"]
 
@@ -47,19 +48,27 @@ def _token_terms(logits, targets, w, total, z_loss):
     return ce + z_loss * z, {"loss": ce, "z_loss": z, "accuracy": md.sum(correct * w) / total}
 
 
-def _moe_terms(model_metrics):
-    """Mean over the sparse layers of each MoE metric (scalars; expert_load per expert)."""
-    per_layer = [m for stack in model_metrics for m in stack if m]
-    if not per_layer:
-        return {}
-    out = {}
-    for name in per_layer[0]:
-        values = [md.mean(m[name], "layers") for m in per_layer]
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        out[name] = total / len(values)
-    return out
+def _sparse_layers(config) -> int:
+    """Sparse layers in the model (the last of every ``period`` layers, both stacks)."""
+    return (config.encoder_layers + config.decoder_layers) // config.period if config.is_moe else 0
+
+
+def _moe_terms(model_metrics, n_sparse: int, router=None):
+    """Each MoE metric summed over the sparse layers (per layer a mean over tokens; expert_load
+    per expert) over ``n_sparse``: their mean. ``model_metrics``: per-layer metrics stacked along
+    ``layers``; ``router``: sums over further sparse layers (the decoder's, from its head)."""
+    out = {name: md.rename(v, {EXPERT_CHOICE: "experts"}) if EXPERT_CHOICE in v.names else v
+           for name, v in (router or {}).items()}
+    for m in (m for stack in model_metrics for m in stack if m):
+        for name, v in m.items():
+            v = md.sum(v, "layers")
+            out[name] = out[name] + v if name in out else v
+    return {name: v / n_sparse for name, v in out.items()}
+
+
+def _router_loss(config, router) -> md.NamedArray:
+    return config.load_balancing_coef * router["load_balancing_loss"] + \
+        config.router_z_loss_coef * router["router_z_loss"]
 
 
 def t5_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "none", mask_padding: bool = True):
@@ -72,16 +81,26 @@ def t5_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "n
     targets = batch["decoder_target_tokens"]
     w = _weights(targets, batch.get("decoder_loss_weights"))
     total = md.sum(w)
-    # the loss is the decoder stack's head: inside the pipeline under schedule="1f1b"
+    n_sparse = _sparse_layers(c)
+
+    def head(logits, router=None):
+        # the loss is the decoder stack's head: inside the pipeline under schedule="1f1b"; the
+        # decoder's router losses (sums per row, additive over microbatches) join it there
+        loss, metrics = _token_terms(logits, targets, w, total, c.z_loss)
+        if router:
+            router = _moe_terms([], n_sparse, router)
+            loss = loss + _router_loss(c, router)
+            metrics.update({f"moe/{k}": v for k, v in router.items()})
+        return loss, metrics
+
     (loss, metrics), moe = model.forward(enc, batch["decoder_input_tokens"], key=key, train=train,
-                                         encoder_mask=mask, remat=remat,
-                                         head=lambda logits: _token_terms(logits, targets, w, total, c.z_loss))
+                                         encoder_mask=mask, remat=remat, head=head)
     metrics = {**metrics, "tokens": total}
-    router = _moe_terms(moe)
-    if router:
-        loss = loss + c.load_balancing_coef * router["load_balancing_loss"] + \
-            c.router_z_loss_coef * router["router_z_loss"]
-        metrics.update({f"moe/{k}": v for k, v in router.items()})
+    router = _moe_terms(moe, n_sparse)
+    if router:   # the encoder's router losses (per layer, from its scan)
+        loss = loss + _router_loss(c, router)
+        metrics.update({f"moe/{k}": metrics[f"moe/{k}"] + v if f"moe/{k}" in metrics else v
+                        for k, v in router.items()})
     return loss, metrics
 
 

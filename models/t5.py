@@ -136,6 +136,11 @@ def _run_ffn(ffn, x, key, train, sparse):
     return ffn(x, key=key), {}
 
 
+def _row_sums(v):
+    """A router metric per token ``[batch, seq(, expert_choice)]`` summed over the row's tokens."""
+    return md.sum(v, [d for d in v.names if d not in ("batch", EXPERT_CHOICE)])
+
+
 def _per_layer(metrics):
     """The MoE metrics per token ``[layers, batch, seq(, expert_choice)]`` as their means per layer
     (``[layers]``, ``expert_load`` ``[layers, experts]``): taken after the scan."""
@@ -158,16 +163,43 @@ class Stack(nnx.Module):
             for i in range(c.period)])
 
     def __call__(self, x, *args, key=None, train=False, remat="none", head=None, schedule=None):
+        """``(x, metrics)``: the MoE metrics per sparse layer (:func:`_per_layer`). With ``head``,
+        ``(head(x), metrics)``; a sparse stack then carries its router metrics as sums per row
+        (:func:`_row_sums`) and calls ``head(x, router)`` with their sums over the stack's tokens:
+        additive over rows, so a 1F1B pipeline's head takes them per microbatch (no ``ys`` to
+        differentiate after the loop); ``metrics`` is then empty."""
+        carried = head is not None and any(layer.sparse for layer in self.layers)
+
         def step(period, carry, layer_key):
             keys = _keys(layer_key, len(period.layers))
+            x, sums = carry if carried else (carry, None)
             metrics = []
             for layer, k in zip(period.layers, keys):
-                carry, m = layer(carry, *args, k, train)
+                x, m = layer(x, *args, k, train)
+                if carried and m:
+                    sums = {name: sums[name] + _row_sums(v) for name, v in m.items()}
+                    m = {}
                 metrics.append(m)
-            return carry, metrics
+            return ((x, sums) if carried else x), metrics
 
-        x, metrics = scan_layers(self, x, step, key=key, remat=remat, head=head, schedule=schedule)
-        return x, _per_layer(metrics)
+        if not carried:
+            x, metrics = scan_layers(self, x, step, key=key, remat=remat, head=head, schedule=schedule)
+            return x, _per_layer(metrics)
+        tokens = x.dims["batch"].size * x.dims["length"].size
+        zeros = {name: md.zeros(md.Shape([x.dims["batch"], *extra])) for name, extra in self._metric_dims().items()}
+
+        def top(carry):
+            y, sums = carry
+            return head(y, {name: md.sum(v, "batch") / tokens for name, v in sums.items()})
+
+        out, _ = scan_layers(self, (x, zeros), step, key=key, remat=remat, head=top, schedule=schedule)
+        return out, []
+
+    def _metric_dims(self) -> dict:
+        """The dims besides ``batch`` of each router metric's sum per row."""
+        sparse = next(layer for layer in self.layers if layer.sparse)
+        experts = md.Dim(EXPERT_CHOICE, sparse.ffn.experts_dim.size)
+        return {"load_balancing_loss": [], "router_z_loss": [], "dropped_fraction": [], "expert_load": [experts]}
 
 
 class T5(nnx.Module):
@@ -204,6 +236,9 @@ class T5(nnx.Module):
         ``head``: a function of the logits returning a loss summed over the rows (or ``(loss,
         aux)``, see ``md.scan``), run as the decoder stack's head; then ``(head(logits), metrics)``:
         under a pipeline with ``schedule="1f1b"`` the loss is computed inside it, per microbatch.
+        With sparse decoder layers it is ``head(logits, router)``: the decoder's router metrics
+        summed over its sparse layers, each a mean over the batch's tokens (the decoder's metrics
+        list is then empty)
         The encoder stack's pipeline is GPipe in any case (its output feeds the decoder)."""
         k = _keys(key, 4)
         enc_ids, _ = _as_tokens(encoder_ids, "encoder_ids")
@@ -219,7 +254,7 @@ class T5(nnx.Module):
             out = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
             return md.rename(out, {"seq": dec_len})
 
-        top = None if head is None else (lambda y: head(logits(y)))
+        top = None if head is None else (lambda y, *router: head(logits(y), *router))
         y, dec_metrics = self.decoder(y, context, bias, mask, key=k[2], train=train, remat=remat, head=top)
         return (y if head is not None else logits(y)), (enc_metrics, dec_metrics)
 

@@ -340,7 +340,6 @@ def _run(args) -> dict:
     except TypeError as e:
         raise UsageError(f"--override: {e}; the model config's keys are "
                          f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
-    faults.check_schedule_for(args.schedule, config)
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches:

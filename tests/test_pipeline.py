@@ -205,20 +205,26 @@ def test_layout_microbatches_are_checked_and_shown():
         md.Layout(microbatches={"batch": 2, "seq": 2})
 
 
-# GPipe with -m slow (~60 s): under 1F1B the encoder stack runs GPipe with the same layout, dropout and captures
-@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
-def test_t5_trains_under_a_pipeline_with_the_unsharded_step(schedule):
-    """T5 (2 + 2 layers, dropout on) under pipe x data x Megatron with 2 microbatches: the decoder
-    captures the encoder output (cut per microbatch), dropout masks equal the unsharded ones.
-    1F1B: the decoder stack's loss (its head) runs inside the pipeline, the encoder's is GPipe; the
-    metrics come back as the head's aux values."""
+# Dense T5 with -m slow (~60 s each; 1F1B: also the slow CLI test); MoE-T5 under 1F1B by default
+@pytest.mark.parametrize("model, schedule", [pytest.param("t5-tiny", "gpipe", marks=pytest.mark.slow),
+                                             pytest.param("t5-tiny", "1f1b", marks=pytest.mark.slow),
+                                             ("moe-t5-tiny", "1f1b")])
+def test_t5_trains_under_a_pipeline_with_the_unsharded_step(model, schedule):
+    """T5 (2 + 2 layers, dropout on) under pipe x data (x Megatron for dense T5) with 2 microbatches:
+    the decoder captures the encoder output (cut per microbatch), dropout masks equal the unsharded
+    ones. 1F1B: the decoder stack's loss (its head) runs inside the pipeline, the encoder's is
+    GPipe; the metrics come back as the head's aux values. MoE-T5 (every FFN sparse, router jitter
+    and expert dropout on): the decoder's router losses ride in the carry as sums per row and join
+    the loss in the head; jitter and dropout draw over ``group``, numbered like ``batch``."""
     from flax import nnx
     from meshdsl.models.configs import get_config
     from meshdsl.models.loss import t5_loss
     from meshdsl.models.t5 import T5
 
-    config = get_config("t5-tiny").replace(d_model=32, d_ff=64, heads=4, d_kv=8, vocab=64, encoder_layers=2,
-                                           decoder_layers=2, dropout_rate=0.1)
+    config = get_config(model).replace(d_model=32, d_ff=64, heads=4, d_kv=8, vocab=64, encoder_layers=2,
+                                       decoder_layers=2, dropout_rate=0.1)
+    if config.is_moe:
+        config = config.replace(expert_d_ff=64, moe_every=1, jitter_noise=0.01)
     model, key = T5(config, rngs=nnx.Rngs(0)), jax.random.key(1)
     r = np.random.RandomState(0)
     batch = {"encoder_input_tokens": md.named(jnp.asarray(r.randint(1, 64, (8, 16))), "batch inputs"),
@@ -231,11 +237,41 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step(schedule):
             return loss.array, metrics
         return nnx.value_and_grad(loss_fn, has_aux=True)(model)
 
-    layout = md.Layout({"batch": "data", "layers": "pipe", "heads": "model", "d_ff": "model"},
-                       microbatches={"batch": 2})
-    mesh = md.Mesh({"pipe": 2, "data": 2, "model": 2})
+    if config.is_moe:
+        layout, mesh = md.Layout({"batch": "data", "layers": "pipe"}, microbatches={"batch": 2}), \
+            md.Mesh({"pipe": 2, "data": 4})
+    else:
+        layout = md.Layout({"batch": "data", "layers": "pipe", "heads": "model", "d_ff": "model"},
+                           microbatches={"batch": 2})
+        mesh = md.Mesh({"pipe": 2, "data": 2, "model": 2})
     f = md.lower(step, mesh, layout, schedule=schedule)
-    assert_same(f(model, batch, key), jax.jit(step)(model, batch, key), rtol=2e-4, atol=2e-5)
+    got, want = f(model, batch, key), jax.jit(step)(model, batch, key)
+    if config.is_moe:
+        assert set(got[0][1]) >= {"moe/load_balancing_loss", "moe/router_z_loss", "moe/expert_load"}
+        assert float(want[0][1]["moe/load_balancing_loss"].array) > 0
+    assert_same(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_random_numbers_over_a_dim_cut_like_the_microbatches():
+    """Inside a pipeline stage, a dim made from the microbatch dim (a rename, the leading dim of a
+    reshape: MoE's ``[batch, seq] -> [group, group_size]``) numbers its rows within the whole batch,
+    however it is placed (split like the carry, or whole): the unsharded program's draws."""
+    x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8, 4)), jnp.float32), "batch seq d")
+    w = md.named(jnp.ones((2, 4)), "layers d")
+    key = jax.random.key(0)
+
+    def fn(x, w):
+        def step(h, wl):
+            g = md.reshape(h, [md.Dim("group", h.dims["batch"].size), md.Dim("group_size", 8), md.Dim("d", 4)])
+            g = md.rename(g, {"group": "group_all"})
+            g = md.rename(g * md.random.uniform(key, g.dims), {"group_all": "group"})
+            return md.reshape(g, f"batch:{h.dims['batch'].size} seq:8 d:4") * wl, None
+        return md.scan(step, x, w, dim="layers")[0]
+
+    for rules in ({"batch": "data", "layers": "pipe"}, {"batch": "data", "layers": "pipe", "group_all": "data"},
+                  {"layers": "pipe"}):
+        assert_same(md.lower(fn, md.Mesh({"pipe": 2, "data": 4}), md.Layout(rules, microbatches={"batch": 2}))(x, w),
+                    fn(x, w))
 
 
 def _cli_records(tmp_path, model, override, runs, steps=3, batch=8):
@@ -310,15 +346,18 @@ def test_training_cli_refuses_a_schedule_that_does_not_exist(tmp_path, capsys, n
                           "planned, not implemented)"
 
 
-def test_training_cli_refuses_1f1b_for_an_moe_model(tmp_path, capsys):
-    from meshdsl.models.train import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["--model", "moe-t5-tiny", "--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe",
-              "--schedule", "1f1b", "--out", str(tmp_path / "run")])
-    assert e.value.code == 2
-    assert "--schedule 1f1b: not yet for MoE models (moe-t5-tiny): their router losses are outputs of each " \
-           "layer, which the 1F1B loop cannot differentiate yet; use --schedule gpipe" in capsys.readouterr().err
+@pytest.mark.slow  # two MoE-T5 training runs through the CLI: ~2 min (python -m pytest -m slow)
+def test_moe_t5_trains_under_1f1b_with_the_data_parallel_losses(tmp_path):
+    """MoE-T5 (4 + 4 layers, every second FFN sparse) under --mesh pipe:4,data:2 --layout
+    batch:data;layers:pipe --microbatches 8 --schedule 1f1b: the first 10 losses, router losses,
+    dropped fractions and expert loads equal data parallel's."""
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,encoder_layers=4,decoder_layers=4"
+    pipe, data = _cli_records(tmp_path, "moe-t5-tiny", override, [
+        ["--mesh", "pipe:4,data:2", "--layout", "batch:data;layers:pipe", "--microbatches", "8", "--schedule", "1f1b"],
+        ["--mesh", "data:8", "--layout", "batch:data"]], steps=10, batch=16)
+    for key in ("loss", "accuracy", "moe/load_balancing_loss", "moe/router_z_loss", "moe/dropped_fraction"):
+        np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in data], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose([r["moe/expert_load"] for r in pipe], [r["moe/expert_load"] for r in data], rtol=1e-5)
 
 
 def test_training_cli_passes_the_schedule_to_md_lower(tmp_path, capsys, monkeypatch):

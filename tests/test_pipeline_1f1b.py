@@ -150,6 +150,12 @@ def test_errors():
     with pytest.raises(md.LayoutError, match=r"head must return a NamedArray with no dims.*got \[batch:16\]"):
         md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", head=lambda h: md.sum(h, "d_model"))
 
+    aux_rows = lambda h: (md.sum(md.square(h)), {"rows": md.sum(h, "d_model")})  # noqa: E731
+    with pytest.raises(md.LayoutError, match=r"head returned \[batch:4\], with the microbatch dim 'batch': the "
+                                             r"head's values are summed over the microbatches; sum over 'batch'"):
+        md.lower(lambda x, w1, w2, v: md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", head=aux_rows)[0],
+                 MESH, layout, schedule="1f1b")(x, w1, w2, v)
+
     def with_ys(x, w1, w2, v):
         return md.scan(lambda h, w: (step(v)(h, w)[0], md.sum(h, "d_model")), x, {"w1": w1, "w2": w2},
                        dim="layers", head=md.sum)[0]
@@ -217,3 +223,22 @@ def test_a_scan_may_keep_gpipe_under_a_1f1b_program():
     with pytest.raises(md.MeshDSLError, match="schedule 'zigzag' is not lowered yet"):
         md.lower(lambda x, w1, w2, v: md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers",
                                               schedule="zigzag")[0], MESH, layout)(*args)
+
+
+def test_head_aux_values_with_dims_are_summed_over_microbatches():
+    """The head's aux values may keep dims other than the microbatch dim (MoE-T5's expert load per
+    expert): summed over the microbatches, equal to the head on the whole carry; not differentiated."""
+    x, w1, w2, v = inputs()
+
+    def fn(x, w1, w2, v):
+        head = lambda h: (md.sum(md.square(h)), {"per_feature": md.sum(md.square(h), "batch")})  # noqa: E731
+        loss, aux = md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", head=head)[0]
+        return loss, aux
+
+    f = md.lower(fn, MESH, LAYOUTS["pipe x data, 4 microbatches"], schedule="1f1b")
+    got, want = f(x, w1, w2, v), fn(x, w1, w2, v)
+    assert got[1]["per_feature"].dims == want[1]["per_feature"].dims
+    assert_same(got, want, rtol=1e-5, atol=1e-3)
+    grad = lambda *a: jax.grad(lambda *b: fn(*b)[0].array, argnums=(1, 2))(*a)  # noqa: E731
+    assert_same(md.lower(grad, MESH, LAYOUTS["pipe x data, 4 microbatches"], schedule="1f1b")(x, w1, w2, v),
+                grad(x, w1, w2, v), rtol=1e-5, atol=1e-3)

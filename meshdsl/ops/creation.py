@@ -39,6 +39,8 @@ def _global_iota(ctx, dims, axes, local, k, dtype):
     d = dims[k]
     iota = jax.lax.broadcasted_iota(dtype, local, k)
     start = ctx.block_start(d.name, d.size, axes[d.name], local[k])
+    if jnp.ndim(start) == 1:   # the entries' own positions (a pipeline's microbatch, placed otherwise)
+        return jax.lax.broadcast_in_dim(jnp.asarray(start).astype(dtype), local, (k,))
     return iota if isinstance(start, int) and start == 0 else iota + jnp.asarray(start).astype(dtype)
 
 

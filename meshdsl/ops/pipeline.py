@@ -35,6 +35,8 @@ runs one microbatch (correct, all bubble). ``schedule='1f1b'``: :mod:`meshdsl.op
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -82,7 +84,7 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
         ctx.pipelines.append({**entry, "ticks": m + 2 * stages - 2, "in_flight": 2 * stages - 1})
         totals, tree, ys = pipeline_1f1b.run(ctx, step, head, dim, length // stages, xs, x_tree, c_tree, inputs,
                                              templates, axis, stages, m, frame, where, line)
-        values = [ctx.out(total, Shape(()), {}, frozenset(pending)) for total, pending in totals]
+        values = [ctx.out(total, dims, {}, frozenset(pending)) for total, pending, dims in totals]
         return jax.tree_util.tree_unflatten(tree, values), jax.tree_util.tree_unflatten(ys, [])
     ctx.pipelines.append(entry)
     widen = frozenset()
@@ -180,6 +182,7 @@ class Microbatch:
         self.trace = jaxcompat.current_trace()   # the tick's: cuts are made there, once per tick
         self.hoist = hoist   # 1F1B: values read from outside vary over these, cast where they are made
         self._cut: dict = {}
+        self._rows = {(dim, size)}   # (name, size) of dims cut like the microbatch (its renames, MoE's groups)
 
     def take(self, ctx, x: NamedArray) -> NamedArray:
         """``x`` as an op inside the step sees it: a pending sum over the stage axis reduced (each
@@ -227,17 +230,31 @@ class Microbatch:
         return hit[1]
 
     def block_start(self, name: str, size: int, split, block: int):
-        """Global row of this device's first row of the microbatch along ``dim``: microbatches are
-        cut from each device's block of the batch, so device ``d`` of ``split`` holds global rows
-        ``d * block * count + index * block + r``."""
+        """Global row of this device's first row of the microbatch along ``dim`` (or a dim cut
+        like it: :meth:`same_rows`): microbatches are cut from each device's block of the batch,
+        so device ``d`` of ``split`` holds global rows ``d * block * count + index * block + r``.
+        Placed otherwise than the carry, the global rows of the block's entries (an array)."""
         d = C.axis_index(split) if split else 0
-        if name != self.dim or size != self.size or self.count == 1:
+        if (name, size) not in self._rows or self.count == 1:
             return d * block if split else 0
-        return d * block * self.count + self.index * block
+        if tuple(split) == tuple(self.axes):
+            return d * block * self.count + self.index * block
+        # placed otherwise than the carry (a dim it was merged into, gathered): the block's
+        # positions p in the microbatch are not contiguous in the batch; each device of the
+        # carry's axes holds `own` of them, cut from its block of the whole batch
+        own = size // math.prod(jax.lax.axis_size(a) for a in self.axes)
+        p = jnp.arange(block, dtype=jnp.int32) + (d * block if split else 0)
+        return (p // own) * own * self.count + self.index * own + p % own
 
     def extent(self, name: str, size: int) -> int:
         """Rows of the whole batch along ``dim`` (other dims: their own size)."""
-        return self.size * self.count if name == self.dim and size == self.size else size
+        return size * self.count if (name, size) in self._rows else size
+
+    def same_rows(self, old, new) -> None:
+        """Dim ``new`` (a Dim) is cut from each device's block like ``old``: a rename of the
+        microbatch dim, or the leading dim a reshape merges it into (``[batch, seq] -> [group]``)."""
+        if (old.name, old.size) in self._rows:
+            self._rows.add((new.name, new.size))
 
 
 def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axis, stages, m, widen, where,

@@ -77,7 +77,8 @@ def run(ctx, step, head, dim, per_stage, xs, x_tree, c_tree, inputs, templates, 
 
     pipelined.defvjp(p.joint, bwd)
     totals = pipelined(x_arrays, ins, p.consts)
-    return [(t, pending | {axis}) for t, pending in zip(totals, p.seen["pending"])], p.seen["tree"], p.seen["ys"]
+    return ([(t, pending | {axis}, dims) for t, pending, dims in zip(totals, p.seen["pending"], p.seen["dims"])],
+            p.seen["tree"], p.seen["ys"])
 
 
 class _Pipeline:
@@ -99,7 +100,7 @@ class _Pipeline:
 
     def scalar(self):
         """Zeros for the head's values (the loss and the aux values)."""
-        return [self.cast(jnp.zeros((), dtype)) for dtype in self.seen["dtype"]]
+        return [self.cast(jnp.zeros(dims.sizes, dtype)) for dims, dtype in zip(self.seen["dims"], self.seen["dtype"])]
 
     def trace(self, step, head, dim, per_stage, xs, x_arrays, x_tree, ins, c_tree, templates, frame, where):
         """Trace the stage (its layers, and the head on the last stage) once into ``self.converted``
@@ -138,8 +139,14 @@ class _Pipeline:
         """The head's value on the finished microbatch, local with its pending sums kept: what the
         last stage adds to the total."""
         leaves, self.seen["tree"] = jax.tree_util.tree_flatten(head_value(head, carry, where), is_leaf=is_named)
-        out, self.seen["pending"], self.seen["dtype"] = [], [], []
+        out, self.seen["pending"], self.seen["dtype"], self.seen["dims"] = [], [], [], []
+        micro = self.ctx.frame.dim
         for value in leaves:
+            if micro in value.names:
+                raise LayoutError(f"{where}: md.scan's head returned [{value.dims}], with the microbatch dim "
+                                  f"{micro!r}: the head's values are summed over the microbatches; sum over "
+                                  f"{micro!r} in the head")
+            self.seen["dims"].append(value.dims)
             pl = self.ctx.placement(value)
             arr = self.ctx.local(value, {}, varying_axes(value.raw) | pl.pending, keep_pending=pl.pending)
             self.seen["pending"].append(pl.pending)
@@ -263,14 +270,16 @@ def _expand(arrays, mask, grads):
 
 def head_value(head, carry, where):
     """``head(carry)``: a loss, or ``(loss, aux)`` with ``aux`` a pytree of values that are not
-    differentiated (metrics); each a NamedArray with no dims, a sum over the rows of the carry."""
+    differentiated (metrics). The loss is a NamedArray with no dims, a sum over the rows of the
+    carry; aux values are NamedArrays summed over the rows (any other dims: an expert load)."""
     value = head(carry)
     loss, aux = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
-    for v in [loss] + jax.tree_util.tree_leaves(aux, is_leaf=is_named):
-        if not is_named(v) or v.dims.names:
+    for k, v in enumerate([loss] + jax.tree_util.tree_leaves(aux, is_leaf=is_named)):
+        if not is_named(v) or (k == 0 and v.dims.names):
             got = f"[{v.dims}]" if is_named(v) else type(v).__name__
             raise LayoutError(f"{where}: md.scan's head must return a NamedArray with no dims (a loss summed over "
-                              f"the rows of the carry), or (loss, aux) with aux made of such values; got {got}")
+                              f"the rows of the carry), or (loss, aux) with aux made of NamedArrays (sums over the "
+                              f"rows: no microbatch dim); got {got}")
     if aux is None:
         return loss
     return loss, jax.tree_util.tree_map(stop_gradient, aux, is_leaf=is_named)

@@ -348,10 +348,10 @@ def test_training_cli_refuses_a_schedule_that_does_not_exist(tmp_path, capsys, n
 
 @pytest.mark.slow  # two MoE-T5 training runs through the CLI: ~2 min (python -m pytest -m slow)
 def test_moe_t5_trains_under_1f1b_with_the_data_parallel_losses(tmp_path):
-    """MoE-T5 (4 + 4 layers, every second FFN sparse) under --mesh pipe:4,data:2 --layout
+    """MoE-T5 (4 + 4 layers, every FFN sparse: a stage per layer) under --mesh pipe:4,data:2 --layout
     batch:data;layers:pipe --microbatches 8 --schedule 1f1b: the first 10 losses, router losses,
     dropped fractions and expert loads equal data parallel's."""
-    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,encoder_layers=4,decoder_layers=4"
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,expert_d_ff=64,moe_every=1,encoder_layers=4,decoder_layers=4"
     pipe, data = _cli_records(tmp_path, "moe-t5-tiny", override, [
         ["--mesh", "pipe:4,data:2", "--layout", "batch:data;layers:pipe", "--microbatches", "8", "--schedule", "1f1b"],
         ["--mesh", "data:8", "--layout", "batch:data"]], steps=10, batch=16)

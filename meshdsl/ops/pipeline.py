@@ -69,7 +69,8 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
         raise MeshDSLError(f"{where}: schedule {schedule!r} is not lowered yet; use one of {SCHEDULES}")
     micro, m = _microbatches(ctx, c_leaves, dim, axis, where)
     inputs, templates = _cut(ctx, c_leaves, axis, micro, m, where)
-    xs = [_local_stack(ctx, leaf, dim, axis) for leaf in x_leaves]
+    carry_axes = frozenset(a for t in templates for axes in t[2].axes for a in axes)
+    xs = [_local_stack(ctx, leaf, dim, axis, carry_axes) for leaf in x_leaves]
     line = ctx.op[1] if ctx.op else "?"
     entry = {"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": schedule,
              "ticks": m + stages - 1, "bubble_fraction": (stages - 1) / (m + stages - 1), "line": line}
@@ -159,16 +160,27 @@ def _cut(ctx, c_leaves, axis, micro, m, where):
     return inputs, templates
 
 
-def _local_stack(ctx, leaf, dim, axis):
-    """This stage's layers of a stacked ``xs`` leaf, as a NamedArray whose ``dim`` is whole."""
+def _local_stack(ctx, leaf, dim, axis, carry_axes):
+    """This stage's layers of a stacked ``xs`` leaf, as a NamedArray whose ``dim`` is whole.
+
+    A parameter stored split (ZeRO-3) under ``param_gather="keep"`` is gathered here, once per
+    step, to the layout's placement (its gradient reduce-scattered once, after the ticks); under
+    ``"regather"`` and ``"auto"`` it stays as stored and each tick gathers what it reads (per
+    microbatch: less memory, more bytes). The gathered copy is typed like the carry (the data
+    axes), so its gradient leaves the ticks as partial sums: one reduce-scatter, not an all-reduce."""
     pl = ctx.placement(leaf)
-    axes = {d.name: a for d, a in zip(leaf.dims, pl.axes)}
+    held, extra = pl.axes, frozenset()
+    if leaf.is_param and ctx.params.name == "keep" and not pl.pending:
+        held = tuple(ctx.layout_axes(d.name) if d.name != dim else a for d, a in zip(leaf.dims, pl.axes))
+        if held != pl.axes:
+            extra = carry_axes
+    axes = {d.name: a for d, a in zip(leaf.dims, held)}
     axes[dim] = (axis,)
-    vary = ctx.vary(axes.values(), [leaf], pl.pending)
+    vary = ctx.vary(axes.values(), [leaf], pl.pending) | extra
     arr = ctx.local(leaf, axes, vary, keep_pending=pl.pending)
     n = arr.shape[leaf.names.index(dim)]
     dims = Shape(Dim(dim, n) if d.name == dim else d for d in leaf.dims)
-    inner = Placement(tuple(() if d.name == dim else a for d, a in zip(leaf.dims, pl.axes)), pl.pending)
+    inner = Placement(tuple(() if d.name == dim else a for d, a in zip(leaf.dims, held)), pl.pending)
     return NamedArray(arr, dims, is_param=leaf.is_param, placement=inner)
 
 

@@ -244,7 +244,7 @@ def test_head_aux_values_with_dims_are_summed_over_microbatches():
                 grad(x, w1, w2, v), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])   # ~25 s each
 def test_zero3_gathers_once_per_step_or_per_microbatch(schedule):
     """ZeRO-3 storage (d_model split over data) inside a pipeline: ``param_gather="keep"`` gathers
     a stage's weights once per step, before the ticks, and reduce-scatters their gradient once

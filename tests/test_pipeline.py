@@ -397,6 +397,10 @@ def _random_pipeline(body, key, ys="none"):
         if body == "dropout":
             keep = md.random.bernoulli(jax.random.fold_in(key, layer.raw), 0.8, y.dims)
             y = md.where(keep, y / 0.8, 0.0)
+        if body == "merged dropout":   # random numbers over a dim merged from the microbatch dim (MoE's groups)
+            flat = md.reshape(y, "tokens")
+            keep = md.random.bernoulli(jax.random.fold_in(key, layer.raw), 0.8, flat.dims)
+            y = md.reshape(md.where(keep, flat / 0.8, 0.0), list(y.dims))
         out = {"none": None, "per-example": {"y": md.sum(y * y, "d_model"), "f": f},
                "whole batch": md.mean(f)}[ys]      # 'whole batch' only with one microbatch
         return h + y * 0.5, out
@@ -407,8 +411,9 @@ def _random_pipeline(body, key, ys="none"):
 @given(st.data())
 def test_random_pipelines_equal_the_unsharded_program(data):
     """Random schedules (GPipe; 1F1B, with the loss as the scan's head), stage counts,
-    microbatches, layouts inside the stage, storage rules, step bodies (captured values, softmax,
-    dropout) and scan outputs (GPipe: none, per example, over the whole batch with one
+    microbatches, layouts inside the stage, storage rules with each param_gather policy (ZeRO-3
+    gathered once per step or per microbatch), step bodies (captured values, softmax, dropout,
+    dropout over a dim merged from the microbatch dim) and scan outputs (GPipe: none, per example, over the whole batch with one
     microbatch): values and gradients equal the unsharded program and md.explain's bytes equal
     the compiled program's, per collective kind."""
     schedule = data.draw(st.sampled_from(["gpipe", "1f1b"]), "schedule")
@@ -419,7 +424,8 @@ def test_random_pipelines_equal_the_unsharded_program(data):
     # a d_ff:data storage rule would meet an inner d_ff or d_model rule on the same axis (an invalid layout)
     params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if not {"d_ff", "d_model"} & set(inner) \
         else None
-    body = data.draw(st.sampled_from(["mlp", "softmax", "captured", "dropout"]), "body")
+    body = data.draw(st.sampled_from(["mlp", "softmax", "captured", "dropout", "merged dropout"]), "body")
+    gather = data.draw(st.sampled_from(["keep", "regather", "auto"]), "param_gather") if params else "keep"
     ys = "none" if schedule == "1f1b" else \
         data.draw(st.sampled_from(["none", "per-example"] + ["whole batch"] * (micro == 1)), "scan outputs")
     layers = stages * data.draw(st.sampled_from([1, 2]), "layers per stage")
@@ -442,9 +448,9 @@ def test_random_pipelines_equal_the_unsharded_program(data):
         return jax.value_and_grad(lambda x, w1: loss(x, w1, w2, c).array, argnums=(0, 1))(x, w1)
 
     layout = md.Layout({"layers": "pipe", **inner}, params=params, microbatches={"batch": micro})
-    f = md.lower(program, mesh, layout, schedule=schedule)
+    f = md.lower(program, mesh, layout, schedule=schedule, param_gather=gather)
     assert_same(f(x, w1, w2, c), program(x, w1, w2, c), rtol=1e-4, atol=1e-6)
-    report = md.explain(program, mesh, layout, x, w1, w2, c, schedule=schedule)
+    report = md.explain(program, mesh, layout, x, w1, w2, c, schedule=schedule, param_gather=gather)
     assert report.pipeline["microbatches"] == micro and report.pipeline["stages"] == stages
     assert report.pipeline["schedule"] == schedule
     assert bytes_by_kind(hlo_summary(f, x, w1, w2, c)) == bytes_by_kind(explain_summary(report))

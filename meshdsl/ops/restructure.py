@@ -179,11 +179,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
 
     wanted = ctx.canonical(new)   # the layout's placement of the result (a LayoutError if none)
 
-    # The result is relaid to the layout's placement later (returned), the previous trace says:
-    # a split the layout does not want is then sure to move.
-    certain = ctx.result_relaid([x], wanted)
-
-    def cost(option):
+    def cost(option, certain):
         # The move now, and the move of the result to the splits the layout wants (a split the
         # layout does not want is not charged, unless certain: the next ops may well use it,
         # einsums keep it).
@@ -198,8 +194,14 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
 
     options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
     options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
-    return min(options, key=cost)
-
+    hopeful = min(options, key=lambda o: cost(o, False))
+    sure = min(options, key=lambda o: cost(o, True))
+    # The result is relaid to the layout's placement later (returned), the previous trace says:
+    # a split the layout does not want is then sure to move. Asked only when the answer matters
+    # (asking makes a second trace).
+    if hopeful is sure or not ctx.result_relaid([x], wanted):
+        return hopeful
+    return sure
 
 def _spread(ctx, old_g, new_g, current):
     """Axes per new dim that keep every element where it is, or ``None``. Splitting one dim:

@@ -1,16 +1,19 @@
-"""Pipeline benchmark: a GPipe pipeline as a layout, bytes and memory per training step vs microbatches.
+"""Pipeline benchmark: GPipe and 1F1B pipelines as a layout, bytes and memory per training step vs microbatches.
 
 One training step (loss and gradients) of T5 with t5-small's widths (d_model 512, d_ff 2048, 8 heads
 of 64, vocabulary 32128, no dropout) and 8 encoder + 8 decoder layers on mesh ``pipe:4 x data:2``,
 layout ``batch:data;layers:pipe`` with ``M`` microbatches: both stacks are pipelines of S = 4 stages
-(2 layers each), ``M + S - 1`` ticks. For each M:
+(2 layers each). Schedules: GPipe (``M + S - 1`` ticks) and 1F1B (the decoder stack's loss as its
+head, ``M + 2S - 2`` ticks with ``M + S - 2`` shifts each way; the encoder stays GPipe, its output
+feeds the decoder). For each schedule and M:
 
 * **explicit**: bytes per device of the compiled step (``hlo_comm``), by kind;
 * **explain**: what ``md.explain`` predicted before compiling;
 * **gspmd**: the compiled bytes of ``backend="gspmd"`` (the same layout as sharding constraints: no
   pipeline, XLA decides), or why it does not compile;
-* **minimum**: the ppermutes of one microbatch's activations per tick, forward and backward, for
-  both stacks, ``2 (M+S-1) (B/(n_d M)) (L_enc + L_dec) d_model 4``, plus the data-parallel gradient
+* **minimum**: the ppermutes of one microbatch's activations per shift, forward and backward, for
+  both stacks, ``2 (B/(n_d M)) d_model 4 (T_enc (M+S-1) + T_dec shifts_dec)`` (``shifts_dec``: M+S-1
+  for GPipe, M+S-2 for 1F1B), plus the data-parallel gradient
   sum ``2(n_d-1)/n_d * 4 * P_local`` (P_local: a device's parameters, layers split over pipe);
 * **temp MiB**: ``compiled.memory_analysis().temp_size_in_bytes`` (activations kept for the backward
   pass: one microbatch's per tick and layer);
@@ -57,34 +60,39 @@ def step_fn(graphdef):
     return step
 
 
-def minimum(cfg, model, mesh, layout, s: dict, m: int) -> float:
+def minimum(cfg, model, mesh, layout, s: dict, m: int, schedule: str = "gpipe") -> float:
     """The analytic minimum (see the module docstring)."""
     stages, n_d = mesh.shape["pipe"], mesh.shape["data"]
     rows = s["batch"] // (n_d * m)
-    act = rows * (s["enc"] + s["dec"]) * cfg.d_model * F32           # one microbatch, both stacks
-    permutes = 2 * (m + stages - 1) * act                                   # forward and backward
+    shifts_dec = m + stages - (2 if schedule == "1f1b" else 1)
+    act = rows * cfg.d_model * F32 * (s["enc"] * (m + stages - 1) + s["dec"] * shifts_dec)   # per direction
+    permutes = 2 * act                                                      # forward and backward
     dp = 2 * (n_d - 1) / n_d * models.local_param_bytes(model, mesh, layout, axes_to_ignore=("data",))
     return permutes + dp
 
 
-def one(cfg, graphdef, state, model, batch, mesh, s, m) -> dict:
+def one(cfg, graphdef, state, model, batch, mesh, s, m, schedule="gpipe") -> dict:
     layout = md.Layout({"batch": "data", "layers": "pipe"}, microbatches={"batch": m})
     step = step_fn(graphdef)
     t = time.perf_counter()
-    compiled = md.lower(step, mesh, layout).lower(state, batch).compile()
+    compiled = md.lower(step, mesh, layout, schedule=schedule).lower(state, batch).compile()
     compile_s = time.perf_counter() - t
     rep = hlo_comm.analyze(compiled)
     explicit = {k: {"count": v["count"], "bytes": v["moved_bytes"]} for k, v in rep.summary().items()}
-    report = md.explain(step, mesh, layout, state, batch)
+    report = md.explain(step, mesh, layout, state, batch, schedule=schedule)
     predicted = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in report.summary().items()}
     try:
         gspmd, gspmd_note = hlo_bytes(md.lower(step, mesh, layout, backend="gspmd"), state, batch), ""
     except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
         gspmd, gspmd_note = None, f"does not compile: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     p = report.pipeline
-    return {"microbatches": m, "stages": p["stages"], "ticks": p["ticks"], "bubble_fraction": p["bubble_fraction"],
+    each = p.get("each", [p])          # the encoder's pipeline, then the decoder's
+    return {"schedule": schedule, "microbatches": m, "stages": p["stages"],
+            "ticks": "/".join(str(e["ticks"]) for e in each),
+            "schedules": "/".join(e["schedule"] for e in each),
+            "bubble_fraction": each[-1]["bubble_fraction"],
             "explicit": explicit, "explain": predicted, "gspmd": gspmd, "gspmd_note": gspmd_note,
-            "minimum": minimum(cfg, model, mesh, layout, s, m),
+            "minimum": minimum(cfg, model, mesh, layout, s, m, schedule),
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "explain_temp_bytes": report.memory["temporaries"], "compile_s": compile_s}
 
@@ -98,14 +106,15 @@ def run(quick: bool = False) -> str:
     batch = models.batch_for(cfg, s["batch"], s["enc"], s["dec"], abstract=True)
     rows = []
     for m in s["microbatches"]:
-        rows.append(one(cfg, graphdef, state, model, batch, mesh, s, m))
-        r = rows[-1]
-        print(f"M={m:3d} explicit {total(r['explicit']) / 2**20:9.2f} MiB  minimum {r['minimum'] / 2**20:9.2f} MiB  "
-              f"explain = HLO {same_bytes(r['explain'], r['explicit'])}  temp {r['temp_bytes'] / 2**20:8.1f} MiB  "
-              f"compile {r['compile_s']:.0f} s", flush=True)
+        for schedule in ("gpipe", "1f1b"):
+            rows.append(one(cfg, graphdef, state, model, batch, mesh, s, m, schedule))
+            r = rows[-1]
+            print(f"{schedule:5s} M={m:3d} explicit {total(r['explicit']) / 2**20:9.2f} MiB  "
+                  f"minimum {r['minimum'] / 2**20:9.2f} MiB  explain = HLO {same_bytes(r['explain'], r['explicit'])}  "
+                  f"temp {r['temp_bytes'] / 2**20:8.1f} MiB  compile {r['compile_s']:.0f} s", flush=True)
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     columns = [
-        ("M", lambda r: r["microbatches"]), ("ticks", lambda r: r["ticks"]),
+        ("schedule", lambda r: r["schedule"]), ("M", lambda r: r["microbatches"]), ("ticks enc/dec", lambda r: r["ticks"]),
         ("bubble", lambda r: f"{r['bubble_fraction']:.0%}"),
         ("explicit (HLO)", lambda r: fmt_kinds(r["explicit"])),
         ("explicit MiB", lambda r: mib(total(r["explicit"]))),
@@ -117,16 +126,17 @@ def run(quick: bool = False) -> str:
         ("temp MiB (compiled)", lambda r: mib(r["temp_bytes"])),
         ("temp MiB (explain)", lambda r: mib(r["explain_temp_bytes"])),
     ]
-    return write("pipeline", rows, columns, "Pipeline (GPipe) as a layout: one training step vs microbatches",
+    return write("pipeline", rows, columns, "Pipelines (GPipe, 1F1B) as a layout: one training step vs microbatches",
                  notes=f"t5-small widths (d_model 512, d_ff 2048, 8 heads x 64, vocab 32128), {LAYERS} + {LAYERS} "
                        f"layers, float32, batch {s['batch']}, {s['enc']} / {s['dec']} tokens; mesh pipe:4 x data:2, "
                        "layout `batch:data;layers:pipe`, M microbatches. minimum = ppermutes of one microbatch's "
-                       "activations per tick, forward and backward, both stacks + 2(n-1)/n * 4 * P_local over data. "
+                       "activations per shift, forward and backward, both stacks (1F1B: the decoder's M+S-2 shifts, "
+                       "the encoder's GPipe M+S-1) + 2(n-1)/n * 4 * P_local over data. "
                        "Above the minimum (the same for every M): all-reduces over pipe of each stack's output (the "
                        "finished microbatches are on the last stage) and of the gradient of each stack's input "
                        "(it arrives on the first), once per step, and a second all-reduce of the encoder output after "
                        "its final norm (the norm's scaling keeps the pending sum, reduced again where the decoder "
-                       "reads it). gspmd: the same layout as sharding constraints, no pipeline: XLA gathers the "
+                       "reads it). 1F1B's all-reduces are about 110 MiB more: the decoder's head (logits on the tied embedding) runs on the last stage inside the schedule, so the embedding's gradient from it is all-reduced over pipe x data (2*7/8 * 62.75 = 109.81 MiB) apart from the data all-reduce of its gradient from the embedding lookup; one all-reduce of their sum would save 62.75 MiB (not done: the lookup's gradient is the same on every stage, so it cannot join a sum over pipe as it is). gspmd: the same layout as sharding constraints, no pipeline: XLA gathers the "
                        "layers' weights.")
 
 

@@ -140,10 +140,12 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
 
 
 def _pipeline_entry(pipelines) -> dict | None:
-    """The program's pipeline (the first, and how many there are when there are several)."""
+    """The program's pipeline: the first; when there are several, how many (``count``) and each
+    in program order (``each``: the T5 encoder's GPipe and its decoder's 1F1B)."""
     if not pipelines:
         return None
     entry = dict(pipelines[0])
     if len(pipelines) > 1:
         entry["count"] = len(pipelines)
+        entry["each"] = [dict(p) for p in pipelines]
     return entry

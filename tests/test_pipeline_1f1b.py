@@ -94,6 +94,19 @@ def test_explain_reports_the_schedule_and_equals_the_compiled_bytes():
     assert sorted((r.axes, r.count) for r in over_data) == [(("data",), 1), (("data",), 1), (("pipe", "data"), 1)]
 
 
+
+def test_explain_reports_each_pipeline_of_a_program():
+    """Two stacks (T5's encoder and decoder): the first pipeline's keys, how many, and each one."""
+    args, layout = inputs(), LAYOUTS["pipe x data, 4 microbatches"]
+
+    def two_stacks(x, w1, w2, v):
+        h, _ = md.scan(step(v), x, {"w1": w1, "w2": w2}, dim="layers", schedule="gpipe")
+        return model(h, w1, w2, v)
+
+    p = md.explain(two_stacks, MESH, layout, *args, schedule="1f1b").to_dict()["pipeline"]
+    assert p["count"] == 2 and p["schedule"] == "gpipe"          # the first stack has no head
+    assert [(e["schedule"], e["ticks"]) for e in p["each"]] == [("gpipe", 4 + 4 - 1), ("1f1b", 4 + 2 * 4 - 2)]
+
 def _temp(schedule, m):
     args = inputs(batch=2 * 2 * m, d=64)      # 2 rows per device and microbatch, whatever M
     layout = md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": m})

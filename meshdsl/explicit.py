@@ -113,7 +113,11 @@ class ExplicitContext(LayoutContext):
     def relaid(self, x: NamedArray, target) -> bool:
         """Is ``x`` relaid to ``target`` (axes per dim, pending sums reduced) in this trace,
         already or (the previous trace says) later? Reading that copy moves nothing more."""
-        return tuple(target) in self._relaid.get(id(x.raw), ()) or self.foresight.will_make(x.raw, target)
+        if self.foresight.no_reuse:
+            return False
+        made = tuple(target) in self._relaid.get(id(x.raw), ()) or self.foresight.will_make(x.raw, target)
+        self.foresight.reused = self.foresight.reused or made
+        return made
 
     def result_relaid(self, operands, target) -> bool:
         """Will the result of the op at hand (reading ``operands``) be relaid to ``target`` later,

@@ -20,6 +20,11 @@ turns them into the hints of a second trace: pending sums to reduce where made (
 copies that will be made anyway (``later``) and ops not to widen (``narrow``). ``Program.make_jaxpr`` traces a second time only when
 there is something to gain; numbers that no longer match just make a hint moot (a reduction or a
 gather done earlier than needed is still correct).
+
+Reading a copy another op made (``ExplicitContext.relaid``) is free only if that op stays: when
+the compiler drops it (its result is never used), the copy is made for the reader alone. A trace
+in which some collective is dead and some op read a copy is compared with one reading none
+(``no_reuse``); ``Program.make_jaxpr`` keeps whichever moves fewer bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ __all__ = ["Foresight"]
 class Foresight:
     """Hints from a previous trace (``early``, ``later``) and this trace's observations."""
 
-    def __init__(self, early=None, later=None, narrow=None):
+    def __init__(self, early=None, later=None, narrow=None, no_reuse=False):
+        self.no_reuse = no_reuse      # read no copy made by another op (see Program.make_jaxpr)
+        self.reused = False           # an op read a copy made by another op
         self.early: dict = dict(early or {})   # number -> placement to reduce its pending sum to
         self.later: dict = dict(later or {})   # number -> placements of copies a later op makes
         self.narrow: set = set(narrow or ())   # widenings (in order) to leave out

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import param_gather
+from . import jaxpr_stats, param_gather
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
@@ -66,6 +66,7 @@ class Program:
         self.out_specs: list = []
         self._jitted = None
         self.hints: dict = {}  # from a first trace (meshdsl.foresight), for the traces after it
+        self._foresight_done = False
         if not mesh.is_abstract:
             self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
 
@@ -81,14 +82,27 @@ class Program:
         return self._jitted
 
     def make_jaxpr(self, avals):
-        """The traced program; traced a second time with what the first trace learned when that
-        changes a decision (:mod:`meshdsl.foresight`)."""
+        """The traced program; traced again with what the first trace learned when that could
+        change a decision (:mod:`meshdsl.foresight`), keeping the trace that moves the fewest bytes."""
         closed = jax.make_jaxpr(self.run)(*avals)
-        if self.owner.backend == "explicit" and not self.hints:
-            hints = self.last_ctx.foresight.next()
-            if hints:
-                self.hints = hints
-                closed = jax.make_jaxpr(self.run)(*avals)
+        if self.owner.backend != "explicit" or self._foresight_done:
+            return closed
+        self._foresight_done = True
+        first, seen = closed, self.last_ctx.foresight
+        variants = [(seen.next(), True)]
+        if seen.reused:   # an op read a copy another op made: is that other op dead?
+            variants.append(({"no_reuse": True}, False))
+        variants = [(h, tie) for h, tie in variants if h]
+        if not variants:
+            return closed
+        best = (_moved(first, self.last_ctx), first, self.last_ctx, {})
+        for hints, wins_a_tie in variants:   # a tie: what the first trace learned wins, reading no copy does not
+            self.hints = hints
+            closed = jax.make_jaxpr(self.run)(*avals)
+            moved = _moved(closed, self.last_ctx)
+            if moved < best[0] or moved == best[0] and wins_a_tie:
+                best = (moved, closed, self.last_ctx, hints)
+        _, closed, self.last_ctx, self.hints = best
         return closed
 
     # -- the traced program ----------------------------------------------------------------------
@@ -209,3 +223,10 @@ def _check_unused_rules(layout: Layout, seen: set) -> None:
         if hint:
             raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
                               f"fix the dim name in the layout")
+
+
+def _moved(closed, ctx) -> float:
+    """Bytes a traced program moves per device, as :func:`meshdsl.explain` counts them: its
+    recorded collectives, as often as the live program runs each (dead ones dropped)."""
+    runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
+    return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)

@@ -205,10 +205,11 @@ def test_layout_microbatches_are_checked_and_shown():
         md.Layout(microbatches={"batch": 2, "seq": 2})
 
 
-# Dense T5 with -m slow (~60 s each; 1F1B: also the slow CLI test); MoE-T5 under 1F1B by default
+# With -m slow (~60 to 80 s each on 2 cores; 1F1B: also the slow CLI tests). By default the pieces:
+# head aux values with dims, random numbers over a dim cut like the microbatches, random pipelines.
 @pytest.mark.parametrize("model, schedule", [pytest.param("t5-tiny", "gpipe", marks=pytest.mark.slow),
                                              pytest.param("t5-tiny", "1f1b", marks=pytest.mark.slow),
-                                             ("moe-t5-tiny", "1f1b")])
+                                             pytest.param("moe-t5-tiny", "1f1b", marks=pytest.mark.slow)])
 def test_t5_trains_under_a_pipeline_with_the_unsharded_step(model, schedule):
     """T5 (2 + 2 layers, dropout on) under pipe x data (x Megatron for dense T5) with 2 microbatches:
     the decoder captures the encoder output (cut per microbatch), dropout masks equal the unsharded

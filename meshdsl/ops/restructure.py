@@ -153,31 +153,18 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b); axes
     that fit neither may move to a whole kept dim (:func:`_parked`). The cheapest by bytes,
     counting the move of the result to the layout's placement."""
-    def plan(layout_first, spread=False):
-        src, out = {}, {}
-        for old_g, new_g in groups:
-            if len(old_g) == 1 and len(new_g) == 1:
-                src[old_g[0].name] = out[new_g[0].name] = current[old_g[0].name]
-                continue
-            spreads = _spread(ctx, old_g, new_g, current) if spread else None
-            if spreads is not None:
-                src.update((d.name, current[d.name]) for d in old_g)
-                out.update((d.name, axes) for d, axes in zip(new_g, spreads))
-                continue
-            major = current[old_g[0].name] if old_g else ()
-            if layout_first and old_g and new_g:
-                major = ctx.layout_axes(new_g[0].name)
-            if major and (not new_g or not old_g or new_g[0].size % ctx.axes_size(major)
-                          or old_g[0].size % ctx.axes_size(major)):
-                major = ()
-            for k, d in enumerate(old_g):
-                src[d.name] = major if k == 0 else ()
-            for k, d in enumerate(new_g):
-                out[d.name] = major if k == 0 else ()
-        used = [a for axes in src.values() for a in axes]
-        return (src, out) if len(used) == len(set(used)) else None
+    def plan(layout_first, spread=False, current=current):
+        return _plan(ctx, groups, current, layout_first, spread)
 
     wanted = ctx.canonical(new)   # the layout's placement of the result (a LayoutError if none)
+    made: dict = {}
+
+    def copy_made(src) -> bool:
+        # a copy of x placed by src made anyway (gathered for the return, say): reading it is free
+        key = tuple(src[n] for n in x.names)
+        if key not in made:
+            made[key] = key != tuple(current[n] for n in x.names) and not pending and ctx.relaid(x, key)
+        return made[key]
 
     def cost(option, certain):
         # The move now, and the move of the result to the splits the layout wants (a split the
@@ -188,12 +175,15 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
         later = wanted if certain else [w or p for w, p in zip(wanted, placed)]
         if len({a for axes in later for a in axes}) != sum(len(axes) for axes in later):
             later = wanted
-        return (relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names], pending,
-                               [src[n] for n in x.names], pending)
-                + relayout_bytes(ctx, new, x.dtype.itemsize, placed, pending, later, pending))
+        now = 0 if copy_made(src) else relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names],
+                                                       pending, [src[n] for n in x.names], pending)
+        return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, pending, later, pending)
 
     options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
     options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
+    whole = dict(zip(x.names, ctx.canonical(x.dims)))   # x as the layout places it: a copy made anyway?
+    if copy_made(whole):
+        options += [o for o in (plan(False, current=whole), plan(False, spread=True, current=whole)) if o is not None]
     hopeful = min(options, key=lambda o: cost(o, False))
     sure = min(options, key=lambda o: cost(o, True))
     # The result is relaid to the layout's placement later (returned), the previous trace says:
@@ -202,6 +192,33 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     if hopeful is sure or not ctx.result_relaid([x], wanted):
         return hopeful
     return sure
+
+
+def _plan(ctx, groups, current, layout_first, spread):
+    """One candidate of :func:`_reshape_plan` starting from ``current`` (axes per dim of x)."""
+    src, out = {}, {}
+    for old_g, new_g in groups:
+        if len(old_g) == 1 and len(new_g) == 1:
+            src[old_g[0].name] = out[new_g[0].name] = current[old_g[0].name]
+            continue
+        spreads = _spread(ctx, old_g, new_g, current) if spread else None
+        if spreads is not None:
+            src.update((d.name, current[d.name]) for d in old_g)
+            out.update((d.name, axes) for d, axes in zip(new_g, spreads))
+            continue
+        major = current[old_g[0].name] if old_g else ()
+        if layout_first and old_g and new_g:
+            major = ctx.layout_axes(new_g[0].name)
+        if major and (not new_g or not old_g or new_g[0].size % ctx.axes_size(major)
+                      or old_g[0].size % ctx.axes_size(major)):
+            major = ()
+        for k, d in enumerate(old_g):
+            src[d.name] = major if k == 0 else ()
+        for k, d in enumerate(new_g):
+            out[d.name] = major if k == 0 else ()
+    used = [a for axes in src.values() for a in axes]
+    return (src, out) if len(used) == len(set(used)) else None
+
 
 def _spread(ctx, old_g, new_g, current):
     """Axes per new dim that keep every element where it is, or ``None``. Splitting one dim:

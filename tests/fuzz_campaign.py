@@ -28,7 +28,9 @@ import sys
 import time
 import traceback
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# as tests/conftest.py: 8 virtual devices, LLVM at -O0 (faster compiles; the same HLO and collectives)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 

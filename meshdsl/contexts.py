@@ -73,6 +73,11 @@ class GlobalContext:
         directly. Returns ``y``."""
         return y
 
+    def part(self, array, dims, like: NamedArray) -> NamedArray:
+        """A part of an op's result that is no result itself (the rows a shift keeps, for
+        :meth:`pieces`), placed as ``like`` is, dim by dim."""
+        return NamedArray(array, dims)
+
     def padded_from(self, y: NamedArray):
         """``(name, pieces)`` if ``y`` was made of pieces along ``name``, else None."""
         return None

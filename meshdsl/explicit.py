@@ -131,6 +131,14 @@ class ExplicitContext(LayoutContext):
         self._keepalive.append(y.raw)
         return y
 
+    def part(self, array, dims, like):
+        pl = self.placement(like)
+        axes = dict(zip(like.names, pl.axes))
+        x = NamedArray(array, dims)
+        x.placement = Placement(tuple(axes[d.name] for d in dims), pl.pending)
+        self._keepalive.append(array)
+        return x
+
     def padded_from(self, y):
         return self._pads.get(id(y.raw))
 

@@ -17,11 +17,17 @@ sums are reduced, then splits move (all-to-all), then dims are gathered, then th
 slices. Gathers produce a value typed *invariant* over the axis unless the consuming op varies over
 it anyway (``vary``), which decides whether the backward pass reduce-scatters or only slices.
 
+A value made of pieces along a dim and zeros elsewhere (a pad, a concat, a non-wrapping shift),
+with that dim whole before and after, is relaid piece by piece where that moves fewer bytes: the
+pieces move, the zeros are placed afterwards.
+
 Results are cached per (source value, target) for the current jax trace: three einsums reading one
 activation relay it once, and its cotangent is reduced once.
 """
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 from . import collectives as C
 from . import redistribute
@@ -46,12 +52,49 @@ def relayout(ctx, x, target, vary, keep_pending):
     # ops read it (XLA would merge the copies; explain must not count them twice).
     leaving = {a for i, axes in enumerate(src.axes) for a in axes if a not in target[i]}
     key = ("relayout", src, tuple(target), frozenset(vary & leaving), keep_pending)
-    moved = ctx.cached(x.raw, key, lambda: _relayout(ctx, x, src, tuple(target), vary, keep_pending))
+    moved = ctx.cached(x.raw, key, lambda: _relayout_value(ctx, x, src, tuple(target), vary, keep_pending))
     # Type the block as varying over every axis the consuming op varies over (once per value).
     cast = tuple(a for a in ctx.mesh.axis_names if a in vary and a not in varying_axes(moved))
     if not cast:
         return moved
     return ctx.cached(moved, ("cast", cast), lambda: C.cast(ctx, moved, cast, f"[{x.dims}]"))
+
+
+def _relayout_value(ctx, x, src, target, vary, keep_pending):
+    pieces = _by_pieces(ctx, x, src, target, vary, keep_pending)
+    return _relayout(ctx, x, src, target, vary, keep_pending) if pieces is None else pieces
+
+
+def _by_pieces(ctx, x, src, target, vary, keep_pending):
+    """``x`` made of pieces along a dim whole here and in ``target``, zeros elsewhere (a pad's
+    operand, a concat's operands, the rows a shift keeps): relay the pieces and place them, where
+    that moves fewer bytes than relaying the zeros too (a pad gathered is its operand gathered,
+    then padded); else None."""
+    parts = ctx.padded_from(x)
+    if parts is None:
+        return None
+    name, pieces = parts
+    i = x.names.index(name)
+    by_name = dict(zip(x.names, target))
+    if src.axes[i] or target[i] or any(ctx.pending(p) & keep_pending != src.pending & keep_pending
+                                       for p, _ in pieces):
+        return None
+
+    def cost(y):
+        pl = ctx.placement(y)
+        return relayout_bytes(ctx, y.dims, y.dtype.itemsize, pl.axes, pl.pending,
+                              tuple(by_name[d.name] for d in y.dims), keep_pending)
+    if sum(cost(p) for p, _ in pieces) >= cost(x):
+        return None
+    out = None
+    for p, offset in pieces:
+        local = relayout(ctx, p, tuple(by_name[d.name] for d in p.dims), vary, keep_pending)
+        order = [p.names.index(n) for n in x.names]
+        widths = [(0, 0)] * len(order)
+        widths[i] = (offset, x.dims[name].size - offset - p.dims[name].size)
+        local = jnp.pad(local.transpose(order).astype(x.dtype), widths)
+        out = local if out is None else out + local
+    return out
 
 
 def _relayout(ctx, x, src, target, vary, keep_pending):

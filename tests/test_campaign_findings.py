@@ -354,3 +354,17 @@ def test_campaign_reshape_reads_the_copy_gathered_for_the_return():
         return y, md.reshape(y, "d:8 p4:4 q4:4 c:8")
 
     _kept(fn, md.Mesh({"x": 8}), md.Layout({}, params={"d": "x"}), v, moved={"all-gather": 3584})
+
+
+def test_campaign_shift_or_pad_returned_whole_moves_only_the_rows_kept():
+    """A parameter stored split on a, shifted along b (or padded) and returned
+    whole: the rows the shift keeps (the pad's operand) are gathered, then
+    placed among zeros. Gathering the result moved its zeros too (campaign 10: 14784 B where gspmd
+    moves 8960; the shift's share 7168 B where gspmd gathers the 3 rows kept, 1344 B)."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, 8)), jnp.float32),
+                          "b a c"))
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({}, params={"a": "x"})
+    row = 8 * 8 * 4 * 7 // 8                      # one b row of w: the 7/8 of it a device gathers
+    _kept(lambda w: md.shift(w, "b", 13), mesh, layout, w, moved={"all-gather": 3 * row})
+    _kept(lambda w: md.shift(w, "b", -5), mesh, layout, w, moved={"all-gather": 11 * row})
+    _kept(lambda w: md.pad(w, "b", before=2, after=6), mesh, layout, w, moved={"all-gather": 16 * row})

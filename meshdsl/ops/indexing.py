@@ -256,7 +256,13 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
     pos = x.names.index(name)
     split = axes[name]
     if not split or offset == 0:
-        return ctx.out(_shift_local(local, pos, offset, wrap), x.dims, axes, keep)
+        y = ctx.out(_shift_local(local, pos, offset, wrap), x.dims, axes, keep)
+        if wrap or offset == 0:
+            return y
+        kept = size - abs(offset)   # rows that stay (the rest are zeros): relaid alone (relayout's pieces)
+        body = jax.lax.slice_in_dim(local, max(0, -offset), max(0, -offset) + kept, axis=pos)
+        body = ctx.part(body, Shape(Dim(name, kept) if d.name == name else d for d in x.dims), y)
+        return ctx.pieces(y, name, [(body, max(offset, 0))])
     n = ctx.axes_size(split)
     block = size // n
     q, r = divmod(offset, block)

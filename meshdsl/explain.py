@@ -90,7 +90,8 @@ class Report:
                  f"temporaries {fmt_bytes(self.memory['temporaries'])}){compiled_note(self)}", ""]
         if self.pipeline:
             p = self.pipeline
-            lines += [f"pipeline ({p['schedule']}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
+            sched = p["schedule"] + (f", {p['repeats']} repeats" if "repeats" in p else "")
+            lines += [f"pipeline ({sched}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
                       f"microbatch{'es' * (p['microbatches'] > 1)}, {p['ticks']} ticks, bubble "
                       f"{p['bubble_fraction']:.0%}" + (" (one microbatch: all bubble; set md.Layout(..., "
                                                       "microbatches=...))" if p["microbatches"] == 1 else "")
@@ -119,10 +120,11 @@ def compiled_note(report) -> str:
             f"temporaries {fmt_bytes(compiled['temporaries'])}")
 
 
-def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe") -> Report:
+def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe",
+            repeats: int = 1) -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
-    ``param_gather`` and ``schedule`` as in :func:`meshdsl.lower`."""
-    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule)
+    ``param_gather``, ``schedule`` and ``repeats`` as in :func:`meshdsl.lower`."""
+    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats)
     closed, ctx, _ = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)

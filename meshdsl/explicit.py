@@ -38,10 +38,11 @@ class ExplicitContext(LayoutContext):
 
     explicit = True
 
-    def __init__(self, mesh, layout, *, params=None, schedule: str = "gpipe"):
+    def __init__(self, mesh, layout, *, params=None, schedule: str = "gpipe", repeats: int = 1):
         super().__init__(mesh, layout)
         self.params = params or param_gather.KEEP
         self.schedule = schedule          # pipeline schedule of a scan over a split dim
+        self.repeats = repeats            # chunks per stage of the circular schedule
         self.pipelines: list[dict] = []   # one entry per pipeline traced (for md.explain)
         self.frame = None                 # the microbatch being processed inside a pipeline tick
         self.param_axes: frozenset = frozenset()

@@ -51,7 +51,7 @@ class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
-                 schedule: str = "gpipe"):
+                 schedule: str = "gpipe", repeats: int = 1):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -67,10 +67,16 @@ class LoweredFunction:
                                f"{suggest(str(param_gather), PARAM_GATHER)}")
         if schedule not in SCHEDULES:
             raise MeshDSLError(f"md.lower: schedule must be one of {SCHEDULES}, got {schedule!r}"
-                               f"{suggest(str(schedule), SCHEDULES)}; circular is not lowered yet")
+                               f"{suggest(str(schedule), SCHEDULES)}")
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise MeshDSLError(f"md.lower: repeats must be a positive int (the circular schedule's chunks per "
+                               f"stage), got {repeats!r}")
+        if repeats > 1 and schedule != "circular":
+            raise MeshDSLError(f"md.lower: repeats={repeats} is the circular schedule's; pass "
+                               f"schedule='circular' (schedule is {schedule!r})")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
-        self.backend, self.param_gather, self.schedule = backend, param_gather, schedule
+        self.backend, self.param_gather, self.schedule, self.repeats = backend, param_gather, schedule, repeats
         self._programs: dict = {}  # input signature -> Program
 
     def _program(self, args):
@@ -139,7 +145,7 @@ class LoweredFunction:
 
 
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
-          schedule: str = "gpipe") -> LoweredFunction:
+          schedule: str = "gpipe", repeats: int = 1) -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -150,9 +156,11 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     of a small batch stays put: its ids, rows and logits move instead).
 
     ``schedule``: how an ``md.scan`` over a dim the layout splits (``layers: pipe``) is pipelined
-    (``"gpipe"``; microbatches from ``md.Layout(..., microbatches={"batch": M})``).
+    (microbatches from ``md.Layout(..., microbatches={"batch": M})``): ``"gpipe"``, ``"1f1b"``
+    (:mod:`meshdsl.ops.pipeline_1f1b`), or ``"circular"`` with ``repeats=R`` chunks per stage
+    (:mod:`meshdsl.ops.pipeline_circular`).
     """
-    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule)
+    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

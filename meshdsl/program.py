@@ -140,7 +140,8 @@ class Program:
 
     def _explicit_body(self, *arrays, policy, out_specs, probe):
         owner = self.owner
-        ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule)
+        ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
+                              repeats=owner.repeats)
         ctx.foresight = Foresight(**self.hints)
         if not probe:
             self.last_ctx = ctx

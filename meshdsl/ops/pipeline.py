@@ -46,11 +46,11 @@ from ..dims import Dim, Shape
 from ..errors import LayoutError, MeshDSLError
 from ..jaxcompat import varying_axes
 from ..named import NamedArray, Placement, is_named
-from . import loop, pipeline_1f1b, pipeline_ys
+from . import loop, pipeline_1f1b, pipeline_circular, pipeline_ys
 
 __all__ = ["run", "SCHEDULES"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "circular")
 
 
 def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=None, schedule=None):
@@ -68,12 +68,19 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
     if schedule not in SCHEDULES:
         raise MeshDSLError(f"{where}: schedule {schedule!r} is not lowered yet; use one of {SCHEDULES}")
     micro, m = _microbatches(ctx, c_leaves, dim, axis, where)
+    repeats = ctx.repeats if schedule == "circular" else 1
+    pipeline_circular.check(ctx, dim, length, stages, repeats, m, where)
     inputs, templates = _cut(ctx, c_leaves, axis, micro, m, where)
     carry_axes = frozenset(a for t in templates for axes in t[2].axes for a in axes)
     xs = [_local_stack(ctx, leaf, dim, axis, carry_axes) for leaf in x_leaves]
     line = ctx.op[1] if ctx.op else "?"
+    ticks = repeats * m + stages - 1
     entry = {"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": schedule,
-             "ticks": m + stages - 1, "bubble_fraction": (stages - 1) / (m + stages - 1), "line": line}
+             "ticks": ticks, "bubble_fraction": (stages - 1) / ticks, "line": line}
+    if schedule == "circular":
+        entry["repeats"] = repeats
+        with ctx.at("scan", line):
+            xs = pipeline_circular.cyclic(ctx, xs, dim, axis, stages, repeats, carry_axes)
     if schedule == "1f1b":
         if head is None:
             raise LayoutError(f"{where}: schedule '1f1b' runs each microbatch's backward pass inside the pipeline, "
@@ -93,7 +100,7 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
     while True:
         try:
             outs, y_tree = _ticks(ctx, step, dim, length // stages, xs, x_tree, c_tree, inputs, templates,
-                                  axis, stages, m, widen, where, line)
+                                  axis, (stages, repeats, m), widen, where, line)
             break
         except loop.Widen as w:
             widen |= w.axes
@@ -269,55 +276,79 @@ class Microbatch:
             self._rows.add((new.name, new.size))
 
 
-def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axis, stages, m, widen, where,
-           line):
-    """Run the ``M + S - 1`` ticks; returns each carry leaf's ``[M, ...]`` finished microbatches
-    (zeros except on the last stage) with the ``ys`` leaves of every tick ``[ticks, ...]`` and their
-    templates (:mod:`meshdsl.ops.pipeline_ys`), and the structure of the step's ``ys``."""
+def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axis, sizes, widen, where, line):
+    """Run the ``R M + S - 1`` ticks (``sizes``: ``(S, R, M)``; GPipe: ``R = 1``); returns each
+    carry leaf's ``[M, ...]`` finished microbatches (zeros except on the last stage) with the ``ys``
+    leaves of every tick ``[ticks, ...]`` and their templates (:mod:`meshdsl.ops.pipeline_ys`),
+    and the structure of the step's ``ys``. With ``R > 1`` (circular) a tick runs the stage's
+    chunk of the item's repeat, and the last stage hands items back to the first."""
+    stages, repeats, m = sizes
+    items, ring = repeats * m, repeats > 1
     stage = C.axis_index((axis,))
     vary = [frozenset(a for ax in t[2].axes for a in ax) | {axis} | widen for t in templates]
     bufs = [C.cast(ctx, jnp.zeros(i.shape[1:], i.dtype), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     outs = [C.cast(ctx, jnp.zeros_like(i), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
+    waiting = [C.cast(ctx, jnp.zeros_like(i), loop.order(ctx, v)) for i, v in zip(inputs, vary)] if ring else []
     inputs = [C.cast(ctx, i, loop.order(ctx, varying_axes(i) | {axis})) for i in inputs]
-    shift = [(s, s + 1) for s in range(stages - 1)]
+    shift = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if ring and stages > 1 else [])
     y_tree, y_templates = [], []
+    at = lambda a, k: jax.lax.dynamic_index_in_dim(a, k, 0, keepdims=False)  # noqa: E731
 
     def tick(state, t):
-        bufs, outs = state
-        take = (stage == 0) & (t < m)
-        bufs = [jnp.where(take, jax.lax.dynamic_index_in_dim(i, jnp.minimum(t, m - 1), 0, keepdims=False), b)
-                for i, b in zip(inputs, bufs)]
+        bufs, outs, waiting = state
+        k = jnp.clip(t - stage, 0, items - 1)       # the item at hand: repeat k // M of microbatch k % M
+        i = k % m
+        fresh = pipeline_circular.entering([at(x, i) for x in inputs], waiting, k, i, m)
+        bufs = [jnp.where((stage == 0) & (t < items), f, b) for f, b in zip(fresh, bufs)]
         carry = [NamedArray(b, t_[0], is_param=t_[1], placement=t_[2]) for b, t_ in zip(bufs, templates)]
         rows = templates[0][0]
         micro_dim = rows.names[0]
-        ctx.frame = Microbatch(micro_dim, m, rows[micro_dim].size, templates[0][2].axes[0],
-                               jnp.clip(t - stage, 0, m - 1).astype(jnp.int32), axis)
+        ctx.frame = Microbatch(micro_dim, m, rows[micro_dim].size, templates[0][2].axes[0], i.astype(jnp.int32),
+                               axis)
         try:
-            carry, ys = loop.run(ctx, step, dim, per_stage, xs, x_tree, carry, c_tree, False, 1, where)
+            carry, ys = loop.run(ctx, step, dim, per_stage // repeats, _chunk(xs, dim, k // m, repeats), x_tree,
+                                 carry, c_tree, False, 1, where)
         finally:
             ctx.frame = None
         y_tree.append(jax.tree_util.tree_structure(ys, is_leaf=is_named))
         y_arrays, y_templates[:] = pipeline_ys.per_tick(ctx, ys, micro_dim, templates[0][2].axes[0], m, axis, where)
+        if ring and y_arrays:
+            raise LayoutError(f"{where}: the circular schedule does not return scan outputs (ys) yet; carry "
+                              "per-example sums in the carry or compute them in md.scan's head, or use "
+                              "schedule='gpipe'")
         new = [ctx.local(c, dict(zip(c.names, t_[2].axes)), v) for c, t_, v in
                zip(jax.tree_util.tree_leaves(carry, is_leaf=is_named), templates, vary)]
-        for k, (a, v) in enumerate(zip(new, vary)):
+        for n, (a, v) in enumerate(zip(new, vary)):
             if varying_axes(a) - v:
-                raise loop.Widen(k, varying_axes(a) - v)
-        done = t - (stages - 1)
+                raise loop.Widen(n, varying_axes(a) - v)
+        done = t - (stages - 1) - (items - m)     # the last repeat's microbatch the last stage finished
         keep = (stage == stages - 1) & (done >= 0)
         slot = jnp.clip(done, 0, m - 1)
-        outs = [jax.lax.dynamic_update_index_in_dim(
-            o, jnp.where(keep, a, jax.lax.dynamic_index_in_dim(o, slot, 0, keepdims=False)), slot, 0)
-            for o, a in zip(outs, new)]
-        if stages > 1:
+        outs = [jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, a, at(o, slot)), slot, 0)
+                for o, a in zip(outs, new)]
+        if shift:
             with ctx.at("scan", line):
                 new = [C.ppermute(ctx, a, (axis,), shift, f"[{t_[0]}] microbatch to the next stage")
                        for a, t_ in zip(new, templates)]
-        return (new, outs), y_arrays
+        waiting = pipeline_circular.wait(waiting, new, stage, t - (stages - 1), items, m)
+        return (new, outs, waiting), y_arrays
 
-    with ctx.rec.loop(m + stages - 1):
-        (_, outs), ys = jax.lax.scan(tick, (bufs, outs), jnp.arange(m + stages - 1))
+    with ctx.rec.loop(items + stages - 1):
+        (_, outs, _), ys = jax.lax.scan(tick, (bufs, outs, waiting), jnp.arange(items + stages - 1))
     return (outs, (ys, y_templates)), y_tree[-1]
+
+
+def _chunk(xs, dim, repeat, repeats):
+    """The stage's chunk of layers for ``repeat`` (traced) of its ``repeats`` chunks (all of them: 1)."""
+    if repeats == 1:
+        return xs
+    out = []
+    for x in xs:
+        size = x.dims[dim].size // repeats
+        part = jax.lax.dynamic_slice_in_dim(x.raw, repeat * size, size, axis=x.names.index(dim))
+        dims = Shape(Dim(dim, size) if d.name == dim else d for d in x.dims)
+        out.append(NamedArray(part, dims, is_param=x.is_param, placement=x.placement))
+    return out
 
 
 def _join(ctx, out, template, micro, axis):

@@ -321,3 +321,38 @@ def test_plot_pipeline_draws_the_1f1b_schedule():
     assert len(ax.patches) == 4 * 9 * 2
     assert "1f1b: 4 stages, 3 microbatches, 9 ticks, bubble 50%" in ax.get_title()
     assert png_bytes(fig) > 1000
+
+
+def test_plot_pipeline_draws_the_circular_schedule():
+    """Stage s works on item k = t - s at tick t: repeat k // M of microbatch k mod M, R*M + S - 1
+    ticks; a cell reads m on a microbatch's first repeat and m·r on its repeat r, the bubble blank."""
+    from meshdsl.pipeline_plot import schedule_grid
+    assert schedule_grid(2, 2, backward=False, repeats=2) == [[(0, 0), (1, 0), (0, 1), (1, 1), None],
+                                                              [None, (0, 0), (1, 0), (0, 1), (1, 1)]]
+    assert schedule_grid(2, 2, repeats=2)[0][5:] == [None, (1, 1), (0, 1), (1, 0), (0, 0)]   # then in reverse
+    assert schedule_grid(2, 2, repeats=1) == schedule_grid(2, 2)                              # one repeat: GPipe
+    entry = {"schedule": "circular", "axis": "pipe", "stages": 4, "microbatches": 4, "repeats": 2,
+             "ticks": 2 * 4 + 4 - 1, "bubble_fraction": 3 / 11}
+    fig = md.plot_pipeline(entry)
+    (ax,) = fig.axes
+    cells = [t for t in texts(ax) if t[0].isdigit()]
+    assert sorted(cells) == sorted(["0", "1", "2", "3", "0·1", "1·1", "2·1", "3·1"] * 4 * 2)  # each stage, each pass
+    assert len(ax.patches) == 4 * 22 and sum(p.get_facecolor()[:3] == (1, 1, 1) for p in ax.patches) == 2 * 4 * 3
+    first, later = (next(p for p in ax.patches if p.get_xy() == xy) for xy in [(0, 3), (4, 3)])
+    assert first.get_facecolor() != later.get_facecolor()           # microbatch 0, a lighter shade on repeat 1
+    assert "circular: 4 stages, 4 microbatches, 2 repeats, 11 ticks, bubble 27%" in ax.get_title()
+    assert png_bytes(fig) > 1000
+
+
+def test_plot_pipeline_of_a_circular_report_counts_the_chunk_moves_apart():
+    from test_pipeline import MESH, inputs, loss_and_grads
+    layout = md.Layout({"layers": "pipe", "batch": "data"}, microbatches={"batch": 4})
+    report = md.explain(loss_and_grads, MESH, layout, *inputs(layers=16), schedule="circular", repeats=2)
+    (ax,) = md.plot_pipeline(report).axes
+    assert len([t for t in texts(ax) if t[0].isdigit()]) == 4 * 8 * 2 and len(ax.patches) == 4 * 22
+    moves = [r for r in report.collectives if "chunks to their circular stage" in r.tensor]
+    ring = [r for r in report.collectives if "next stage" in r.tensor]
+    title = ax.get_title()
+    assert "circular: 4 stages, 4 microbatches, 2 repeats, 11 ticks" in title
+    assert f"ppermutes between stages: {sum(r.count for r in ring)}x" in title
+    assert f"chunks to their stage: {sum(r.count for r in moves)}x, " in title and moves

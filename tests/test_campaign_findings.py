@@ -368,3 +368,13 @@ def test_campaign_shift_or_pad_returned_whole_moves_only_the_rows_kept():
     _kept(lambda w: md.shift(w, "b", 13), mesh, layout, w, moved={"all-gather": 3 * row})
     _kept(lambda w: md.shift(w, "b", -5), mesh, layout, w, moved={"all-gather": 11 * row})
     _kept(lambda w: md.pad(w, "b", before=2, after=6), mesh, layout, w, moved={"all-gather": 16 * row})
+
+
+# -- campaign 11 (on 6f3db4a) ---------------------------------------------------------------------
+
+def test_campaign_a_renamed_shift_is_no_longer_pieces_along_the_old_name():
+    """shift(shift(v)) renamed c -> d and returned split over d: the rename's result is the same
+    local array, remembered as pieces along c; relaying it looked c up in [d] (a raw ValueError)."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32), "c")
+    fn = lambda v: md.rename(md.shift(md.shift(v, "c", -2), "c", 6), {"c": "d"})
+    _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("x", "y")}), v, moved={})

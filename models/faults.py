@@ -25,8 +25,8 @@ from meshdsl.units import fmt_bytes
 __all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
            "checked_vocabulary", "mesh_warnings", "check_schedule"]
 
-#: pipeline schedules named in the literature that meshdsl does not lower (yet)
-PLANNED_SCHEDULES = ("circular",)
+#: pipeline schedules named in the literature that meshdsl does not lower (yet); none since circular landed
+PLANNED_SCHEDULES: tuple[str, ...] = ()
 
 
 class UsageError(SystemExit):
@@ -153,14 +153,19 @@ def checked_vocabulary(text_files):
         raise
 
 
-def check_schedule(name: str) -> None:
-    """``--schedule``: one of the pipeline schedules md.lower implements, else a UsageError naming them."""
-    if name in SCHEDULES:
-        return
-    known = ", ".join(SCHEDULES)
-    why = "is not implemented yet" if name in PLANNED_SCHEDULES else "is not a pipeline schedule"
-    raise UsageError(f"--schedule {name}: {why}; the schedules that exist: {known} "
-                     f"({', '.join(PLANNED_SCHEDULES)}: planned, not implemented)")
+def check_schedule(name: str, repeats: int = 1) -> None:
+    """``--schedule`` (and ``--repeats``): one of the pipeline schedules md.lower implements, else a
+    UsageError naming them; ``--repeats`` above 1 (chunks per stage) only with ``circular``."""
+    if name not in SCHEDULES:
+        known = ", ".join(SCHEDULES)
+        why = "is not implemented yet" if name in PLANNED_SCHEDULES else "is not a pipeline schedule"
+        planned = f" ({', '.join(PLANNED_SCHEDULES)}: planned, not implemented)" if PLANNED_SCHEDULES else ""
+        raise UsageError(f"--schedule {name}: {why}; the schedules that exist: {known}{planned}")
+    if repeats < 1:
+        raise UsageError(f"--repeats {repeats}: must be >= 1 (chunks of the stack per pipeline stage)")
+    if repeats > 1 and name != "circular":
+        raise UsageError(f"--repeats {repeats} is the circular schedule's (chunks of the stack per pipeline stage), "
+                         f"not {name}'s: pass --schedule circular, or leave out --repeats")
 
 
 def mesh_warnings(mesh, layout) -> list[str]:

@@ -110,7 +110,7 @@ def _remat(text: str) -> str:
 POSITIVE, NATURAL = _int_at_least(1), _int_at_least(0)
 #: options whose values a --config file may give: checked like the command line's
 _TYPES = {"microbatches": POSITIVE, "steps": POSITIVE, "batch": POSITIVE, "accum": POSITIVE, "log_every": POSITIVE, "keep": POSITIVE,
-          "encoder_length": _int_at_least(2), "decoder_length": POSITIVE, "eval_every": NATURAL,
+          "repeats": POSITIVE, "encoder_length": _int_at_least(2), "decoder_length": POSITIVE, "eval_every": NATURAL,
           "eval_batches": NATURAL, "eval_decode": NATURAL, "warmup": NATURAL, "ckpt_every": _int_at_least(-1), "lr": _positive_float,
           "heartbeat_timeout": POSITIVE, "remat": _remat}
 
@@ -130,10 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
     a("--microbatches", type=POSITIVE, default=None,
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
-           "microbatches along batch (GPipe schedule)")
+           "microbatches along batch (--schedule)")
     a("--schedule", default="gpipe", metavar="NAME",
       help="pipeline schedule of a layout that splits 'layers': gpipe, 1f1b (dense T5: the decoder stack's loss "
-           "inside the pipeline, temp memory flat in --microbatches; not MoE yet); circular: not implemented yet")
+           "inside the pipeline, temp memory flat in --microbatches; not MoE yet), circular (the decoder stack; "
+           "each stage runs --repeats R chunks of it and microbatches go round the S stages R times: bubble "
+           "(S-1)/(RM+S-1), not (S-1)/(M+S-1), for moving the chunks to their stage once per step; needs "
+           "--microbatches >= S when R > 1 and layers divisible by S x R). T5's encoder stack is always gpipe")
+    a("--repeats", type=POSITIVE, default=1, metavar="R",
+      help="--schedule circular: chunks of the decoder stack per pipeline stage (1: the layers in GPipe's order)")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
     a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")
@@ -318,7 +323,7 @@ def _run(args) -> dict:
     ckpt_dir = os.path.join(out, "checkpoints")
 
     # -- checks that need nothing loaded: the schedule, the output directory, the checkpoints, the text files
-    faults.check_schedule(args.schedule)
+    faults.check_schedule(args.schedule, args.repeats)
     if args.eval_only:
         if latest_step(ckpt_dir) is None:
             raise UsageError(f"--eval-only: no checkpoint under {ckpt_dir}")
@@ -377,7 +382,7 @@ def _run(args) -> dict:
     trainer = Trainer(config, mesh, layout, tx, schedule, seed=args.seed, accum=args.accum, remat=args.remat,
                       param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype),
                       dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step,
-                      pipeline_schedule=args.schedule)
+                      pipeline_schedule=args.schedule, repeats=args.repeats)
     like = trainer.abstract_state()
     if args.overwrite and not args.resume and not args.eval_only and latest_step(ckpt_dir) is not None:
         if lead:  # only now that every option checked out

@@ -51,7 +51,7 @@ class Trainer:
     def __init__(self, config, mesh: md.Mesh, layout: md.Layout, tx: optax.GradientTransformation, schedule, *,
                  seed: int = 0, accum: int = 1, remat: str = "none", param_gather: str = "keep",
                  param_dtype=jnp.float32, dtype=jnp.float32, debug_nan_at_step: int | None = None,
-                 pipeline_schedule: str = "gpipe"):
+                 pipeline_schedule: str = "gpipe", repeats: int = 1):
         self.config, self.mesh, self.layout = config, mesh, layout
         self.tx, self.schedule, self.seed, self.accum, self.remat = tx, schedule, seed, accum, remat
         self.debug_nan_at_step = debug_nan_at_step
@@ -63,10 +63,11 @@ class Trainer:
         self.graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree_util.tree_leaves(rest):
             raise ValueError(f"{config.name} holds state besides parameters ({rest}); the trainer keeps only nnx.Param")
-        # pipeline_schedule: how a layout that splits 'layers' pipelines the stacks (md.lower's schedule)
+        # pipeline_schedule: how a layout that splits 'layers' pipelines the stacks (md.lower's schedule);
+        # repeats: the circular schedule's chunks per stage (md.lower's repeats)
         self.grad_fn = md.lower(self._loss_and_grads, mesh, layout, param_gather=param_gather,
-                                schedule=pipeline_schedule)
-        self.eval_fn = md.lower(self._eval_metrics, mesh, layout, schedule=pipeline_schedule)
+                                schedule=pipeline_schedule, repeats=repeats)
+        self.eval_fn = md.lower(self._eval_metrics, mesh, layout, schedule=pipeline_schedule, repeats=repeats)
         self._compiled = self._eval = None
 
     # -- the named programs (run by md.lower) ----------------------------------------------------
@@ -183,7 +184,8 @@ class Trainer:
         """md.explain of one microbatch's loss-and-gradient program (the collectives of a step)."""
         mb = named_batch({n: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for n, a in batches.items()})
         return md.explain(self._loss_and_grads, self.mesh, self.layout, state["params"], mb, jax.random.key(0),
-                          param_gather=self.grad_fn.param_gather, schedule=self.grad_fn.schedule)
+                          param_gather=self.grad_fn.param_gather, schedule=self.grad_fn.schedule,
+                          repeats=self.grad_fn.repeats)
 
 
 def _arrays(metrics: dict) -> dict:

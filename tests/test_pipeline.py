@@ -176,7 +176,7 @@ def test_errors():
     with pytest.raises(md.LayoutError, match="a pipeline runs over one mesh axis"):
         md.lower(model, MESH, md.Layout({"layers": ("pipe", "data")}))(x, w1, w2)
     with pytest.raises(md.MeshDSLError, match="schedule must be one of"):
-        md.lower(model, MESH, md.Layout({"layers": "pipe"}), schedule="circular")
+        md.lower(model, MESH, md.Layout({"layers": "pipe"}), schedule="interleaved")
 
     def with_ys(x, w1, w2):
         return md.scan(lambda h, w: (h, md.sum(h)), x, w1, dim="layers")[1]
@@ -334,17 +334,16 @@ def test_moe_t5_trains_under_a_pipeline_with_the_data_parallel_losses(tmp_path):
     assert data[0]["moe/dropped_fraction"] > 0          # capacity is tight: tokens are dropped, the same ones
 
 
-@pytest.mark.parametrize("name, why", [("circular", "is not implemented yet"), ("zigzag", "is not a pipeline schedule")])
-def test_training_cli_refuses_a_schedule_that_does_not_exist(tmp_path, capsys, name, why):
+def test_training_cli_refuses_a_schedule_that_does_not_exist(tmp_path, capsys):
     from meshdsl.models.train import main
 
     with pytest.raises(SystemExit) as e:
-        main(["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--schedule", name,
+        main(["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--schedule", "zigzag",
               "--out", str(tmp_path / "run")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"error: --schedule {name}: {why}; the schedules that exist: gpipe, 1f1b (circular: " \
-                          "planned, not implemented)"
+    assert err.strip() == "error: --schedule zigzag: is not a pipeline schedule; the schedules that exist: gpipe, " \
+                          "1f1b, circular"
 
 
 @pytest.mark.slow  # two MoE-T5 training runs through the CLI: ~2 min (python -m pytest -m slow)
@@ -362,16 +361,83 @@ def test_moe_t5_trains_under_1f1b_with_the_data_parallel_losses(tmp_path):
 
 
 def test_training_cli_passes_the_schedule_to_md_lower(tmp_path, capsys, monkeypatch):
-    """With the CLI's own check out of the way, md.lower receives --schedule (and refuses circular)."""
+    """--schedule and --repeats reach both md.lower calls of the trainer (the step's and evaluation's);
+    with the CLI's own check out of the way, md.lower itself refuses repeats without circular."""
     from meshdsl.models import faults
     from meshdsl.models.train import main
 
-    monkeypatch.setattr(faults, "check_schedule", lambda name: None)
+    argv = ["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--mesh", "pipe:2,data:4",
+            "--layout", "batch:data;layers:pipe", "--microbatches", "2", "--out", str(tmp_path / "run")]
+    lower, seen = md.lower, {}
+
+    def spy(fn, mesh, layout, *args, **kwargs):
+        name = getattr(fn, "__name__", "")
+        seen[name] = (kwargs.get("schedule"), kwargs.get("repeats"))
+        if name == "_eval_metrics":  # the trainer's last md.lower: stop before anything trains
+            raise md.MeshDSLError("stopped by the test")
+        return lower(fn, mesh, layout, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(md, "lower", spy)
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--schedule", "circular", "--repeats", "2"])
+    assert e.value.code == 2 and "stopped by the test" in capsys.readouterr().err
+    assert seen["_loss_and_grads"] == seen["_eval_metrics"] == ("circular", 2)
+
+    monkeypatch.setattr(faults, "check_schedule", lambda name, repeats=1: None)
     with pytest.raises(SystemExit) as e:
-        main(["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--mesh", "pipe:2,data:4",
-              "--layout", "batch:data;layers:pipe", "--schedule", "circular", "--out", str(tmp_path / "run")])
-    assert e.value.code == 2 and "md.lower: schedule must be one of ('gpipe', '1f1b'), got 'circular'" in \
+        main([*argv, "--schedule", "gpipe", "--repeats", "2"])
+    assert e.value.code == 2 and "md.lower: repeats=2 is the circular schedule's; pass schedule='circular'" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--schedule", "gpipe", "--repeats", "2"],
+     "error: --repeats 2 is the circular schedule's (chunks of the stack per pipeline stage), not gpipe's: pass "
+     "--schedule circular, or leave out --repeats"),
+    (["--repeats", "2"], "not gpipe's: pass --schedule circular"),          # gpipe is the default
+    (["--schedule", "1f1b", "--repeats", "3"], "--repeats 3 is the circular schedule's"),
+])
+def test_training_cli_refuses_repeats_without_circular(tmp_path, capsys, extra, message):
+    from meshdsl.models.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2", *extra,
+              "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_training_cli_checks_repeats_at_parse_time(capsys, value):
+    """--repeats is a count >= 1, checked like --microbatches (argparse: usage, then one error line)."""
+    from meshdsl.models.train import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--schedule", "circular", "--repeats", value])
+    assert e.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert line.endswith(f"argument --repeats: must be >= 1, got {value}" if value != "two" else
+                         "argument --repeats: expected an integer, got 'two'"), line
+
+
+@pytest.mark.slow
+def test_training_cli_under_circular_gives_the_data_parallel_losses(tmp_path):
+    """python -m meshdsl.models.train --mesh pipe:2,data:4 --layout batch:data;layers:pipe
+    --microbatches 2 --schedule circular --repeats 2 (T5 with 2 + 4 layers: the decoder's 4 in
+    2 stages x 2 chunks; the encoder's stack runs GPipe): the first losses equal data parallel's,
+    and run.json records the schedule and its repeats."""
+    import json
+
+    override = "d_model=32,d_ff=64,heads=4,d_kv=8,decoder_layers=4"
+    pipe, data = _cli_records(tmp_path, "t5-tiny", override, [
+        ["--mesh", "pipe:2,data:4", "--layout", "batch:data;layers:pipe", "--microbatches", "2",
+         "--schedule", "circular", "--repeats", "2"],
+        ["--mesh", "data:8", "--layout", "batch:data"]])
+    np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in data], rtol=1e-4)
+    with open(tmp_path / "run0" / "run.json") as f:
+        run = json.load(f)
+    assert (run["schedule"], run["repeats"]) == ("circular", 2)
 
 
 # -- the fuzzer's share: random pipelines ------------------------------------------------------------
@@ -411,25 +477,28 @@ def _random_pipeline(body, key, ys="none"):
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=os.environ.get("MESHDSL_FUZZ") != "long")
 @given(st.data())
 def test_random_pipelines_equal_the_unsharded_program(data):
-    """Random schedules (GPipe; 1F1B, with the loss as the scan's head), stage counts,
+    """Random schedules (GPipe; 1F1B, with the loss as the scan's head; circular with 2 or 3
+    repeats), stage counts,
     microbatches, layouts inside the stage, storage rules with each param_gather policy (ZeRO-3
     gathered once per step or per microbatch), step bodies (captured values, softmax, dropout,
     dropout over a dim merged from the microbatch dim) and scan outputs (GPipe: none, per example, over the whole batch with one
     microbatch): values and gradients equal the unsharded program and md.explain's bytes equal
     the compiled program's, per collective kind."""
-    schedule = data.draw(st.sampled_from(["gpipe", "1f1b"]), "schedule")
+    schedule = data.draw(st.sampled_from(["gpipe", "1f1b", "circular"]), "schedule")
     stages = data.draw(st.sampled_from([2, 4]), "stages")
     mesh = md.Mesh({"pipe": stages, "data": 8 // stages})
-    micro = data.draw(st.sampled_from([1, 2, 4]), "microbatches")
+    repeats = data.draw(st.sampled_from([2, 3]), "repeats") if schedule == "circular" else 1
+    # circular: a microbatch waits at the first stage for its next repeat (M >= S)
+    micro = data.draw(st.sampled_from([m for m in (1, 2, 4) if repeats == 1 or m >= stages]), "microbatches")
     inner = data.draw(st.sampled_from([{}, {"batch": "data"}, {"d_ff": "data"}, {"d_model": "data"}]), "inner rules")
     # a d_ff:data storage rule would meet an inner d_ff or d_model rule on the same axis (an invalid layout)
     params = data.draw(st.sampled_from([None, {"d_ff": "data"}]), "params") if not {"d_ff", "d_model"} & set(inner) \
         else None
     body = data.draw(st.sampled_from(["mlp", "softmax", "captured", "dropout", "merged dropout"]), "body")
     gather = data.draw(st.sampled_from(["keep", "regather", "auto"]), "param_gather") if params else "keep"
-    ys = "none" if schedule == "1f1b" else \
+    ys = "none" if schedule != "gpipe" else \
         data.draw(st.sampled_from(["none", "per-example"] + ["whole batch"] * (micro == 1)), "scan outputs")
-    layers = stages * data.draw(st.sampled_from([1, 2]), "layers per stage")
+    layers = stages * repeats * data.draw(st.sampled_from([1, 2]), "layers per chunk")
     x, w1, w2 = inputs(batch=16, layers=layers, d=16)
     c = md.named(jax.random.normal(jax.random.key(7), (16, 16)), "batch d_model")
     key = jax.random.key(3)
@@ -449,9 +518,11 @@ def test_random_pipelines_equal_the_unsharded_program(data):
         return jax.value_and_grad(lambda x, w1: loss(x, w1, w2, c).array, argnums=(0, 1))(x, w1)
 
     layout = md.Layout({"layers": "pipe", **inner}, params=params, microbatches={"batch": micro})
-    f = md.lower(program, mesh, layout, schedule=schedule, param_gather=gather)
+    f = md.lower(program, mesh, layout, schedule=schedule, param_gather=gather, repeats=repeats)
     assert_same(f(x, w1, w2, c), program(x, w1, w2, c), rtol=1e-4, atol=1e-6)
-    report = md.explain(program, mesh, layout, x, w1, w2, c, schedule=schedule, param_gather=gather)
+    report = md.explain(program, mesh, layout, x, w1, w2, c, schedule=schedule, param_gather=gather, repeats=repeats)
     assert report.pipeline["microbatches"] == micro and report.pipeline["stages"] == stages
     assert report.pipeline["schedule"] == schedule
+    if schedule != "1f1b":
+        assert report.pipeline["ticks"] == repeats * micro + stages - 1
     assert bytes_by_kind(hlo_summary(f, x, w1, w2, c)) == bytes_by_kind(explain_summary(report))

@@ -33,7 +33,10 @@ from jax.ad_checkpoint import checkpoint_name
 from .jaxcompat import varying_axes
 
 __all__ = ["psum", "pmax", "pmin", "cast", "psum_scatter", "all_gather", "take_block", "all_to_all",
-           "ppermute", "axis_index", "replicate", "attributed_vjp"]
+           "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
+
+# the kinds of collective, each the checkpoint_name of its results (remat policies keep them by name)
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 
 def _differentiable(x) -> bool:

@@ -306,8 +306,7 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
         ctx.frame = Microbatch(micro_dim, m, rows[micro_dim].size, templates[0][2].axes[0], i.astype(jnp.int32),
                                axis)
         try:
-            carry, ys = loop.run(ctx, step, dim, per_stage // repeats, _chunk(xs, dim, k // m, repeats), x_tree,
-                                 carry, c_tree, False, 1, where)
+            carry, ys = _stage(ctx, step, dim, per_stage, repeats, xs, x_tree, carry, c_tree, k // m, where)
         finally:
             ctx.frame = None
         y_tree.append(jax.tree_util.tree_structure(ys, is_leaf=is_named))
@@ -338,10 +337,23 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
     return (outs, (ys, y_templates)), y_tree[-1]
 
 
-def _chunk(xs, dim, repeat, repeats):
-    """The stage's chunk of layers for ``repeat`` (traced) of its ``repeats`` chunks (all of them: 1)."""
+def _stage(ctx, step, dim, per_stage, repeats, xs, x_tree, carry, c_tree, repeat, where):
+    """The stage's layers on the carry at hand: all of them (GPipe), or the chunk of ``repeat``
+    (circular), cut inside a ``jax.checkpoint`` that keeps only einsum results and collectives'
+    results for the backward pass: the chunk and what is made from it (the weights, one chunk per
+    tick) are cut again from the stack there, and no collective runs twice."""
     if repeats == 1:
-        return xs
+        return loop.run(ctx, step, dim, per_stage, xs, x_tree, carry, c_tree, False, 1, where)
+
+    def run(carry, stacks, repeat):
+        return loop.run(ctx, step, dim, per_stage // repeats, _chunk(stacks, dim, repeat, repeats), x_tree, carry,
+                        c_tree, False, 1, where)
+    policy = jax.checkpoint_policies.save_only_these_names("einsum", *C.KINDS)
+    return jax.checkpoint(run, policy=policy)(carry, xs, repeat)
+
+
+def _chunk(xs, dim, repeat, repeats):
+    """The stage's chunk of layers for ``repeat`` (traced) of its ``repeats`` chunks."""
     out = []
     for x in xs:
         size = x.dims[dim].size // repeats

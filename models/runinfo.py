@@ -60,9 +60,9 @@ def explain_text(report, accum: int) -> str:
     lines = [f"explain    one training step (forward + backward{f', x{accum} microbatches' if accum > 1 else ''})"
              f": {fmt_bytes(report.total_bytes * accum)} per device, "
              f"{report.flops * accum / 1e9:.2f} GFLOP per device, memory {fmt_bytes(report.memory['peak'])}"]
-    if report.pipeline:
-        p = report.pipeline
-        lines.append(f"           pipeline ({p['schedule']}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
+    for p in (report.pipeline or {}).get("each", [report.pipeline] if report.pipeline else []):
+        schedule = p["schedule"] + (f", {p['repeats']} repeats" if "repeats" in p else "")
+        lines.append(f"           pipeline ({schedule}) over {p['axis']}: {p['stages']} stages, {p['microbatches']} "
                      f"microbatches, {p['ticks']} ticks, bubble {p['bubble_fraction']:.0%}")
     summary = report.summary()
     if not summary:

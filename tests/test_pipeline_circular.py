@@ -100,3 +100,19 @@ def test_temp_memory_does_not_keep_a_chunk_of_weights_per_tick():
         g = md.lower(loss_and_grads, MESH, layout, schedule="circular", repeats=2)
         temp[m] = g.lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp[16] <= temp[4], temp
+
+
+def test_the_training_cli_prints_each_stack_s_schedule():
+    """T5 under --schedule circular: the encoder stack stays GPipe, the decoder's is circular; the
+    CLI's explain lines show both (the first pipeline alone hid the repeats)."""
+    from types import SimpleNamespace
+
+    from meshdsl.models.runinfo import explain_text
+
+    gpipe = {"schedule": "gpipe", "axis": "pipe", "stages": 2, "microbatches": 2, "ticks": 3, "bubble_fraction": 1 / 3}
+    ring = {**gpipe, "schedule": "circular", "repeats": 2, "ticks": 5, "bubble_fraction": 1 / 5}
+    report = SimpleNamespace(total_bytes=0, flops=0, memory={"peak": 0}, summary=dict,
+                             pipeline={**gpipe, "count": 2, "each": [gpipe, ring]})
+    text = explain_text(report, 1)
+    assert "pipeline (gpipe) over pipe: 2 stages, 2 microbatches, 3 ticks, bubble 33%" in text
+    assert "pipeline (circular, 2 repeats) over pipe: 2 stages, 2 microbatches, 5 ticks, bubble 20%" in text

@@ -191,9 +191,10 @@ def run(quick: bool = False) -> str:
                        f"{mib(chunk_bytes)} MiB) go to their stage and their gradients come back, at most "
                        f"{most} per stage each way: 2 * {most} * {mib(chunk_bytes)} = {mib(2 * most * chunk_bytes)} "
                        f"MiB in the minimum (md.explain's own count of these moves: explain_chunk_bytes in the json). "
-                       f"Its other excesses are GPipe's. Its temp memory is above GPipe's by the permuted stack "
-                       f"and its gradient (the backward pass cuts each tick's chunk of weights again from the "
-                       f"stack rather than keeping one per tick).")
+                       f"Its other excesses are GPipe's. Its compiled temp memory is at or below GPipe's: the "
+                       f"backward pass cuts each tick's chunk of weights again from the stack rather than keeping "
+                       f"one per tick, and recomputes the stage's elementwise values (a remat keeping einsum and "
+                       f"collective results; explain's estimate does not model it).")
 
 
 if __name__ == "__main__":

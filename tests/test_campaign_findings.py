@@ -378,3 +378,17 @@ def test_campaign_a_renamed_shift_is_no_longer_pieces_along_the_old_name():
     v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32), "c")
     fn = lambda v: md.rename(md.shift(md.shift(v, "c", -2), "c", 6), {"c": "d"})
     _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("x", "y")}), v, moved={})
+
+
+def test_campaign_reshape_of_a_pending_sum_onto_its_axis_is_costed():
+    """A dynamic read along a split dim leaves a sum pending over its axis; a reshape whose result
+    the layout splits over that axis priced moving to a placement that kept the sum pending there
+    (an internal AssertionError, a raw error for a valid program). The sum is reduced where the
+    result takes the axis."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 16, 16)), jnp.float32), "c b a")
+
+    def fn(v):
+        row = md.dynamic_slice(v, "a", jnp.int32(0), None)
+        return row, md.reshape(row, "m128:128")
+
+    _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"a": "x", "m128": ("y", "x")}), v)

@@ -175,9 +175,12 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
         later = wanted if certain else [w or p for w, p in zip(wanted, placed)]
         if len({a for axes in later for a in axes}) != sum(len(axes) for axes in later):
             later = wanted
+        def kept(axes):   # a pending sum over an axis the target splits a dim over is reduced there
+            return pending - {a for ax in axes for a in ax}
+        before = [src[n] for n in x.names]
         now = 0 if copy_made(src) else relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names],
-                                                       pending, [src[n] for n in x.names], pending)
-        return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, pending, later, pending)
+                                                       pending, before, kept(before))
+        return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, kept(before), later, kept(later))
 
     options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
     options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]

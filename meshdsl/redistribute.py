@@ -63,6 +63,8 @@ def _plan(shape, src_axes, target, mesh_axes, sizes):
     sizes = dict(sizes)
     used = {a for axes in src_axes + target for a in axes}
     axes = tuple(a for a in mesh_axes if a in used)
+    if any(n % math.prod(sizes[a] for a in p) for placement in (src_axes, target) for n, p in zip(shape, placement)):
+        return None   # a placement that cannot divide a dim (a candidate a planner weighs): no rounds
     bs = [n // math.prod(sizes[a] for a in s) for n, s in zip(shape, src_axes)]
     bt = [n // math.prod(sizes[a] for a in t) for n, t in zip(shape, target)]
     if any(max(s, t) % min(s, t) for s, t in zip(bs, bt)):

@@ -392,3 +392,20 @@ def test_campaign_reshape_of_a_pending_sum_onto_its_axis_is_costed():
         return row, md.reshape(row, "m128:128")
 
     _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"a": "x", "m128": ("y", "x")}), v)
+
+
+def test_campaign_reshape_weighs_no_placement_that_cannot_divide_a_dim():
+    """d:8 split over x*y reshaped into p2:2 q4:4 (q4 over x): a candidate placed p2 over both
+    axes (8 > 2), and pricing it divided by a block of 0 rows (a raw ZeroDivisionError). Such a
+    candidate is no option; the program gives the unsharded values and explain equals the HLO."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "d")
+
+    def fn(v):
+        s = md.cumsum(v, "d")
+        w = md.where(s > 0, v, s)
+        return s, w, md.rename(md.reshape(w, "p2:2 q4:4"), {"p2": "k2"})
+
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("x", "y"), "q4": "x"})
+    _same(fn, {"x": 2, "y": 4}, {"d": ("x", "y"), "q4": "x"}, v)
+    e, h = _explain_vs_hlo(fn, mesh, layout, v)
+    assert e == h

@@ -178,6 +178,9 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
         def kept(axes):   # a pending sum over an axis the target splits a dim over is reduced there
             return pending - {a for ax in axes for a in ax}
         before = [src[n] for n in x.names]
+        if any(d.size % ctx.axes_size(a) for dims, axes in ((x.dims, before), (new, placed), (new, later))
+               for d, a in zip(dims, axes)):
+            return math.inf   # a placement that cannot divide a dim: not an option
         now = 0 if copy_made(src) else relayout_bytes(ctx, x.dims, x.dtype.itemsize, [current[n] for n in x.names],
                                                        pending, before, kept(before))
         return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, kept(before), later, kept(later))

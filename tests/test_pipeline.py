@@ -209,21 +209,25 @@ def test_layout_microbatches_are_checked_and_shown():
 # head aux values with dims, random numbers over a dim cut like the microbatches, random pipelines.
 @pytest.mark.parametrize("model, schedule", [pytest.param("t5-tiny", "gpipe", marks=pytest.mark.slow),
                                              pytest.param("t5-tiny", "1f1b", marks=pytest.mark.slow),
-                                             pytest.param("moe-t5-tiny", "1f1b", marks=pytest.mark.slow)])
+                                             pytest.param("moe-t5-tiny", "1f1b", marks=pytest.mark.slow),
+                                             pytest.param("t5-tiny", "circular", marks=pytest.mark.slow),
+                                             pytest.param("moe-t5-tiny", "circular", marks=pytest.mark.slow)])
 def test_t5_trains_under_a_pipeline_with_the_unsharded_step(model, schedule):
     """T5 (2 + 2 layers, dropout on) under pipe x data (x Megatron for dense T5) with 2 microbatches:
     the decoder captures the encoder output (cut per microbatch), dropout masks equal the unsharded
     ones. 1F1B: the decoder stack's loss (its head) runs inside the pipeline, the encoder's is
     GPipe; the metrics come back as the head's aux values. MoE-T5 (every FFN sparse, router jitter
     and expert dropout on): the decoder's router losses ride in the carry as sums per row and join
-    the loss in the head; jitter and dropout draw over ``group``, numbered like ``batch``."""
+    the loss in the head; jitter and dropout draw over ``group``, numbered like ``batch``. Circular
+    (2 repeats): the decoder's 4 layers in chunks of one, the encoder's stack GPipe."""
     from flax import nnx
     from meshdsl.models.configs import get_config
     from meshdsl.models.loss import t5_loss
     from meshdsl.models.t5 import T5
 
+    repeats = 2 if schedule == "circular" else 1
     config = get_config(model).replace(d_model=32, d_ff=64, heads=4, d_kv=8, vocab=64, encoder_layers=2,
-                                       decoder_layers=2, dropout_rate=0.1)
+                                       decoder_layers=2 * repeats, dropout_rate=0.1)
     if config.is_moe:
         config = config.replace(expert_d_ff=64, moe_every=1, jitter_noise=0.01)
     model, key = T5(config, rngs=nnx.Rngs(0)), jax.random.key(1)
@@ -245,7 +249,7 @@ def test_t5_trains_under_a_pipeline_with_the_unsharded_step(model, schedule):
         layout = md.Layout({"batch": "data", "layers": "pipe", "heads": "model", "d_ff": "model"},
                            microbatches={"batch": 2})
         mesh = md.Mesh({"pipe": 2, "data": 2, "model": 2})
-    f = md.lower(step, mesh, layout, schedule=schedule)
+    f = md.lower(step, mesh, layout, schedule=schedule, repeats=repeats)
     got, want = f(model, batch, key), jax.jit(step)(model, batch, key)
     if config.is_moe:
         assert set(got[0][1]) >= {"moe/load_balancing_loss", "moe/router_z_loss", "moe/expert_load"}

@@ -74,10 +74,9 @@ def _by_pieces(ctx, x, src, target, vary, keep_pending):
     if parts is None:
         return None
     name, pieces = parts
-    if name not in x.names or any(p.dims[d.name].size != d.size for p, _ in pieces for d in x.dims
-                                  if d.name != name and d.name in p.names) or \
-            any(set(p.names) != set(x.names) or not 0 <= o <= x.dims[name].size - p.dims[name].size
-                for p, o in pieces):
+    others = {d for d in x.dims if d.name != name}
+    if name not in x.names or any({d for d in p.dims if d.name != name} != others or name not in p.names or
+                                  not 0 <= o <= x.dims[name].size - p.dims[name].size for p, o in pieces):
         return None   # renamed or reshaped since (the same local array under other dims)
     i = x.names.index(name)
     by_name = dict(zip(x.names, target))

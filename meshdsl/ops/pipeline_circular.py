@@ -30,9 +30,8 @@ __all__ = ["check", "cyclic", "rounds", "entering", "wait"]
 
 
 def check(ctx, dim, length, stages, repeats, m, where):
-    """The layout errors of a circular pipeline: layers per chunk, microbatches per stage."""
-    if not isinstance(repeats, int) or repeats < 1:
-        raise LayoutError(f"{where}: repeats must be a positive int (chunks per stage), got {repeats!r}")
+    """The layout errors of a circular pipeline: layers per chunk, microbatches per stage
+    (``repeats`` itself is checked by md.lower)."""
     if length % (stages * repeats):
         raise LayoutError(f"{where}: {dim}:{length} cannot be cut into {stages} stages x {repeats} repeats "
                           f"= {stages * repeats} chunks; use a multiple of {stages * repeats} layers or "

@@ -409,3 +409,18 @@ def test_campaign_reshape_weighs_no_placement_that_cannot_divide_a_dim():
     _same(fn, {"x": 2, "y": 4}, {"d": ("x", "y"), "q4": "x"}, v)
     e, h = _explain_vs_hlo(fn, mesh, layout, v)
     assert e == h
+
+
+# -- campaign 12 (on 48840f9) ---------------------------------------------------------------------
+
+def test_campaign_contraction_run_where_the_parameter_is_stored_returns_typed_replicated():
+    """einsum(w[d], x[d e c], out="") with w stored split on d and param_gather="auto": the
+    contraction runs where w is stored and its sum is reduced when relaid to the plan; that
+    scalar is replicated and typed so (it was typed varying over x and all-reduced again at the
+    return: 14 B where gspmd moves 7 B)."""
+    r = np.random.default_rng(0)
+    w = md.param(md.named(jnp.asarray(r.standard_normal(8), jnp.float32), "d"))
+    x = md.named(jnp.asarray(r.standard_normal((8, 32, 8)), jnp.float32), "d e c")
+    fn = lambda w, x: md.einsum(w, x, out="")
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"b": "x"}, params={"d": ("y", "x")})
+    _kept(fn, mesh, layout, w, x, param_gather="auto", moved={"all-reduce": 7})

@@ -102,7 +102,9 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     result = ctx.out(result, out_dims, axes, pending_of(axes))
     if axes is target:
         return result
-    # Parameters stayed where they are stored: bring the result where the plan puts it.
+    # Parameters stayed where they are stored: bring the result where the plan puts it, typed
+    # as the plan types it (a sum reduced there is replicated, not varying over the stored split).
+    vary = ctx.vary(target.values(), xs, kept(target), out_size=math.prod(out_dims.sizes))
     local = ctx.local(result, target, vary, keep_pending=pending_of(target))
     return ctx.out(local, out_dims, target, pending_of(target))
 

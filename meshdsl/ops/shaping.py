@@ -48,9 +48,9 @@ def _split_along(ctx, xs, name, keep_pending):
 
 def _window_plan(n, in_size, out_size, c):
     """Static plan of ``y[j] = x[j + c]`` (``0 <= j + c < in_size``) for blocks over ``n`` devices:
-    per block distance, the rows each source sends (as many as the largest piece of that
-    distance), the (source, target) pairs, each source's window start, and each target's row
-    index into the window (with a mask); plus the rows of ``y`` that are in range."""
+    per block distance ``d``, the (source, target) pairs and the rows a source sends (as many as
+    the largest piece of that distance); plus, per target block, the global row each of its rows
+    reads (``g``), its source block (``src``, -1 outside ``x``) and whether it is in range."""
     ib, ob = in_size // n, out_size // n
     g = np.arange(n)[:, None] * ob + np.arange(ob)[None, :] + c
     valid = (g >= 0) & (g < in_size)
@@ -58,26 +58,43 @@ def _window_plan(n, in_size, out_size, c):
     moves = []
     for d in sorted(set((src - np.arange(n)[:, None])[valid].tolist())):
         pairs = [(s, s - d) for s in range(n) if 0 <= s - d < n and (src[s - d] == s).any()]
-        width = max(int((src[t] == s).sum()) for s, t in pairs)
-        lo = np.zeros(n, np.int32)
-        idx = np.zeros((n, ob), np.int32)
-        mask = np.zeros((n, ob), bool)
-        for s, t in pairs:
-            lo[s] = min(g[t][src[t] == s].min() - s * ib, ib - width)
-        for s, t in pairs:
-            sel = src[t] == s
-            idx[t][sel] = g[t][sel] - s * ib - lo[s]
-            mask[t][sel] = True
-        moves.append((d, width, pairs, lo, idx, mask))
-    return moves, valid
+        moves.append((d, max(int((src[t] == s).sum()) for s, t in pairs), pairs))
+    return moves, valid, g, src
 
 
-def _window_bytes(ctx, x, name, split, out_size, c):
+def _merged(n, parts):
+    """The moves of every part (``(in_size, c)`` each: ``y += x_k[j + c_k]``), grouped into as few
+    ``ppermute``s as possible: moves of different distances or parts share one when no device
+    sends or receives twice in it and the widest fits every member's block (a slice of a concat
+    whose two pieces each move a few rows, one to the left, one to the right: one permute).
+    Each group: its width and members ``(part, d, pairs)``; a group of distance 0 moves nothing."""
+    plans = [_window_plan(n, size, out, c) for size, out, c in parts]
+    groups = []
+    for k, (moves, *_) in enumerate(plans):
+        for d, width, pairs in moves:
+            for grp in groups:
+                members = grp[1]
+                sends = {s for _, _, ps in members for s, _ in ps}
+                gets = {t for _, _, ps in members for _, t in ps}
+                w = max(width, grp[0])
+                if d and members[0][1] and not sends & {s for s, _ in pairs} and \
+                        not gets & {t for _, t in pairs} and \
+                        all(w <= parts[j][0] // n for j in {k} | {m[0] for m in members}):
+                    grp[0] = w
+                    members.append((k, d, pairs))
+                    break
+            else:
+                groups.append([width, [(k, d, pairs)]])
+    return groups, plans
+
+
+def _window_bytes(ctx, xs, name, split, out_size, shifts):
     n = ctx.axes_size(split)
-    moves, _ = _window_plan(n, x.dims[name].size, out_size, c)
+    groups, _ = _merged(n, [(x.dims[name].size, out_size, c) for x, c in zip(xs, shifts)])
+    x = xs[0]
     row = x.size * x.dtype.itemsize / max(1, ctx.axes_size(ctx.placement(x).split_axes())) \
         / (x.dims[name].size // n)
-    return sum(width * row for d, width, pairs, *_ in moves if d != 0 and pairs)
+    return sum(width * row for width, members in groups if members[0][1])
 
 
 def _gather_bytes(ctx, x, name, split):
@@ -97,8 +114,7 @@ def _cheapest_along(ctx, xs, name, keep, out_size, shifts):
     n = ctx.axes_size(split)
     options = [(sum(_gather_bytes(ctx, x, name, split) for x in xs), 2, None)]
     if all(x.dims[name].size % n == 0 for x in xs) and out_size % n == 0 and out_size:
-        options.append((sum(_window_bytes(ctx, x, name, split, out_size, c) for x, c in zip(xs, shifts)),
-                        0, ("window", axes)))
+        options.append((_window_bytes(ctx, xs, name, split, out_size, shifts), 0, ("window", axes)))
     for d in xs[0].dims:
         if d.name == name or set(axes[d.name]) & set(split) or d.size % (ctx.axes_size(axes[d.name]) * n):
             continue
@@ -116,29 +132,56 @@ def _cheapest_along(ctx, xs, name, keep, out_size, shifts):
 def _window(ctx, local, pos, split, in_size, out_size, c, tensor):
     """Local block of ``y`` (dim at ``pos`` of size ``out_size``, split over ``split`` as ``x``
     is) with ``y[j] = x[j + c]`` where ``0 <= j + c < in_size``, else 0, and the mask of those
-    rows. Rows that change owner move with one ``ppermute`` per block distance, of only the rows
-    the receiver needs (never the whole dim)."""
+    rows. Rows that change owner move by ``ppermute``, one per block distance (fewer where
+    :func:`_merged` can share one), of only the rows the receiver needs (never the whole dim)."""
+    y = _windows(ctx, [(local, in_size, c)], pos, split, out_size, tensor)
+    _, valid, _, _ = _window_plan(ctx.axes_size(split), in_size, out_size, c)
+    shape = [1] * local.ndim
+    shape[pos] = out_size // ctx.axes_size(split)
+    return y, jnp.asarray(valid)[C.axis_index(split)].reshape(shape)
+
+
+def _windows(ctx, parts, pos, split, out_size, tensor):
+    """``y = sum_k window(x_k)`` for parts ``(local block of x_k, its size, c_k)``, all split over
+    ``split`` along ``pos``: the moves of all parts grouped into as few ppermutes as
+    :func:`_merged` allows."""
     n = ctx.axes_size(split)
-    moves, valid = _window_plan(n, in_size, out_size, c)
     me = C.axis_index(split)
     ob = out_size // n
-    shape = [1] * local.ndim
+    shape = [1] * parts[0][0].ndim
     shape[pos] = ob
+    groups, plans = _merged(n, [(size, out_size, c) for _, size, c in parts])
     out = None
-    for d, width, pairs, lo, idx, mask in moves:
-        if not pairs:
-            continue
-        win = jax.lax.dynamic_slice_in_dim(local, jnp.asarray(lo)[me], width, axis=pos)
-        if d != 0:
-            win = C.ppermute(ctx, win, split, pairs, f"{tensor} rows from {d:+d} blocks")
+    for width, members in groups:
+        lo = np.zeros(n, np.int32)
+        part_of = np.zeros(n, np.int32)
+        idx = np.zeros((n, ob), np.int32)
+        mask = np.zeros((n, ob), bool)
+        for k, d, pairs in members:
+            ib = parts[k][1] // n
+            _, _, g, src = plans[k]
+            for s, t in pairs:
+                sel = src[t] == s
+                lo[s] = min(g[t][sel].min() - s * ib, ib - width)
+                part_of[s] = k
+                idx[t][sel] = g[t][sel] - s * ib - lo[s]
+                mask[t][sel] = True
+        win = None
+        for k in sorted({m[0] for m in members}):
+            w = jax.lax.dynamic_slice_in_dim(parts[k][0], jnp.asarray(lo)[me], width, axis=pos)
+            win = w if win is None else jnp.where(jnp.asarray(part_of)[me] == k, w, win)
+        if members[0][1]:
+            ds = sorted({d for _, d, _ in members})
+            win = C.ppermute(ctx, win, split, [p for *_, ps in members for p in ps],
+                             f"{tensor} rows from {' and '.join(f'{d:+d}' for d in ds)} blocks")
         rows = jnp.take(win, jnp.asarray(idx)[me], axis=pos)
         rows = jnp.where(jnp.asarray(mask)[me].reshape(shape), rows, jnp.zeros((), rows.dtype))
         out = rows if out is None else out + rows
     if out is None:
-        full = list(local.shape)
+        full = list(parts[0][0].shape)
         full[pos] = ob
-        out = jnp.zeros(full, local.dtype)
-    return out, jnp.asarray(valid)[me].reshape(shape)
+        out = jnp.zeros(full, parts[0][0].dtype)
+    return out
 
 
 def _placed_along(ctx, x, name, keep, how, out_size):
@@ -172,12 +215,9 @@ def concat(ctx, xs, dim) -> NamedArray:
         split = axes[name]
         keep = keep - {a for ax in axes.values() for a in ax}
         vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(out.sizes))
-        y = None
-        for x, o in zip(xs, offsets):
-            local = align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims)
-            part, _ = _window(ctx, local, first.names.index(name), split, x.dims[name].size,
-                              out[name].size, -o, f"[{x.dims}] concat along {name}")
-            y = part if y is None else y + part
+        parts = [(align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, first.dims), x.dims[name].size, -o)
+                 for x, o in zip(xs, offsets)]
+        y = _windows(ctx, parts, first.names.index(name), split, out[name].size, f"[{first.dims}] concat along {name}")
         return _pieces(ctx, ctx.out(y, out, axes, keep), name, list(zip(xs, offsets)))
     if how is not None:  # the split moves to another dim and back
         axes = how[1]
@@ -213,28 +253,37 @@ def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the
             axes = ctx.canonical(out)
             local = [n // ctx.axes_size(a) for n, a in zip(out.sizes, axes)]
             return ctx.out(jnp.zeros(local, x.dtype), out, dict(zip(out.names, axes)))
-        windows = [_window_of(ctx, p, name, start - o, size, "slice of a pad or concat") for p, o in pieces]
-        return functools.reduce(add, windows)
-    return _window_of(ctx, x, name, start, size, "slice")
+        return _windows_of(ctx, [(p, start - o) for p, o in pieces], name, size, "slice of a pad or concat")
+    return _windows_of(ctx, [(x, start)], name, size, "slice")
 
 
-def _window_of(ctx, x, name, start, size, what):
-    """Entries ``start .. start + size`` of ``dim`` (zeros outside ``x``), placed cheaply."""
-    n = x.dims[name].size
-    keep = ctx.pending(x)
-    out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
-    how = _cheapest_along(ctx, [x], name, keep, size, [start])
-    axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
-    local = ctx.local(x, axes, vary, keep_pending=keep)
-    pos = x.names.index(name)
-    if how is not None and how[0] == "window":
-        y, _ = _window(ctx, local, pos, axes[name], n, size, start, f"[{x.dims}] {what} of {name}")
-        return ctx.out(y, out, axes, keep)
-    lo, hi = max(0, -start), max(0, start + size - n)
-    if lo or hi:
-        local = jnp.pad(local, [(lo, hi) if k == pos else (0, 0) for k in range(local.ndim)])
-    y = jax.lax.slice_in_dim(local, start + lo, start + lo + size, axis=pos)
-    return ctx.out(y, out, axes, keep)
+def _windows_of(ctx, pieces, name, size, what):
+    """The sum over ``pieces`` ``(x, start)`` of entries ``start .. start + size`` of ``dim``
+    (zeros outside ``x``), each placed cheaply; pieces that move rows the same way share their
+    ppermutes (:func:`_windows`)."""
+    results, windowed = [], {}
+    for x, start in pieces:
+        n = x.dims[name].size
+        keep = ctx.pending(x)
+        out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
+        how = _cheapest_along(ctx, [x], name, keep, size, [start])
+        axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
+        local = ctx.local(x, axes, vary, keep_pending=keep)
+        pos = x.names.index(name)
+        if how is not None and how[0] == "window":
+            windowed.setdefault((tuple(sorted(axes.items())), keep), []).append((x, local, start))
+            continue
+        lo, hi = max(0, -start), max(0, start + size - n)
+        if lo or hi:
+            local = jnp.pad(local, [(lo, hi) if k == pos else (0, 0) for k in range(local.ndim)])
+        y = jax.lax.slice_in_dim(local, start + lo, start + lo + size, axis=pos)
+        results.append(ctx.out(y, out, axes, keep))
+    for (placed, keep), group in windowed.items():
+        axes, first = dict(placed), group[0][0]
+        parts = [(align(local, x.dims, first.dims), x.dims[name].size, start) for x, local, start in group]
+        y = _windows(ctx, parts, first.names.index(name), axes[name], size, f"[{first.dims}] {what} of {name}")
+        results.append(ctx.out(y, Shape(Dim(name, size) if d.name == name else d for d in first.dims), axes, keep))
+    return functools.reduce(add, results)
 
 
 @op("pad")

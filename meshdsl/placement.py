@@ -15,8 +15,9 @@ Rule of thumb, applied by every op the same way so that communication is predict
    the layout places both claim it (only possible inside an op, e.g. a contracted and a kept dim
    of an einsum), the op's ``prefer`` order decides and the others are left whole on that axis.
 
-5. An elementwise op whose operands all have a copy in the layout's placement already (a
-   parameter stored split that another op gathered) computes there: nothing moves now or later.
+5. An op whose operands all have a copy in the layout's placement already (a parameter stored
+   split that another op gathered, a value gathered for the return) computes there: nothing moves
+   now or later.
 
 6. A parameter stored split (``params=`` rules) is all-gathered where an op needs it whole; the
    ``param_gather`` policy (:mod:`meshdsl.param_gather`) may instead leave it where it is stored
@@ -54,7 +55,7 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
             proposal[d.name] = canonical[d.name]
         if resolving & set(canonical[d.name]):
             proposal[d.name] = canonical[d.name]
-    if cheapest and proposal != canonical and _free_at(ctx, operands, canonical, keep_pending):
+    if proposal != canonical and _free_at(ctx, operands, canonical, keep_pending):
         return canonical
     order = {d.name: i for i, d in enumerate(dims)}
     while True:
@@ -86,8 +87,10 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
 def _free_at(ctx, operands, canonical, keep_pending) -> bool:
     """Can every operand be read in the layout's placement without moving anything: already
     there, or a copy placed so already made (a parameter stored split that another op gathered)?
-    An elementwise op then computes there: the result needs no move later either."""
+    The op then computes there: the result needs no move later either."""
     moved = False
+    if any(n not in canonical for x in operands for n in x.names):
+        return False   # the op plans only some of its operands' dims (concat: not the joined one)
     for x in operands:
         target = tuple(canonical[d.name] for d in x.dims)
         pl = ctx.placement(x)

@@ -439,3 +439,22 @@ def test_campaign_pieces_moving_rows_opposite_ways_share_one_permute():
     a, b = (md.param(md.named(jnp.asarray(np.random.default_rng(k).standard_normal((8, 3)), jnp.float32), "c e"))
             for k in (1, 2))
     _kept(lambda a, b: md.concat([a, b], "c"), mesh, layout, a, b, moved={"collective-permute": 4 * 3 * 4})
+
+
+def test_campaign_scan_and_sum_read_the_copy_gathered_for_the_return():
+    """v = shift(w) of a parameter stored split on a, returned (gathered whole) and scanned over e
+    with a carry started from sum(v, e): the sum and the scan read the gathered copy (they ran on
+    the split v and their [d a] result was gathered again at the return: 15808 B where gspmd
+    moves 15360 B)."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((32, 8, 16)), jnp.float32),
+                          "e d a"))
+
+    def fn(w):
+        v = md.shift(w, "a", -1)
+        step = lambda c, vi: (md.tanh(c + vi) * 0.5 + c * 0.5, None)
+        carry, _ = md.scan(step, md.sum(v, "e") * 0.1, v, dim="e")
+        return v, carry, md.square(v)
+
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"b": ("x", "y")}, params={"a": ("y", "x")})
+    _kept(fn, mesh, layout, w, param_gather="auto",
+          moved={"collective-permute": 32 * 8 * 4, "all-gather": 32 * 8 * 16 * 4 * 7 // 8})

@@ -126,13 +126,17 @@ def _enter_carry(ctx, c_leaves, widen, placed):
 
 def _enter_xs(ctx, x_leaves, dim, carry_vary):
     """The stacked xs with the scanned dim whole and first, cast once (before the loop) to vary
-    like the carry; templates of one step's slices."""
+    like the carry; templates of one step's slices. An xs entry held off the layout's placement
+    whose copy in that placement is made anyway is read from that copy."""
     arrays, templates = [], []
     for leaf in x_leaves:
         pos = leaf.names.index(dim)
         inner = Shape(d for d in leaf.dims if d.name != dim)
         if ctx.explicit:
             pl = ctx.placement(leaf)
+            canonical = None if ctx.layout_axes(dim) else ctx.canonical(leaf.dims)
+            if canonical is not None and pl.axes != canonical and ctx.relaid(leaf, canonical):
+                pl = Placement(canonical)   # a copy made anyway (returned, say): reading it moves nothing more
             axes = {d.name: a for d, a in zip(leaf.dims, pl.axes)}
             axes[dim] = ()
             vary = ctx.vary(axes.values(), [leaf], pl.pending) | carry_vary

@@ -3,8 +3,8 @@
 Rule of thumb, applied by every op the same way so that communication is predictable:
 
 1. A dim keeps the split its operands already agree on (no data moves) - unless an elementwise
-   op's result is larger than those operands and the layout places the dim otherwise: the
-   operands move there first (less than moving the result later).
+   op's result is larger than those operands, the layout places the dim otherwise and the result
+   moves there later (returned: :mod:`meshdsl.foresight` tells): the operands move there first.
 2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``);
    elementwise ops (``cheapest=True``) instead take the operands' placement that moves the fewest
    bytes (a replicated gradient meeting optimizer state stored split is sliced, not the state
@@ -40,14 +40,14 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
     keeps the pending sums over ``keep_pending`` (linear ops) and reduces the others."""
     canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
     resolving = set().union(*(ctx.pending(x) for x in operands)) - set(keep_pending)
-    proposal = {}
+    proposal, whole_now = {}, []
     for d in dims:
         holders = [x for x in operands if d.name in x.names]
         held = {ctx.placement(x).of(x.dims, d.name) for x in holders}
         if len(held) == 1:
             proposal[d.name] = held.pop()
             if cheapest and _cheaper_whole_now(ctx, dims, holders, proposal[d.name], canonical[d.name]):
-                proposal[d.name] = canonical[d.name]
+                whole_now.append(d.name)
         elif cheapest and held:
             options = [canonical[d.name], *sorted(held - {canonical[d.name]})]
             proposal[d.name] = min(options, key=lambda c: sum(_gather_bytes(ctx, x, d.name, c) for x in holders))
@@ -55,6 +55,11 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
             proposal[d.name] = canonical[d.name]
         if resolving & set(canonical[d.name]):
             proposal[d.name] = canonical[d.name]
+    # Moving the operands now is cheaper than moving the (larger) result later - if the result
+    # does move to the layout's placement later (returned, say), as the previous trace tells. A
+    # result only summed (a loss) never moves: it stays where its operands are.
+    if whole_now and ctx.result_relaid(operands, tuple(canonical[d.name] for d in dims)):
+        proposal.update((n, canonical[n]) for n in whole_now)
     if proposal != canonical and _free_at(ctx, operands, canonical, keep_pending):
         return canonical
     order = {d.name: i for i, d in enumerate(dims)}

@@ -458,3 +458,20 @@ def test_campaign_scan_and_sum_read_the_copy_gathered_for_the_return():
     mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"b": ("x", "y")}, params={"a": ("y", "x")})
     _kept(fn, mesh, layout, w, param_gather="auto",
           moved={"collective-permute": 32 * 8 * 4, "all-gather": 32 * 8 * 16 * 4 * 7 // 8})
+
+
+def test_campaign_broadcast_of_a_split_parameter_that_is_only_summed_stays_split():
+    """where(a > 0, a, w) broadcasts a[b] against w[e c] stored split on e. Returned, the operands
+    move to the layout's placement first (w's 896 B, not the [b e c] result's 14336 B, gspmd's
+    choice). Only summed into a loss, under jax.grad, nothing needs the result whole: it stays
+    split and only a's gradient is all-reduced (it was gathered anyway: 896 B where gspmd moves
+    112 B)."""
+    r = np.random.default_rng(0)
+    a = md.param(md.named(jnp.asarray(r.standard_normal(16), jnp.float32), "b"))
+    w = md.param(md.named(jnp.asarray(r.standard_normal((32, 8)), jnp.float32), "e c"))
+    sel = lambda a, w: md.where(md.greater(a, 0.0), a, w)
+    loss = lambda a, w: md.sum(md.tanh(sel(a, w))).array
+    grad = lambda a, w: jax.grad(loss, argnums=(0, 1))(a, w)
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"d": "x"}, params={"e": "x"})
+    _kept(sel, mesh, layout, a, w, param_gather="auto", moved={"all-gather": 896})
+    _kept(grad, mesh, layout, a, w, param_gather="auto", moved={"all-reduce": 112})

@@ -475,3 +475,16 @@ def test_campaign_broadcast_of_a_split_parameter_that_is_only_summed_stays_split
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"d": "x"}, params={"e": "x"})
     _kept(sel, mesh, layout, a, w, param_gather="auto", moved={"all-gather": 896})
     _kept(grad, mesh, layout, a, w, param_gather="auto", moved={"all-reduce": 112})
+
+
+def test_campaign_pad_of_a_parameter_stored_split_moves_only_rows_unless_returned():
+    """slice(pad(w, a, 3, 5), a, 7) of w[b a] stored split on a, which the layout leaves whole: a
+    shift of a by 4 rows. Returned, the result is wanted whole: w's piece is gathered once (896 B;
+    gspmd: 1600 B). Only summed, under jax.grad, it stays split and only the rows that change
+    owner move, forward and back (it was gathered anyway: 896 B where gspmd moves 768 B)."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16)), jnp.float32), "b a"))
+    fn = lambda w: md.slice(md.pad(w, "a", before=3, after=5), "a", 7, 16)
+    grad = lambda w: jax.grad(lambda w: md.sum(md.tanh(fn(w))).array)(w)
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"}, params={"a": ("y", "x")})
+    _kept(fn, mesh, layout, w, param_gather="auto", moved={"all-gather": 896})
+    _kept(grad, mesh, layout, w, param_gather="auto", moved={"collective-permute": 256})

@@ -33,14 +33,17 @@ def _whole_along(ctx, x, name, keep_pending, out_size=None):
     return axes, ctx.vary(axes.values(), [x], keep_pending, out_size=out_size)
 
 
-def _split_along(ctx, xs, name, keep_pending):
+def _split_along(ctx, xs, name, keep_pending, out=None):
     """Plan keeping dim ``name`` split where every operand holds it (as the layout places it), or
-    ``None``: then slice / pad / concat can move only the rows that change owner (``_window``)."""
+    ``None``: then slice / pad / concat can move only the rows that change owner (``_window``).
+    Given the result's dims ``out``, a split the layout does not make (a parameter stored split)
+    is kept too - unless the previous trace says the result moves to the layout's placement
+    later (returned): gathering the operand now is then the cheaper move."""
     if not ctx.explicit:
         return None
     held = {ctx.placement(x).of(x.dims, name) for x in xs}
     split = held.pop() if len(held) == 1 else ()
-    if not split or split != ctx.layout_axes(name):
+    if not split or split != ctx.layout_axes(name) and (out is None or ctx.result_relaid(xs, ctx.canonical(out))):
         return None
     axes = ctx.plan(xs[0].dims, xs, keep_pending=keep_pending)
     return axes if axes[name] == split else None
@@ -102,12 +105,12 @@ def _gather_bytes(ctx, x, name, split):
     return (ctx.axes_size(split) - 1) * local
 
 
-def _cheapest_along(ctx, xs, name, keep, out_size, shifts):
+def _cheapest_along(ctx, xs, name, keep, out_size, shifts, out=None):
     """How slice / pad / concat (``y[j] = x_k[j + shifts[k]]``) handle a dim ``name`` split over
     axes ``A``, the cheapest by bytes: ``("window", axes)``: move only the rows that change owner
     (ppermutes); ``("move", axes)``: move the split to another dim (all-to-all), work along the
     whole dim, and the result goes back by all-to-all; ``None``: gather the dim (the rule table)."""
-    axes = _split_along(ctx, xs, name, keep)
+    axes = _split_along(ctx, xs, name, keep, out)
     if axes is None:
         return None
     split = axes[name]
@@ -266,7 +269,8 @@ def _windows_of(ctx, pieces, name, size, what):
         n = x.dims[name].size
         keep = ctx.pending(x)
         out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
-        how = _cheapest_along(ctx, [x], name, keep, size, [start])
+        # a split off the layout kept only where this piece's result is the op's (asked of the next result)
+        how = _cheapest_along(ctx, [x], name, keep, size, [start], out if len(pieces) == 1 else None)
         axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
         local = ctx.local(x, axes, vary, keep_pending=keep)
         pos = x.names.index(name)
@@ -296,7 +300,7 @@ def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0) -> NamedArray:
     keep = ctx.pending(x) if value == 0 else frozenset()
     widths = [(before, after) if d.name == name else (0, 0) for d in x.dims]
     out = Shape(Dim(name, d.size + before + after) if d.name == name else d for d in x.dims)
-    how = _cheapest_along(ctx, [x], name, keep, out[name].size, [-before])
+    how = _cheapest_along(ctx, [x], name, keep, out[name].size, [-before], out)
     axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
     local = ctx.local(x, axes, vary, keep_pending=keep)
     if how is not None and how[0] == "window":

@@ -206,10 +206,15 @@ def cumsum(ctx, x, dim) -> NamedArray:
     x = as_named(ctx, x)
     name = _one(ctx, x, dim, "cumsum dim")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
+    pos = x.names.index(name)
+    wanted = ctx.canonical(x.dims) if ctx.explicit else None
+    if wanted is not None and axes[name] and axes[name] != wanted[pos] and ctx.result_relaid([x], wanted):
+        # split off the layout and wanted in its placement later (returned): moving x there now
+        # moves as much as moving the result later, and saves the block totals
+        axes[name] = wanted[pos]
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)
-    pos = x.names.index(name)
     y = jnp.cumsum(local, axis=pos)
     split = axes[name]
     if split:

@@ -49,6 +49,7 @@ def _split_along(ctx, xs, name, keep_pending, out=None):
     return axes if axes[name] == split else None
 
 
+@functools.lru_cache(maxsize=None)
 def _window_plan(n, in_size, out_size, c):
     """Static plan of ``y[j] = x[j + c]`` (``0 <= j + c < in_size``) for blocks over ``n`` devices:
     per block distance ``d``, the (source, target) pairs and the rows a source sends (as many as
@@ -62,6 +63,8 @@ def _window_plan(n, in_size, out_size, c):
     for d in sorted(set((src - np.arange(n)[:, None])[valid].tolist())):
         pairs = [(s, s - d) for s in range(n) if 0 <= s - d < n and (src[s - d] == s).any()]
         moves.append((d, max(int((src[t] == s).sum()) for s, t in pairs), pairs))
+    for a in (valid, g, src):
+        a.setflags(write=False)   # cached: shared by every caller
     return moves, valid, g, src
 
 
@@ -275,7 +278,7 @@ def _windows_of(ctx, pieces, name, size, what):
         local = ctx.local(x, axes, vary, keep_pending=keep)
         pos = x.names.index(name)
         if how is not None and how[0] == "window":
-            windowed.setdefault((tuple(sorted(axes.items())), keep), []).append((x, local, start))
+            windowed.setdefault((tuple(sorted(axes.items())), keep), []).append((x, local, start, out))
             continue
         lo, hi = max(0, -start), max(0, start + size - n)
         if lo or hi:
@@ -283,10 +286,10 @@ def _windows_of(ctx, pieces, name, size, what):
         y = jax.lax.slice_in_dim(local, start + lo, start + lo + size, axis=pos)
         results.append(ctx.out(y, out, axes, keep))
     for (placed, keep), group in windowed.items():
-        axes, first = dict(placed), group[0][0]
-        parts = [(align(local, x.dims, first.dims), x.dims[name].size, start) for x, local, start in group]
+        axes, (first, _, _, out) = dict(placed), group[0]
+        parts = [(align(local, x.dims, first.dims), x.dims[name].size, start) for x, local, start, _ in group]
         y = _windows(ctx, parts, first.names.index(name), axes[name], size, f"[{first.dims}] {what} of {name}")
-        results.append(ctx.out(y, Shape(Dim(name, size) if d.name == name else d for d in first.dims), axes, keep))
+        results.append(ctx.out(y, out, axes, keep))
     return functools.reduce(add, results)
 
 

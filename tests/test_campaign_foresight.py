@@ -1,0 +1,102 @@
+"""Findings of fuzz campaigns 12 to 14 (issue 9; tests/fuzz_campaign.py, replayed with
+tests/fuzz_replay.py), each with the promise it broke: where an op computes depends on what later
+ops do with its result (returned, so wanted in the layout's placement, or only summed into a loss:
+:mod:`meshdsl.foresight`), and window moves of several pieces share their ppermutes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import meshdsl as md
+
+from helpers import promises_kept as _kept
+
+
+# -- campaign 12 (on 48840f9) ---------------------------------------------------------------------
+
+def test_campaign_contraction_run_where_the_parameter_is_stored_returns_typed_replicated():
+    """einsum(w[d], x[d e c], out="") with w stored split on d and param_gather="auto": the
+    contraction runs where w is stored and its sum is reduced when relaid to the plan; that
+    scalar is replicated and typed so (it was typed varying over x and all-reduced again at the
+    return: 14 B where gspmd moves 7 B)."""
+    r = np.random.default_rng(0)
+    w = md.param(md.named(jnp.asarray(r.standard_normal(8), jnp.float32), "d"))
+    x = md.named(jnp.asarray(r.standard_normal((8, 32, 8)), jnp.float32), "d e c")
+    fn = lambda w, x: md.einsum(w, x, out="")
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"b": "x"}, params={"d": ("y", "x")})
+    _kept(fn, mesh, layout, w, x, param_gather="auto", moved={"all-reduce": 7})
+
+
+def test_campaign_pieces_moving_rows_opposite_ways_share_one_permute():
+    """slice(concat([v, v]), start=3) of v[c:8] split on x:2: block 0 reads 3 rows of block 1 (a
+    +1 move of the first piece), block 1 reads 3 rows of block 0 (a -1 move of the second). No
+    device sends or receives twice, so both go in one ppermute (it was one per piece: 24 B
+    where gspmd moves 20 B)."""
+    v = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "c"))
+    fn = lambda v: md.slice(md.concat([v, v], "c"), "c", 3, 8)
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"})
+    _kept(fn, mesh, layout, v, moved={"collective-permute": 12})
+    # concat of two [c:8 e:3]: block 0 takes a's rows from block 1, block 1 b's rows from block 0
+    a, b = (md.param(md.named(jnp.asarray(np.random.default_rng(k).standard_normal((8, 3)), jnp.float32), "c e"))
+            for k in (1, 2))
+    _kept(lambda a, b: md.concat([a, b], "c"), mesh, layout, a, b, moved={"collective-permute": 4 * 3 * 4})
+
+
+def test_campaign_scan_and_sum_read_the_copy_gathered_for_the_return():
+    """v = shift(w) of a parameter stored split on a, returned (gathered whole) and scanned over e
+    with a carry started from sum(v, e): the sum and the scan read the gathered copy (they ran on
+    the split v and their [d a] result was gathered again at the return: 15808 B where gspmd
+    moves 15360 B)."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((32, 8, 16)), jnp.float32),
+                          "e d a"))
+
+    def fn(w):
+        v = md.shift(w, "a", -1)
+        step = lambda c, vi: (md.tanh(c + vi) * 0.5 + c * 0.5, None)
+        carry, _ = md.scan(step, md.sum(v, "e") * 0.1, v, dim="e")
+        return v, carry, md.square(v)
+
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"b": ("x", "y")}, params={"a": ("y", "x")})
+    _kept(fn, mesh, layout, w, param_gather="auto",
+          moved={"collective-permute": 32 * 8 * 4, "all-gather": 32 * 8 * 16 * 4 * 7 // 8})
+
+
+def test_campaign_broadcast_of_a_split_parameter_that_is_only_summed_stays_split():
+    """where(a > 0, a, w) broadcasts a[b] against w[e c] stored split on e. Returned, the operands
+    move to the layout's placement first (w's 896 B, not the [b e c] result's 14336 B, gspmd's
+    choice). Only summed into a loss, under jax.grad, nothing needs the result whole: it stays
+    split and only a's gradient is all-reduced (it was gathered anyway: 896 B where gspmd moves
+    112 B)."""
+    r = np.random.default_rng(0)
+    a = md.param(md.named(jnp.asarray(r.standard_normal(16), jnp.float32), "b"))
+    w = md.param(md.named(jnp.asarray(r.standard_normal((32, 8)), jnp.float32), "e c"))
+    sel = lambda a, w: md.where(md.greater(a, 0.0), a, w)
+    loss = lambda a, w: md.sum(md.tanh(sel(a, w))).array
+    grad = lambda a, w: jax.grad(loss, argnums=(0, 1))(a, w)
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"d": "x"}, params={"e": "x"})
+    _kept(sel, mesh, layout, a, w, param_gather="auto", moved={"all-gather": 896})
+    _kept(grad, mesh, layout, a, w, param_gather="auto", moved={"all-reduce": 112})
+
+
+def test_campaign_pad_of_a_parameter_stored_split_moves_only_rows_unless_returned():
+    """slice(pad(w, a, 3, 5), a, 7) of w[b a] stored split on a, which the layout leaves whole: a
+    shift of a by 4 rows. Returned, the result is wanted whole: w's piece is gathered once (896 B;
+    gspmd: 1600 B). Only summed, under jax.grad, it stays split and only the rows that change
+    owner move, forward and back (it was gathered anyway: 896 B where gspmd moves 768 B)."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16)), jnp.float32), "b a"))
+    fn = lambda w: md.slice(md.pad(w, "a", before=3, after=5), "a", 7, 16)
+    grad = lambda w: jax.grad(lambda w: md.sum(md.tanh(fn(w))).array)(w)
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"}, params={"a": ("y", "x")})
+    _kept(fn, mesh, layout, w, param_gather="auto", moved={"all-gather": 896})
+    _kept(grad, mesh, layout, w, param_gather="auto", moved={"collective-permute": 256})
+
+
+def test_campaign_returned_cumsum_along_a_stored_split_gathers_its_operand_once():
+    """cumsum(w, d) of w[c d] stored split on d and returned (wanted whole): w is gathered first
+    and summed whole (it summed the blocks, gathered their totals, then gathered the result at
+    the return: 448 B where gspmd moves 224 B). Campaign 14."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32), "c d"))
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"e": "x"}, params={"d": ("x", "y")})
+    _kept(lambda w: md.cumsum(w, "d"), mesh, layout, w, param_gather="keep", moved={"all-gather": 224})

@@ -207,7 +207,7 @@ def ppermute(ctx, x, axes, perm, tensor: str = ""):
     x = cast(ctx, x, axes, tensor)
     # jax numbers ppermute's devices in mesh order, whatever order ``axes`` lists; ``perm`` uses
     # the order of ``axes`` (a dim's block order, as axis_index / all_gather do): translate.
-    ordered = tuple(a for a in ctx.mesh.axis_names if a in axes)
+    ordered = tuple(a for a in ctx.mesh.factor_axes if a in axes)
     if ordered != axes:
         sizes = {a: ctx.axes_size((a,)) for a in axes}
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from . import collectives as C
 from . import param_gather
-from .layout import check_axes, effective, to_spec
+from .layout import check_axes, effective, mesh_spec
 from .named import NamedArray
 from .recorder import Recorder
 from .tracing import current
@@ -173,6 +173,7 @@ class GspmdContext(LayoutContext):
         self.dims_seen.update(x.names)
         axes = self.canonical(x.dims)
         if any(axes):
-            constrained = jax.lax.with_sharding_constraint(array, NamedSharding(self.mesh.jax_mesh, to_spec(axes)))
+            sharding = NamedSharding(self.mesh.jax_mesh, mesh_spec(self.mesh, axes))
+            constrained = jax.lax.with_sharding_constraint(array, sharding)
             x = NamedArray(constrained, x.dims, is_param=is_param)
         return x

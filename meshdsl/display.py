@@ -52,9 +52,15 @@ def placement_of(x) -> dict | None:
     arr = x.raw
     if x.placement is not None:
         ctx = current()
-        mesh = dict(ctx.mesh.shape) if getattr(ctx, "mesh", None) is not None else {}
-        return {"source": "rewriter", "mesh": mesh, "axes": tuple(x.placement.axes),
-                "block": tuple(getattr(arr, "shape", ())), "pending": sorted(x.placement.pending)}
+        m = getattr(ctx, "mesh", None)
+        if m is None:
+            return {"source": "rewriter", "mesh": {}, "axes": tuple(x.placement.axes),
+                    "block": tuple(getattr(arr, "shape", ())), "pending": sorted(x.placement.pending)}
+        parts = [m.parts(axes) for axes in x.placement.axes]   # factor axes as mesh axes (or parts)
+        mesh = {**m.shape, **{text: size for p in parts for text, size in p}}
+        return {"source": "rewriter", "mesh": mesh, "axes": tuple(tuple(t for t, _ in p) for p in parts),
+                "block": tuple(getattr(arr, "shape", ())), "pending": sorted(m.collapse(sorted(
+                    x.placement.pending, key=m.factor_axes.index)))}
     sharding = getattr(arr, "sharding", None)
     spec = getattr(sharding, "spec", None)
     if spec is None or not hasattr(sharding, "mesh"):

@@ -217,7 +217,8 @@ class ExplicitContext(LayoutContext):
         vary = varying_axes(array)
         if vary:
             raise LayoutError(
-                f"{where}: the array differs between devices (it varies over mesh axes {sorted(vary)}): "
+                f"{where}: the array differs between devices (it varies over mesh axes "
+                f"{self.mesh.axes_text([a for a in self.mesh.factor_axes if a in vary])}): "
                 f"it is a device's local block, not the global value [{dims}]. Inside md.lower, x.array "
                 "is a local block; run plain jax/flax code on named values with "
                 "md.local_map(fn, x, out='...'), which gives fn whole values")
@@ -235,12 +236,12 @@ class ExplicitContext(LayoutContext):
         target = dict(zip(leaf.names, axes))
         split = frozenset(a for ax in axes for a in ax)
         arr = self.local(leaf, target, split)
-        manual = frozenset() if self.frame is None else {self.frame.stage_axis}  # stages differ there
-        extra = tuple(a for a in self.mesh.axis_names if a in varying_axes(arr) - split - manual)
+        manual = frozenset() if self.frame is None else self.frame.stage_axis  # stages differ there
+        extra = tuple(a for a in self.mesh.factor_axes if a in varying_axes(arr) - split - manual)
         if extra:
             self.foresight.replicated(leaf.raw)
             arr = self.cached(arr, ("replicate", extra), lambda: C.replicate(
-                self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {list(extra)}"))
+                self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {self.mesh.axes_text(extra)}"))
         return arr
 
     # -- per-trace cache -------------------------------------------------------------------------

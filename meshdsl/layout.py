@@ -257,15 +257,27 @@ def to_spec(axes_per_dim) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def mesh_spec(mesh, axes_per_dim) -> PartitionSpec:
+    """The PartitionSpec over ``mesh.jax_mesh`` (mesh axes) of a placement in factor axes; every
+    dim must be split over whole mesh axes (as the layout places values)."""
+    out = []
+    for axes in axes_per_dim:
+        names = mesh.collapse(axes)
+        if any(":" in n for n in names):
+            raise ValueError(f"placement {mesh.axes_text(axes)} splits a dim over part of a mesh axis")
+        out.append(names)
+    return to_spec(out)
+
+
 def effective(axes_per_dim, mesh) -> tuple:
-    """The axes that really split each dim: a mesh axis of size 1 splits nothing, so ``('y', 'x')``
-    with ``y`` of size 1 places a dim exactly as ``('x',)`` does (validity is checked before, on
-    the layout as written)."""
-    return tuple(tuple(a for a in axes if mesh.shape[a] != 1) for axes in axes_per_dim)
+    """The factor axes (:mod:`meshdsl.mesh`) that really split each dim, as the rewriter places
+    values: a mesh axis of size 1 splits nothing, so ``('y', 'x')`` with ``y`` of size 1 places a
+    dim exactly as ``('x',)`` does (validity is checked before, on the layout as written)."""
+    return tuple(mesh.expand(axes) for axes in axes_per_dim)
 
 
 def describe_axes(axes: Axes, mesh) -> str:
-    return "+".join(f"{a}({mesh.shape[a]})" for a in axes)
+    return "+".join(f"{text}({size})" for text, size in mesh.parts(axes))
 
 
 def check_axes(dims, axes_per_dim, mesh, *, what: str) -> None:
@@ -274,16 +286,16 @@ def check_axes(dims, axes_per_dim, mesh, *, what: str) -> None:
     shape_txt = "[" + " ".join(map(str, dims)) + "]"
     for d, axes in zip(dims, axes_per_dim):
         for a in axes:
-            if a not in mesh.shape:
+            if a not in mesh.shape and a not in mesh.factor_axes:
                 raise LayoutError(f"{what} {shape_txt}: dim {d.name!r} is mapped to mesh axis {a!r}, "
                                   f"which mesh {mesh} lacks{suggest(a, mesh.shape)}")
             if a in owner:
                 raise LayoutError(
-                    f"{what} {shape_txt} puts both {owner[a]!r} and {d.name!r} on mesh axis {a!r} "
-                    f"(size {mesh.shape[a]}); one mesh axis can split only one dim of a tensor: map one of "
+                    f"{what} {shape_txt} puts both {owner[a]!r} and {d.name!r} on mesh axis "
+                    f"{mesh.axes_text((a,))!r} (size {mesh.axis_size(a)}); one mesh axis can split only one dim of a tensor: map one of "
                     f"them to another axis, or rename one dim so the rule does not apply to it")
             owner[a] = d.name
-        n = math.prod(mesh.shape[a] for a in axes)
+        n = mesh.axes_size(axes)
         if d.size % n:
             raise LayoutError(
                 f"{what} {shape_txt}: dim {d.name!r} of size {d.size} is split over {describe_axes(axes, mesh)} "

@@ -7,6 +7,16 @@ a 512-device layout is costed on a laptop.
 
 Axes are jax ``AxisType.Auto``: the explicit backend makes every axis manual inside ``shard_map``
 and the ``gspmd`` backend leaves the choice to the compiler, over the same mesh object.
+
+**Factor axes.** Inside the rewriter every axis is cut into its prime factors, major first: ``x``
+of size 8 is the factor axes ``x.0``, ``x.1``, ``x.2`` of size 2 (an axis of prime size is its own
+single factor, under its own name). ``Mesh.factor_mesh`` is the jax mesh over those, with the same
+devices in the same order, so a dim split over all factors of ``x`` is split exactly as over ``x``.
+The factors let a value be split over *part* of an axis: ``d:16`` split over ``x:8`` reshaped to
+``p:4 q:4`` is ``p`` over ``x.0, x.1`` and ``q`` over ``x.2`` - every element stays where it is (the
+compiler's sub-axes do the same). Users never write factor axes; messages and ``md.explain`` show a
+whole axis by its name and a part of one as ``x:(1)4`` (the part of size 4 whose major factors
+multiply to 1, Shardy's notation): :meth:`Mesh.axes_text`.
 """
 
 from __future__ import annotations
@@ -20,7 +30,18 @@ from jax.sharding import AxisType
 
 from .errors import MeshError, suggest
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "prime_factors"]
+
+
+def prime_factors(n: int) -> list[int]:
+    """``n``'s prime factors, smallest first (``[]`` for 1)."""
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out + ([n] if n > 1 else [])
 
 
 def _check_axes(axes) -> dict[str, int]:
@@ -66,8 +87,11 @@ class Mesh:
         self._axes = _check_axes(axes)
         self._abstract = _abstract
         names, sizes = tuple(self._axes), tuple(self._axes.values())
+        self._factor_axes()
+        fnames, fsizes = tuple(self._factor_sizes), tuple(self._factor_sizes.values())
         if _abstract:
             self.jax_mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+            self.factor_mesh = jax.sharding.AbstractMesh(fsizes, fnames, axis_types=(AxisType.Auto,) * len(fnames))
             self.platform = platform or jax.default_backend()
             return
         devs = list(jax.devices() if devices is None else devices)
@@ -77,8 +101,26 @@ class Mesh:
                 f"({'jax.devices()' if devices is None else 'devices='}); choose axis sizes whose "
                 f"product is {len(devs)}, or use md.Mesh.abstract(...) to explain a larger mesh")
         self.jax_mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devs)
+        self.factor_mesh = jax.sharding.Mesh(self.jax_mesh.devices.reshape(fsizes), fnames,
+                                             axis_types=(AxisType.Auto,) * len(fnames))
         self.platform = platform or devs[0].platform
 
+    def _factor_axes(self) -> None:
+        """Each axis's factor axes (see the module doc): ``self._factors[axis]`` (names, major
+        first), ``self._factor_sizes`` (every factor axis, mesh order), ``self._owner`` (factor
+        -> (axis, size of the factors before it))."""
+        self._factors: dict[str, tuple[str, ...]] = {}
+        self._factor_sizes: dict[str, int] = {}
+        self._owner: dict[str, tuple[str, int]] = {}
+        for name, size in self._axes.items():
+            primes = prime_factors(size) or [1]
+            names = (name,) if len(primes) == 1 else tuple(f"{name}.{i}" for i in range(len(primes)))
+            self._factors[name] = names
+            before = 1
+            for f, p in zip(names, primes):
+                self._factor_sizes[f] = p
+                self._owner[f] = (name, before)
+                before *= p
     @classmethod
     def parse(cls, spec: str, devices: Sequence | None = None) -> Mesh:
         """A mesh from ``"data:2;model:4"`` (``,`` and spaces also separate).
@@ -137,14 +179,63 @@ class Mesh:
         return self._abstract
 
     def axis_size(self, axis: str) -> int:
-        """The size of one axis; MeshError (with a suggestion) for an unknown name."""
-        if axis not in self._axes:
-            raise MeshError(f"mesh {self} has no axis {axis!r}{suggest(axis, self._axes)}")
-        return self._axes[axis]
+        """The size of one axis (or factor axis); MeshError (with a suggestion) for an unknown name."""
+        if axis in self._axes:
+            return self._axes[axis]
+        if axis in self._factor_sizes:
+            return self._factor_sizes[axis]
+        raise MeshError(f"mesh {self} has no axis {axis!r}{suggest(axis, self._axes)}")
 
     def axes_size(self, axes: Sequence[str]) -> int:
         """The product of the sizes of ``axes`` (1 for none)."""
         return math.prod(self.axis_size(a) for a in axes)
+
+    # -- factor axes (the rewriter's view, see the module doc) ------------------------------------
+
+    @property
+    def factor_axes(self) -> tuple[str, ...]:
+        """Every factor axis, in mesh order (major first)."""
+        return tuple(self._factor_sizes)
+
+    def factors(self, axis: str) -> tuple[str, ...]:
+        """The factor axes of ``axis``, major first (``(axis,)`` for a prime size or 1)."""
+        return self._factors[axis]
+
+    def expand(self, axes: Sequence[str]) -> tuple[str, ...]:
+        """``axes`` (mesh axes) as factor axes, leaving out factors of size 1."""
+        return tuple(f for a in axes for f in self._factors[a] if self._factor_sizes[f] != 1)
+
+    def parts(self, axes: Sequence[str]) -> list[tuple[str, int]]:
+        """Factor axes as ``(text, size)`` per mesh axis or part of one, in order: a run of
+        factors that makes a whole axis is that axis's name, a part of one is written ``x:(1)4``
+        (the part of size 4 whose major factors multiply to 1; Shardy's notation)."""
+        out: list[tuple[str, int]] = []
+        axes = tuple(axes)
+        i = 0
+        while i < len(axes):
+            if axes[i] not in self._owner:   # a mesh axis name itself
+                out.append((axes[i], self.axis_size(axes[i])))
+                i += 1
+                continue
+            name, before = self._owner[axes[i]]
+            order = self._factors[name]
+            run = [axes[i]]
+            while i + len(run) < len(axes) and axes[i + len(run)] in order \
+                    and order.index(axes[i + len(run)]) == order.index(run[-1]) + 1:
+                run.append(axes[i + len(run)])
+            size = self.axes_size(run)
+            out.append((name if size == self._axes[name] else f"{name}:({before}){size}", size))
+            i += len(run)
+        return out
+
+    def collapse(self, axes: Sequence[str]) -> tuple[str, ...]:
+        """Factor axes as mesh axes where they make whole axes (see :meth:`parts`); the inverse
+        of :meth:`expand`."""
+        return tuple(text for text, _ in self.parts(axes))
+
+    def axes_text(self, axes: Sequence[str]) -> str:
+        """Factor axes for messages: ``"data+model"``, ``"x:(1)4"`` for a part of axis ``x``."""
+        return "+".join(self.collapse(axes))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Mesh) and self.jax_mesh == other.jax_mesh

@@ -50,10 +50,15 @@ class Placement:
                 return axes
         return ()
 
-    def describe(self, dims) -> str:
-        parts = [f"{d.name}:{'+'.join(a)}" for d, a in zip(dims, self.axes) if a]
+    def describe(self, dims, mesh=None) -> str:
+        """``"batch:data, pending sum over model"``; with the ``mesh``, factor axes are written as
+        its axes (:meth:`meshdsl.mesh.Mesh.axes_text`)."""
+        def text(axes):
+            return mesh.axes_text(axes) if mesh is not None else "+".join(axes)
+        parts = [f"{d.name}:{text(a)}" for d, a in zip(dims, self.axes) if a]
         if self.pending:
-            parts.append("pending sum over " + "+".join(sorted(self.pending)))
+            order = mesh.factor_axes if mesh is not None else sorted(self.pending)
+            parts.append("pending sum over " + text([a for a in order if a in self.pending]))
         return ", ".join(parts) or "replicated"
 
 
@@ -118,7 +123,8 @@ class NamedArray:
     def __repr__(self) -> str:
         dt = getattr(self._array, "dtype", "?")
         mark = ", param" if self.is_param else ""
-        where = f", {self.placement.describe(self.dims)}" if self.placement is not None else ""
+        mesh = getattr(current(), "mesh", None)
+        where = f", {self.placement.describe(self.dims, mesh)}" if self.placement is not None else ""
         return f"NamedArray({dt}[{self.dims}]{mark}{where})"
 
     # Operators (+, *, -x, <, &, ...) and astype() broadcast by name: meshdsl.ops installs them,

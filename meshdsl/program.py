@@ -4,7 +4,7 @@
 the placement of every input (parameters by the storage rules), and the function ``jax.jit``
 compiles. Traced, it runs the user's ``fn`` either
 
-* inside ``jax.shard_map`` over every mesh axis with an :class:`~meshdsl.explicit.ExplicitContext`
+* inside ``jax.shard_map`` over every factor axis (:mod:`meshdsl.mesh`) with an :class:`~meshdsl.explicit.ExplicitContext`
   (``backend="explicit"``): the rewriter decides every collective; outputs are brought to the
   layout's placement; with ``param_gather="auto"`` a first, shape-only trace collects the bytes of
   gathering each stored parameter or not (:mod:`meshdsl.param_gather`); or
@@ -28,7 +28,7 @@ from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
 from .foresight import Foresight
 from .jaxcompat import varying_axes
-from .layout import Layout, effective, to_spec
+from .layout import Layout, effective, mesh_spec, to_spec
 from .named import NamedArray, Placement, is_named
 from .tracing import using
 
@@ -63,12 +63,12 @@ class Program:
         self.out_templates: list = []
         self.last_ctx = None
         self.compiled = None
-        self.out_specs: list = []
+        self.out_axes: list = []   # factor axes per dim of each output (() for a plain array)
         self._jitted = None
         self.hints: dict = {}  # from a first trace (meshdsl.foresight), for the traces after it
         self._foresight_done = False
         if not mesh.is_abstract:
-            self.shardings = [NamedSharding(mesh.jax_mesh, i.spec) for i in self.infos]
+            self.shardings = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, i.axes)) for i in self.infos]
 
     def jitted(self, arrays):
         """``jax.jit`` of the program with the inputs' and the outputs' shardings. The outputs'
@@ -77,7 +77,8 @@ class Program:
         shape with the same axis names ran before (gradients around the function fail)."""
         if self._jitted is None:  # traced once: the jit compiles the traced program
             closed = self.make_jaxpr([_aval(a) for a in arrays])
-            outs = [NamedSharding(self.owner.mesh.jax_mesh, spec) for spec in self.out_specs]
+            mesh = self.owner.mesh
+            outs = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, axes)) for axes in self.out_axes]
             self._jitted = jax.jit(jaxpr_as_fun(closed), in_shardings=self.shardings, out_shardings=outs)
         return self._jitted
 
@@ -120,7 +121,7 @@ class Program:
         # layout's placement of each output (known only from the outputs' dims).
         specs: list = []
         body = functools.partial(self._explicit_body, policy=policy, out_specs=specs, probe=probe)
-        smap = jax.shard_map(body, mesh=self.owner.mesh.jax_mesh, in_specs=tuple(i.spec for i in self.infos),
+        smap = jax.shard_map(body, mesh=self.owner.mesh.factor_mesh, in_specs=tuple(i.spec for i in self.infos),
                              out_specs=specs, check_vma=True)
         if probe:
             return jax.eval_shape(smap, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
@@ -150,34 +151,35 @@ class Program:
         with using(ctx):
             out = owner.fn(*self._args(arrays, True))
             with ctx.at("output", "return value"):
-                results, out_specs[:] = self._explicit_outputs(ctx, out)
-                self.out_specs = list(out_specs)
+                results, self.out_axes = self._explicit_outputs(ctx, out)
+                out_specs[:] = [to_spec(axes) for axes in self.out_axes]
             _check_unused_rules(owner.layout, ctx.dims_seen)
         ctx.rec.tracing = False
         policy.finish()
         return results
 
     def _explicit_outputs(self, ctx, out):
-        """Local blocks of the outputs in the layout's placement, and their partition specs."""
+        """Local blocks of the outputs in the layout's placement, and their factor axes per dim."""
         leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_named)
-        results, specs, self.out_templates = [], [], []
+        results, placed, self.out_templates = [], [], []
         for k, leaf in enumerate(leaves):
             if is_named(leaf):
                 axes = effective(self.owner.layout.tensor_axes(leaf.dims, self.owner.mesh, storage=leaf.is_param,
                                                                what=f"output {k}"), self.owner.mesh)
                 results.append(ctx.finalize(leaf, axes))
-                specs.append(to_spec(axes))
+                placed.append(axes)
                 self.out_templates.append((leaf.dims, leaf.is_param))
                 continue
             arr = jnp.asarray(leaf)
             if varying_axes(arr):
+                vary = ctx.mesh.axes_text([a for a in ctx.mesh.factor_axes if a in varying_axes(arr)])
                 raise LayoutError(
                     f"output {k} is a plain jax array that differs between devices (it varies over "
-                    f"{sorted(varying_axes(arr))}); return NamedArrays so the layout can place them")
+                    f"{vary}); return NamedArrays so the layout can place them")
             results.append(arr)
-            specs.append(PartitionSpec())
+            placed.append(())
             self.out_templates.append(None)
-        return results, specs
+        return results, placed
 
     def _run_gspmd(self, arrays):
         owner = self.owner
@@ -186,18 +188,18 @@ class Program:
         with using(ctx):
             out = owner.fn(*self._args(arrays, False))
             leaves, self.out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_named)
-            results, self.out_templates, self.out_specs = [], [], []
+            results, self.out_templates, self.out_axes = [], [], []
             for leaf in leaves:
                 if is_named(leaf):
-                    spec = owner.layout.spec(leaf.dims, owner.mesh, storage=leaf.is_param)
+                    axes = effective(owner.layout.tensor_axes(leaf.dims, owner.mesh, storage=leaf.is_param), owner.mesh)
                     results.append(jax.lax.with_sharding_constraint(
-                        leaf.raw, NamedSharding(owner.mesh.jax_mesh, spec)))
+                        leaf.raw, NamedSharding(owner.mesh.jax_mesh, mesh_spec(owner.mesh, axes))))
                     self.out_templates.append((leaf.dims, leaf.is_param))
-                    self.out_specs.append(spec)
+                    self.out_axes.append(axes)
                 else:
                     results.append(jnp.asarray(leaf))
                     self.out_templates.append(None)
-                    self.out_specs.append(PartitionSpec())
+                    self.out_axes.append(())
             _check_unused_rules(owner.layout, ctx.dims_seen)
         return results
 

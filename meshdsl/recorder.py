@@ -26,7 +26,7 @@ class CollectiveRecord:
     op: str            # the named op that needed it, e.g. "einsum"
     line: str          # user source line of that op
     kind: str          # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
-    axes: tuple        # mesh axes of the group
+    axes: tuple        # mesh axes of the group (a part of an axis written "x:(1)4", see meshdsl.mesh)
     shape: tuple       # local operand shape
     dtype: str
     bytes: float       # bytes moved per device, one execution
@@ -76,7 +76,7 @@ class Recorder:
         res_b = cost.array_bytes(result.shape, result.dtype, platform)
         name, line = self.op or ("?", "?")
         self.records.append(CollectiveRecord(
-            op=name, line=line, kind=kind, axes=tuple(axes), shape=tuple(operand.shape),
+            op=name, line=line, kind=kind, axes=self.mesh.collapse(axes), shape=tuple(operand.shape),
             dtype=str(operand.dtype), bytes=cost.moved_bytes(kind, op_b, res_b, n),
             count=self.multiplier, phase=self.phase, tensor=tensor, tag=tag))
 

@@ -162,7 +162,7 @@ def run(ctx, x, p: Plan, target_shape, tensor: str = ""):
     """This device's target block (``target_shape``) of the local block ``x``, moved by plan ``p``."""
     me = C.axis_index(p.axes)
     vary = varying_axes(x) | set(p.axes)
-    out = C.cast(ctx, jnp.zeros(target_shape, x.dtype), tuple(a for a in ctx.mesh.axis_names if a in vary))
+    out = C.cast(ctx, jnp.zeros(target_shape, x.dtype), tuple(a for a in ctx.mesh.factor_axes if a in vary))
     if any(loc is not None for loc in p.local):
         has = jnp.asarray([loc is not None for loc in p.local])[me]
         src = jnp.asarray([loc[0] if loc else (0,) * x.ndim for loc in p.local])[me]

@@ -54,7 +54,7 @@ def relayout(ctx, x, target, vary, keep_pending):
     key = ("relayout", src, tuple(target), frozenset(vary & leaving), keep_pending)
     moved = ctx.cached(x.raw, key, lambda: _relayout_value(ctx, x, src, tuple(target), vary, keep_pending))
     # Type the block as varying over every axis the consuming op varies over (once per value).
-    cast = tuple(a for a in ctx.mesh.axis_names if a in vary and a not in varying_axes(moved))
+    cast = tuple(a for a in ctx.mesh.factor_axes if a in vary and a not in varying_axes(moved))
     if not cast:
         return moved
     return ctx.cached(moved, ("cast", cast), lambda: C.cast(ctx, moved, cast, f"[{x.dims}]"))
@@ -187,24 +187,39 @@ class _Move:
                 self.cur[i].extend(run)
                 self.pend -= set(run)
         if self.pend:
-            rest = tuple(a for a in self.ctx.mesh.axis_names if a in self.pend)
+            rest = tuple(a for a in self.ctx.mesh.factor_axes if a in self.pend)
             self.emit("all-reduce", rest, 1, lambda: C.psum(self.ctx, self.arr, rest, f"{self.shape_txt} pending sum"))
             self.pend.clear()
 
     def move_splits(self):
-        """All-to-all where another dim takes the axis next, else gather."""
+        """All-to-all where another dim takes the axes next, else gather."""
         for i in range(len(self.cur)):
             while self.cur[i] != list(self.target[i][:len(self.cur[i])]):
-                a = self.cur[i][-1]
-                dest = next((j for j in range(len(self.cur)) if j != i and self.next_axis(j) == a), None)
+                dest, run = self.moving_run(i)
                 if dest is not None:
-                    self.emit("all-to-all", (a,), 1, lambda: C.all_to_all(
-                        self.ctx, self.arr, (a,), dest, i,
-                        f"{self.shape_txt} move {a} {self.names[i]}->{self.names[dest]}"))
-                    self.cur[i].pop()
-                    self.cur[dest].append(a)
+                    self.emit("all-to-all", run, 1, lambda: C.all_to_all(
+                        self.ctx, self.arr, run, dest, i,
+                        f"{self.shape_txt} move {self.ctx.mesh.axes_text(run)} {self.names[i]}->{self.names[dest]}"))
+                    del self.cur[i][len(self.cur[i]) - len(run):]
+                    self.cur[dest].extend(run)
                 else:
                     self.gather_trailing(i)
+
+    def moving_run(self, i):
+        """``(dim, axes)``: the longest run of dim ``i``'s trailing axes that another dim takes
+        next, in order (all the factor axes of ``model`` moving from ``batch`` to ``experts``: one
+        all-to-all), or ``(None, ())``."""
+        cur, best = self.cur[i], (None, ())
+        for j in range(len(self.cur)):
+            k = len(self.cur[j])
+            if j == i or self.cur[j] != list(self.target[j][:k]):
+                continue
+            want = tuple(self.target[j][k:])
+            for r in range(min(len(cur), len(want)), len(best[1]), -1):
+                if tuple(cur[-r:]) == want[:r]:
+                    best = (j, want[:r])
+                    break
+        return best
 
     def gather_trailing(self, i):
         """Gather the longest run of trailing axes of dim ``i`` that nobody takes next, in one
@@ -247,7 +262,7 @@ def _route(ctx, shape, src_axes, src_pending, target, keep_pending):
     pre = tuple(tuple(s) + tuple(a for a in t if a not in used_src) for s, t in zip(src_axes, target))
     if mid == pre:
         return None
-    p = redistribute.plan(shape, pre, mid, ctx.mesh.axis_names, {a: ctx.axes_size((a,)) for a in used_src | used_tgt})
+    p = redistribute.plan(shape, pre, mid, ctx.mesh.factor_axes, {a: ctx.axes_size((a,)) for a in used_src | used_tgt})
     if p is None:
         return None
     via = p.bytes(1) + _steps_bytes(ctx, shape, mid, target)

@@ -430,7 +430,7 @@ def test_output_that_is_a_plain_array_differing_between_devices():
     x = named("batch", 4)
     with raises(md.LayoutError, match="output 0 is a plain jax array that differs between devices") as e:
         f(x)
-    assert "['data']" in str(e.value) and "return NamedArrays" in str(e.value)
+    assert "(it varies over data)" in str(e.value) and "return NamedArrays" in str(e.value)
 
 
 # ===================================================================================================

@@ -13,6 +13,11 @@ from meshdsl.named import NamedArray, Placement
 from meshdsl.relayout import needs_gather, relayout_bytes
 
 MESH = md.Mesh.abstract({"data": 2, "model": 4}, platform="cpu")
+MODEL = MESH.expand(("model",))   # the rewriter places values over factor axes (meshdsl.mesh)
+
+
+def factored(axes_per_dim):
+    return tuple(MESH.expand(axes) for axes in axes_per_dim)
 
 
 def ctx_for(rules=None):
@@ -23,7 +28,7 @@ def placed(spec, axes=None, pending=(), dtype=jnp.float32):
     """A NamedArray of global dims ``spec`` placed by ``axes`` ({dim: axes}) with ``pending`` sums."""
     dims = md.shape(spec)
     axes = axes or {}
-    pl = Placement(tuple(tuple(axes.get(d.name, ())) for d in dims), frozenset(pending))
+    pl = Placement(factored(axes.get(d.name, ()) for d in dims), frozenset(MESH.expand(tuple(pending))))
     local = tuple(d.size // MESH.axes_size(pl.of(dims, d.name)) for d in dims)
     return NamedArray(jax.ShapeDtypeStruct(local, dtype), dims, placement=pl)
 
@@ -65,22 +70,22 @@ DIMS = md.shape("b:8 s:32 d:16")  # 4096 elements, 16 KiB in f32
 def test_relayout_bytes(src, pending, target, want):
     ctx = ctx_for()
     src = src or ((), (), ())
-    got = relayout_bytes(ctx, DIMS, 4, src, frozenset(pending), target)
+    got = relayout_bytes(ctx, DIMS, 4, factored(src), frozenset(MESH.expand(pending)), factored(target))
     assert got == pytest.approx(want)
 
 
 def test_relayout_bytes_keeps_a_pending_sum_it_is_told_to_keep():
     ctx = ctx_for()
-    assert relayout_bytes(ctx, DIMS, 4, ((), (), ()), frozenset({"model"}), ((), (), ()),
-                          keep_pending=frozenset({"model"})) == 0.0
+    assert relayout_bytes(ctx, DIMS, 4, ((), (), ()), frozenset(MODEL), ((), (), ()),
+                          keep_pending=frozenset(MODEL)) == 0.0
 
 
 def test_needs_gather():
     ctx = ctx_for()
     w = placed("d:16 f:64", {"d": ("data",), "f": ("model",)})
-    assert needs_gather(ctx, w, {"f": ("model",)})            # d loses data
-    assert not needs_gather(ctx, w, {"d": ("data",), "f": ("model",)})
-    assert not needs_gather(ctx, w, {"d": ("data", "model"), "f": ("model",)})  # only slices further
+    assert needs_gather(ctx, w, {"f": MODEL})            # d loses data
+    assert not needs_gather(ctx, w, {"d": ("data",), "f": MODEL})
+    assert not needs_gather(ctx, w, {"d": ("data", *MODEL), "f": MODEL})  # only slices further
 
 
 def test_plan_keeps_the_split_operands_agree_on():
@@ -94,7 +99,7 @@ def test_plan_lets_the_layout_decide_where_operands_disagree():
     ctx = ctx_for({"b": "model"})
     x = placed("b:8 d:16", {"b": ("data",)})
     y = placed("b:8 d:16")
-    assert ctx.plan(md.shape("b:8 d:16"), [x, y]) == {"b": ("model",), "d": ()}
+    assert ctx.plan(md.shape("b:8 d:16"), [x, y]) == {"b": MODEL, "d": ()}
 
 
 def test_plan_for_elementwise_takes_the_cheapest_placement():
@@ -107,7 +112,7 @@ def test_plan_for_elementwise_takes_the_cheapest_placement():
 def test_plan_puts_a_pending_sum_where_the_layout_wants_it():
     ctx = ctx_for({"d": "model"})
     x = placed("b:8 d:16", pending={"model"})   # must be reduced: reduce-scatter onto d
-    assert ctx.plan(md.shape("b:8 d:16"), [x]) == {"b": (), "d": ("model",)}
+    assert ctx.plan(md.shape("b:8 d:16"), [x]) == {"b": (), "d": MODEL}
 
 
 def test_plan_resolves_two_dims_on_one_axis_by_preference():

@@ -30,7 +30,7 @@ def _blocks(ctx, dims):
     """Layout placement of fresh dims, local block sizes, and the axes the block varies over."""
     axes = ctx.plan(dims, [])
     local = [d.size // ctx.axes_size(axes[d.name]) for d in dims]
-    vary = tuple(a for a in (ctx.mesh.axis_names if ctx.mesh else ()) if a in ctx.vary(axes.values()))
+    vary = tuple(a for a in (ctx.mesh.factor_axes if ctx.mesh else ()) if a in ctx.vary(axes.values()))
     return axes, local, vary
 
 
@@ -106,7 +106,7 @@ def _bits(ctx, key, dims):
     words = (k1, k2, hi, lo)
     every = set(vary).union(*(varying_axes(v) for v in words))
     if every:
-        k1, k2, hi, lo = (C.cast(ctx, v, tuple(a for a in ctx.mesh.axis_names if a in every - varying_axes(v)))
+        k1, k2, hi, lo = (C.cast(ctx, v, tuple(a for a in ctx.mesh.factor_axes if a in every - varying_axes(v)))
                           for v in words)
     b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
     return b1 ^ b2, dims, axes

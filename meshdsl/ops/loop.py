@@ -47,7 +47,7 @@ class Widen(Exception):
 
 def order(ctx, axes):
     """``axes`` in mesh order."""
-    return tuple(a for a in ctx.mesh.axis_names if a in axes)
+    return tuple(a for a in ctx.mesh.factor_axes if a in axes)
 
 
 def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where):

@@ -58,24 +58,25 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
     ``head``): a GPipe pipeline, or 1F1B (:mod:`meshdsl.ops.pipeline_1f1b`); ``schedule`` (this
     scan's) overrides md.lower's."""
     schedule = schedule or ctx.schedule
-    axis, stages = _pipe_axis(ctx, dim, length, where)
-    others = sorted(d for d, axes in ctx.layout.rules.items() if axis in axes and d != dim)
+    axis, stages = _pipe_axis(ctx, dim, length, where)   # the stage axis's factor axes (meshdsl.mesh)
+    name = ctx.layout.axes(dim)[0]
+    others = sorted(d for d, axes in ctx.layout.rules.items() if name in axes and d != dim)
     if others:
-        raise LayoutError(f"{where}: the pipeline axis {axis!r} splits {dim!r}; the layout also maps "
+        raise LayoutError(f"{where}: the pipeline axis {name!r} splits {dim!r}; the layout also maps "
                           f"{others} to it, which a stage cannot split: map them to other axes")
     if ctx.frame is not None:
         raise LayoutError(f"{where}: a pipeline inside a pipeline; split only the outer scan's dim")
     if schedule not in SCHEDULES:
         raise MeshDSLError(f"{where}: schedule {schedule!r} is not lowered yet; use one of {SCHEDULES}")
-    micro, m = _microbatches(ctx, c_leaves, dim, axis, where)
+    micro, m = _microbatches(ctx, c_leaves, dim, name, where)
     repeats = ctx.repeats if schedule == "circular" else 1
     pipeline_circular.check(ctx, dim, length, stages, repeats, m, where)
-    inputs, templates = _cut(ctx, c_leaves, axis, micro, m, where)
+    inputs, templates = _cut(ctx, c_leaves, axis, name, micro, m, where)
     carry_axes = frozenset(a for t in templates for axes in t[2].axes for a in axes)
     xs = [_local_stack(ctx, leaf, dim, axis, carry_axes) for leaf in x_leaves]
     line = ctx.op[1] if ctx.op else "?"
     ticks = repeats * m + stages - 1
-    entry = {"dim": dim, "axis": axis, "stages": stages, "microbatches": m, "schedule": schedule,
+    entry = {"dim": dim, "axis": name, "stages": stages, "microbatches": m, "schedule": schedule,
              "ticks": ticks, "bubble_fraction": (stages - 1) / ticks, "line": line}
     if schedule == "circular":
         entry["repeats"] = repeats
@@ -107,7 +108,7 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
             ctx.rollback(mark)
     outs, (ys, y_templates) = outs
     carry = [_join(ctx, o, t, micro, axis) for o, t in zip(outs, templates)]
-    ys = pipeline_ys.assemble(ctx, ys, y_templates, m, C.axis_index((axis,)), axis)
+    ys = pipeline_ys.assemble(ctx, ys, y_templates, m, C.axis_index(axis), axis)
     carry = jax.tree_util.tree_unflatten(c_tree, carry)
     if head is not None:
         carry = pipeline_1f1b.head_value(head, carry, where)
@@ -115,31 +116,32 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
 
 
 def _pipe_axis(ctx, dim, length, where):
-    axes = ctx.layout_axes(dim)
-    if len(axes) != 1:
-        raise LayoutError(f"{where}: the layout splits {dim!r} over {'+'.join(axes)}; a pipeline runs over one "
+    """The factor axes of the one mesh axis the layout splits ``dim`` over, and its size."""
+    written = tuple(a for a in ctx.layout.axes(dim) if ctx.axes_size((a,)) > 1)
+    if len(written) != 1:
+        raise LayoutError(f"{where}: the layout splits {dim!r} over {'+'.join(written)}; a pipeline runs over one "
                           f"mesh axis: map {dim!r} to a single axis (e.g. '{dim}': 'pipe')")
-    stages = ctx.axes_size(axes)
+    stages = ctx.axes_size(written)
     if length % stages:
         raise LayoutError(f"{where}: {dim}:{length} cannot be cut into {stages} pipeline stages "
-                          f"({axes[0]} has size {stages}); use a multiple of {stages} layers or a smaller axis")
-    return axes[0], stages
+                          f"({written[0]} has size {stages}); use a multiple of {stages} layers or a smaller axis")
+    return ctx.layout_axes(dim), stages
 
 
-def _microbatches(ctx, c_leaves, dim, axis, where):
+def _microbatches(ctx, c_leaves, dim, name, where):
     micro = dict(ctx.layout.microbatches)
     if not micro:
         names = [leaf.names for leaf in c_leaves if is_named(leaf)]
         if names and all("batch" in ns for ns in names):
             return "batch", 1
-        raise LayoutError(f"{where}: the layout splits {dim!r} over {axis!r}: a pipeline, which cuts its carry "
+        raise LayoutError(f"{where}: the layout splits {dim!r} over {name!r}: a pipeline, which cuts its carry "
                           "into microbatches; name the dim to cut with md.Layout(..., microbatches={'batch': M}), "
                           f"or remove the rule for {dim!r}")
     ((name, m),) = micro.items()
     return name, m
 
 
-def _cut(ctx, c_leaves, axis, micro, m, where):
+def _cut(ctx, c_leaves, axis, name, micro, m, where):
     """Each carry leaf's local block as ``[M, rows per microbatch, ...]`` (the microbatch dim
     first), and templates (dims and placement of one microbatch) to rebuild NamedArrays."""
     inputs, templates = [], []
@@ -149,9 +151,9 @@ def _cut(ctx, c_leaves, axis, micro, m, where):
             raise LayoutError(f"{where}: a pipeline cuts its carry into microbatches along {micro!r}; carry "
                               f"entry {i} {got} has no such dim")
         axes = ctx.canonical(leaf.dims)
-        if any(axis in a for a in axes):
+        if any(set(axis) & set(a) for a in axes):
             raise LayoutError(f"{where}: carry entry {i} [{leaf.dims}] is split over the pipeline axis "
-                              f"{axis!r}; the layout may not map its dims to {axis!r}")
+                              f"{name!r}; the layout may not map its dims to {name!r}")
         arr = ctx.local(leaf, dict(zip(leaf.names, axes)), frozenset(a for ax in axes for a in ax))
         pos = leaf.names.index(micro)
         rows = arr.shape[pos]
@@ -182,7 +184,7 @@ def _local_stack(ctx, leaf, dim, axis, carry_axes):
         if held != pl.axes:
             extra = carry_axes
     axes = {d.name: a for d, a in zip(leaf.dims, held)}
-    axes[dim] = (axis,)
+    axes[dim] = axis
     vary = ctx.vary(axes.values(), [leaf], pl.pending) | extra
     arr = ctx.local(leaf, axes, vary, keep_pending=pl.pending)
     n = arr.shape[leaf.names.index(dim)]
@@ -197,7 +199,7 @@ class Microbatch:
 
     def __init__(self, dim, count, size, axes, index, stage_axis, hoist=frozenset()):
         self.dim, self.count, self.size, self.axes, self.index = dim, count, size, axes, index
-        self.stage_axis = stage_axis   # values legitimately differ between stages: x.array keeps that
+        self.stage_axis = frozenset(stage_axis)   # its factor axes: values legitimately differ between stages
         self.trace = jaxcompat.current_trace()   # the tick's: cuts are made there, once per tick
         self.hoist = hoist   # 1F1B: values read from outside vary over these, cast where they are made
         self._cut: dict = {}
@@ -208,8 +210,8 @@ class Microbatch:
         stage holds other layers: partial sums of a value made outside must not meet them), and
         this microbatch's rows of a value with the whole batch's ``dim``; once per value and tick."""
         pl = ctx.placement(x)
-        if self.stage_axis in pl.pending:
-            keep = pl.pending - {self.stage_axis}
+        if self.stage_axis & pl.pending:
+            keep = pl.pending - self.stage_axis
             axes = dict(zip(x.names, pl.axes))
             local = ctx.local(x, axes, ctx.vary(axes.values(), [x], keep), keep_pending=keep)
             x = NamedArray(local, x.dims, is_param=x.is_param, placement=Placement(pl.axes, keep))
@@ -220,7 +222,7 @@ class Microbatch:
             pl = ctx.placement(x)
             target = {d.name: a for d, a in zip(x.dims, pl.axes)}
             target[self.dim] = self.axes
-            vary = ctx.vary(target.values(), [x], pl.pending) | {self.stage_axis} | self.hoist   # cast once, outside
+            vary = ctx.vary(target.values(), [x], pl.pending) | self.stage_axis | self.hoist   # cast once, outside
             local = ctx.local(x, target, vary, keep_pending=pl.pending)
             pos = x.names.index(self.dim)
             rows = local.shape[pos] // self.count
@@ -284,12 +286,12 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
     chunk of the item's repeat, and the last stage hands items back to the first."""
     stages, repeats, m = sizes
     items, ring = repeats * m, repeats > 1
-    stage = C.axis_index((axis,))
-    vary = [frozenset(a for ax in t[2].axes for a in ax) | {axis} | widen for t in templates]
+    stage = C.axis_index(axis)
+    vary = [frozenset(a for ax in t[2].axes for a in ax) | set(axis) | widen for t in templates]
     bufs = [C.cast(ctx, jnp.zeros(i.shape[1:], i.dtype), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     outs = [C.cast(ctx, jnp.zeros_like(i), loop.order(ctx, v)) for i, v in zip(inputs, vary)]
     waiting = [C.cast(ctx, jnp.zeros_like(i), loop.order(ctx, v)) for i, v in zip(inputs, vary)] if ring else []
-    inputs = [C.cast(ctx, i, loop.order(ctx, varying_axes(i) | {axis})) for i in inputs]
+    inputs = [C.cast(ctx, i, loop.order(ctx, varying_axes(i) | set(axis))) for i in inputs]
     shift = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if ring and stages > 1 else [])
     y_tree, y_templates = [], []
     at = lambda a, k: jax.lax.dynamic_index_in_dim(a, k, 0, keepdims=False)  # noqa: E731
@@ -327,7 +329,7 @@ def _ticks(ctx, step, dim, per_stage, xs, x_tree, c_tree, inputs, templates, axi
                 for o, a in zip(outs, new)]
         if shift:
             with ctx.at("scan", line):
-                new = [C.ppermute(ctx, a, (axis,), shift, f"[{t_[0]}] microbatch to the next stage")
+                new = [C.ppermute(ctx, a, axis, shift, f"[{t_[0]}] microbatch to the next stage")
                        for a, t_ in zip(new, templates)]
         waiting = pipeline_circular.wait(waiting, new, stage, t - (stages - 1), items, m)
         return (new, outs, waiting), y_arrays
@@ -367,4 +369,4 @@ def _join(ctx, out, template, micro, axis):
     """``[M, rows, ...]`` back to the carry's local block, pending over the pipeline axis."""
     _, is_param, _, dims, axes, pos = template
     arr = jnp.moveaxis(out.reshape((out.shape[0] * out.shape[1],) + out.shape[2:]), 0, pos)
-    return ctx.out(arr, dims, dict(zip(dims.names, axes)), frozenset({axis}), is_param=is_param)
+    return ctx.out(arr, dims, dict(zip(dims.names, axes)), frozenset(axis), is_param=is_param)

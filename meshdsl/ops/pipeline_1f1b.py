@@ -77,7 +77,7 @@ def run(ctx, step, head, dim, per_stage, xs, x_tree, c_tree, inputs, templates, 
 
     pipelined.defvjp(p.joint, bwd)
     totals = pipelined(x_arrays, ins, p.consts)
-    return ([(t, pending | {axis}, dims) for t, pending, dims in zip(totals, p.seen["pending"], p.seen["dims"])],
+    return ([(t, pending | set(axis), dims) for t, pending, dims in zip(totals, p.seen["pending"], p.seen["dims"])],
             p.seen["tree"], p.seen["ys"])
 
 
@@ -86,10 +86,10 @@ class _Pipeline:
 
     def __init__(self, ctx, axis, stages, m, line, inputs, widen):
         self.ctx, self.axis, self.stages, self.m, self.line = ctx, axis, stages, m, line
-        self.stage = C.axis_index((axis,))
+        self.stage = C.axis_index(axis)
         # the carry's type (its splits and the stage axis); weights and captured values are cast to
         # it once, before the ticks, so their gradients are summed over those axes once per step
-        self.vary = frozenset().union(*(varying_axes(a) for a in inputs)) | {axis} | widen
+        self.vary = frozenset().union(*(varying_axes(a) for a in inputs)) | set(axis) | widen
         self.seen: dict = {}
 
     def cast(self, a):
@@ -130,7 +130,7 @@ class _Pipeline:
             return out, loss
 
         # replayed with arguments of exactly these types (the microbatch index differs by stage)
-        index = C.cast(ctx, jnp.int32(0), (self.axis,))
+        index = C.cast(ctx, jnp.int32(0), self.axis)
         self.converted, self.consts = jax.closure_convert(stage_fn, x_arrays, [a[0] for a in ins], index)
         self.diff = [jnp.issubdtype(c.dtype, jnp.inexact) for c in self.consts]
         self.wdiff = [jnp.issubdtype(w.dtype, jnp.inexact) for w in x_arrays]   # layer numbers ride along too
@@ -160,7 +160,7 @@ class _Pipeline:
         perm = [(s + 1, s) if back else (s, s + 1) for s in range(self.stages - 1)]
         what = "cotangent to the previous stage" if back else "microbatch to the next stage"
         with self.ctx.at("scan", self.line):
-            return [C.ppermute(self.ctx, a, (self.axis,), perm, what) for a in arrays]
+            return [C.ppermute(self.ctx, a, self.axis, perm, what) for a in arrays]
 
     def _loop(self, tick, state, phases):
         """Run ``tick(state, t, *flags)`` over each phase ``(start, stop, *flags)``: one scan each."""

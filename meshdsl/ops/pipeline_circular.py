@@ -70,7 +70,7 @@ def cyclic(ctx, xs, dim, axis, stages, repeats, carry_axes):
     the loop, and a cast there would sum the chunk's gradient over the data axes in every tick."""
     if repeats == 1:
         return xs
-    stage = C.axis_index((axis,))
+    stage = C.axis_index(axis)
     plan = rounds(stages, repeats)
     out = []
     for x in xs:
@@ -85,7 +85,7 @@ def cyclic(ctx, xs, dim, axis, stages, repeats, carry_axes):
             pairs = [(a, b) for a, _, b, _ in moves if a != b]
             piece = mine
             if pairs:
-                piece = C.ppermute(ctx, mine, (axis,), pairs, f"[{x.dims}] chunks to their circular stage")
+                piece = C.ppermute(ctx, mine, axis, pairs, f"[{x.dims}] chunks to their circular stage")
                 piece = jnp.where(jnp.asarray(stays)[stage], mine, piece)
             at = jnp.asarray(dst)[stage] * chunk
             old = jax.lax.dynamic_slice_in_dim(moved, at, chunk, axis=pos)

@@ -38,7 +38,7 @@ def per_tick(ctx, ys, micro, micro_axes, m, axis, where):
             raise LayoutError(f"{where}: a pipeline's scan outputs must be NamedArrays (with the microbatch dim "
                               f"{micro!r}); ys entry {i} is a {type(y).__name__}")
         pl = ctx.placement(y)
-        if axis in pl.pending:
+        if set(axis) & pl.pending:
             raise LayoutError(f"internal: {where}: ys entry {i} [{y.dims}] is a pending sum over the pipeline axis")
         pos = y.names.index(micro) if micro in y.names else None
         if pos is None and m > 1:
@@ -50,12 +50,13 @@ def per_tick(ctx, ys, micro, micro_axes, m, axis, where):
         axes = dict(zip(y.names[1:], ctx.canonical(Shape(y.dims[1:]))))
         axes[y.names[0]] = ()                       # the stage's own layers, whole on the stage
         if pos is not None and axes[micro] != micro_axes:
+            text = ctx.mesh.axes_text
             raise LayoutError(
-                f"{where}: ys entry {i} [{y.dims}] would place {micro!r} over {axes[micro] or 'no axis'}, the "
-                f"carry's microbatches over {micro_axes or 'no axis'}; map the other dims of this output to "
-                f"other mesh axes than {'+'.join(micro_axes)}")
+                f"{where}: ys entry {i} [{y.dims}] would place {micro!r} over {text(axes[micro]) or 'no axis'}, "
+                f"the carry's microbatches over {text(micro_axes) or 'no axis'}; map the other dims of this "
+                f"output to other mesh axes than {text(micro_axes)}")
         keep = pl.pending - {a for ax in axes.values() for a in ax}   # a sum wanted split: reduce-scattered
-        vary = ctx.vary(axes.values(), [y], keep) | {axis}
+        vary = ctx.vary(axes.values(), [y], keep) | set(axis)
         arr = ctx.local(y, axes, vary, keep_pending=keep)
         arrays.append(C.cast(ctx, arr, loop.order(ctx, vary)))
         templates.append((y.dims, y.is_param, tuple(axes[n] for n in y.names), keep, pos))
@@ -66,7 +67,7 @@ def assemble(ctx, stacked, templates, m, stage, axis):
     """The ``ys`` leaves from their per-tick stacks ``[ticks, layers / S, ...]``: this stage's
     ``M`` microbatches joined along the microbatch dim, the scanned dim split over ``axis``."""
     out = []
-    stages = ctx.axes_size((axis,))
+    stages = ctx.axes_size(axis)
     for arr, (dims, is_param, axes, pending, pos) in zip(stacked, templates):
         mine = jax.lax.dynamic_slice_in_dim(arr, stage, m, axis=0)   # ticks s .. s + M - 1
         if pos is None:
@@ -79,6 +80,6 @@ def assemble(ctx, stacked, templates, m, stage, axis):
         sizes[first] = dims[0].size * stages
         full = Shape(Dim(d.name, sizes.get(d.name, d.size)) for d in dims)
         by_name = dict(zip(dims.names, axes))
-        by_name[first] = (axis,)
+        by_name[first] = tuple(axis)
         out.append(ctx.out(local, full, by_name, pending, is_param=is_param))
     return out

@@ -68,7 +68,7 @@ def _extreme(ctx, x, dims, what, is_max: bool):
     out_dims = Shape(d for d in x.dims if d.name not in names)
     if not split:
         return ctx.out(reducer(local, axis=pos), out_dims, axes)
-    split = tuple(a for a in ctx.mesh.axis_names if a in split)
+    split = tuple(a for a in ctx.mesh.factor_axes if a in split)
 
     def combine(v):
         m = reducer(v, axis=pos)

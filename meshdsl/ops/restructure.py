@@ -9,10 +9,11 @@ name is a reduce-scatter (sequence parallel leaving the MLP).
 ``reshape`` merges and splits dims in row-major order (Mesh-TF semantics). A merged or split group
 is split on the mesh axes of its first dim: those of the first old dim (no move now) or those the
 layout gives the first new dim (a move now instead of later), whichever moves fewer bytes; where
-neither divides the sizes, the group is gathered first. (A dim split over more devices than a new
-leading dim has - ``d`` over 8 into ``p:2 q:4`` - would need part of a mesh axis per new dim; the
-group is gathered there.) A dim split over several axes spreads them over the dims it is split
-into, and dims merged keep their axes, when every element stays where it is (:func:`_spread`).
+neither divides the sizes, the group is gathered first. A dim split over several axes spreads
+them over the dims it is split into, and dims merged keep their axes, when every element stays
+where it is (:func:`_spread`). Axes are factor axes (:mod:`meshdsl.mesh`), so a dim split over more
+devices than a new leading dim has - ``d`` over ``x:8`` into ``p:2 q:4`` - spreads too: ``p`` over
+the major factor of ``x``, ``q`` over the other two; nothing moves.
 """
 
 from __future__ import annotations

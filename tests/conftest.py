@@ -1,4 +1,5 @@
-"""Test setup: 8 virtual CPU devices, set before jax initialises."""
+"""Test setup: 8 virtual CPU devices, set before jax initialises; the inputs the layers tests
+share (test_layers, test_layers_math)."""
 
 import os
 
@@ -12,9 +13,33 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+import meshdsl as md  # noqa: E402
+from helpers import B, D_MODEL, S, V  # noqa: E402
 
 settings.register_profile("meshdsl", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("meshdsl")
 
 assert len(jax.devices()) == 8, "tests need 8 virtual CPU devices (XLA_FLAGS set too late?)"
+
+
+# -- meshdsl.layers: a float input, token ids and a key mask, built once per module ------------------
+
+
+@pytest.fixture(scope="module")
+def x():
+    return md.random.normal(jax.random.key(1), [md.Dim("batch", B), md.Dim("seq", S), D_MODEL])
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return md.named(jax.random.randint(jax.random.key(2), (B, S), 0, V), "batch seq")
+
+
+@pytest.fixture(scope="module")
+def key_mask():
+    lengths = np.array([8, 5, 8, 3, 6, 8, 1, 7])
+    return md.named(np.arange(S)[None, :] < lengths[:, None], "batch seq")

@@ -1,9 +1,14 @@
-"""Shared test helpers: compare NamedArrays by name, count collectives in compiled HLO."""
+"""Shared test helpers: compare NamedArrays by name, count collectives in compiled HLO; and what
+several test modules share: the error checks, the layers' sizes, a small training run."""
 
 from __future__ import annotations
 
+import contextlib
+import pathlib
+
 import jax
 import numpy as np
+import pytest
 
 import meshdsl as md
 from meshdsl import hlo_comm
@@ -62,7 +67,7 @@ def bytes_by_kind(summary: dict) -> dict:
     return {k: v[1] for k, v in summary.items()}
 
 
-# -- the three promises on one program (test_repros, test_campaign_findings) ----------------------
+# -- the three promises on one program (test_repros, test_fuzz_repros, test_campaign_findings) -----
 
 def moved_by_backend(fn, mesh, layout, *args, **kw):
     """Bytes per device the compiled program moves, explicit and gspmd backends."""
@@ -91,3 +96,74 @@ def promises_kept(fn, mesh, layout, *args, moved=None, **kw):
     e, h = explain_vs_hlo(fn, mesh, layout, *args, **kw)
     assert e == h and (moved is None or e == moved), (e, h)
     assert_same(md.lower(fn, mesh, layout, **kw)(*args), fn(*args))
+
+
+# -- one mistake, one exact error (test_errors, test_shape_errors, test_mesh_errors) ---------------
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def marker_lines(path: str):
+    """``line(tag)`` for the test module at ``path``: ``<its file name>:<n>`` of its one source line
+    ending in ``# <tag>`` (the line an error message must name)."""
+    path = pathlib.Path(path)
+    source = path.read_text().splitlines()
+
+    def line(tag: str) -> str:
+        hits = [i + 1 for i, text in enumerate(source) if text.rstrip().endswith(f"# <{tag}>")]
+        assert len(hits) == 1, (tag, hits)
+        return f"{path.name}:{hits[0]}"
+    return line
+
+
+@contextlib.contextmanager
+def raises(cls, match=None, *, exact: bool = True, eager: bool = False):
+    """``pytest.raises(cls, match=...)`` that also checks the class is exactly ``cls`` (a more
+    general meshdsl error is not enough) and that nothing was compiled before the error.
+
+    ``eager=True``: the mistake is made outside ``md.lower``, where jax runs op by op, so small
+    kernels computed before the check may compile; only the error itself is checked."""
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == _COMPILE_EVENT:
+            compiled.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with pytest.raises(cls, match=match) as info:
+            yield info
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    err = info.value
+    if exact:
+        assert type(err) is cls, f"expected exactly {cls.__name__}, got {type(err).__name__}: {err}"
+    assert isinstance(err, md.MeshDSLError) and isinstance(err, ValueError)
+    assert eager or not compiled, f"compiled {compiled} before raising {type(err).__name__}: {err}"
+
+
+def named(spec: str, *shape, dtype=np.float32) -> md.NamedArray:
+    """A NamedArray of ones (numpy-backed: creating it compiles nothing)."""
+    return md.named(np.ones(shape, dtype), spec)
+
+
+def ids(spec: str, *shape) -> md.NamedArray:
+    return md.named(np.zeros(shape, np.int32), spec)
+
+
+def identity(*xs):
+    return xs[0] if len(xs) == 1 else xs
+
+
+# -- meshdsl.layers: the sizes (test_layers, test_layers_math; their inputs are in conftest.py) ----
+
+B, S, D, F, H, K, V, E = 8, 8, 16, 32, 4, 4, 32, 8
+D_MODEL, D_FF, HEADS, D_KV = md.Dim("d_model", D), md.Dim("d_ff", F), md.Dim("heads", H), md.Dim("d_kv", K)
+VOCAB, EXPERTS = md.Dim("vocab", V), md.Dim("experts", E)
+
+
+# -- the training CLI: a small 8-step run (test_train_faults, test_supervisor) ---------------------
+
+SMALL = "d_model=32,d_ff=64,heads=4,d_kv=8"
+RUN = ["--override", SMALL, "--batch", "8", "--encoder-length", "32", "--log-every", "1", "--no-explain",
+       "--eval-batches", "0", "--steps", "8", "--ckpt-every", "2"]

@@ -123,18 +123,22 @@ def _lookup(ctx, table, ids, name, renamed) -> NamedArray:
 
 
 def _cheaper_lookup(ctx, table, ids, name, out, renamed, target):
-    """``target``, or the plan where the ids keep their splits and the table's dim gives those mesh
-    axes up (gathered), when that moves fewer bytes, the result brought to the layout's placement
-    included: ``take(table[b:x], ids[b:x])`` gathers the table once rather than gathering the ids
-    and reduce-scattering the rows."""
+    """The cheapest of three plans by bytes, the result brought to the layout's placement
+    included: ``target``; the ids keep their splits and the table's dim gives those mesh axes up
+    (gathered: ``take(table[b:x], ids[b:x])`` gathers the table once rather than gathering the
+    ids and reduce-scattering the rows); or the table keeps its split of the dim and the ids give
+    those axes up (``take(table[e:x], ids[c:x])`` with few ids: the ids are gathered, each device
+    looks up the rows it holds, and the rows are reduce-scattered onto ``c``)."""
     if not ctx.explicit:
         return target
     held = {d.name: a for d, a in zip(ids.dims, ctx.placement(ids).axes)}
     alt = {**target, **held}
     taken = {a for axes in held.values() for a in axes}
     alt[name] = tuple(a for a in target[name] if a not in taken)
-    used = [a for axes in alt.values() for a in axes]
-    if alt == target or len(used) != len(set(used)):
+    own = ctx.placement(table).of(table.dims, name)
+    stay = {n: axes if n == name else _before(axes, own) for n, axes in {**target, name: own}.items()}
+    options = [o for o in (alt, stay) if o != target and _distinct(o)]
+    if not options:
         return target
 
     try:   # the layout's placement of the result, under the names it will have
@@ -148,7 +152,20 @@ def _cheaper_lookup(ctx, table, ids, name, out, renamed, target):
         return moved + relayout_bytes(ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]),
                                       wanted)
 
-    return alt if cost(alt) < cost(target) else target
+    return min([target, *options], key=cost)
+
+
+def _before(axes, taken):
+    """``axes`` up to the first one in ``taken`` (a dim split over a prefix of its axes)."""
+    for k, a in enumerate(axes):
+        if a in taken:
+            return tuple(axes[:k])
+    return tuple(axes)
+
+
+def _distinct(plan) -> bool:
+    used = [a for axes in plan.values() for a in axes]
+    return len(used) == len(set(used))
 
 
 @op("top_k")

@@ -1,0 +1,41 @@
+"""Findings of fuzz campaign 16 (issue 9; tests/fuzz_campaign.py) about where a lookup runs.
+
+``md.take`` of a table split along the looked-up dim by ids split over the same axis: gathering
+the table is one plan; gathering the (few) ids, looking up the rows each device holds and
+reduce-scattering the rows where the layout wants them is another, often much cheaper."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import meshdsl as md
+
+from helpers import promises_kept as _kept
+
+
+def _table_and_ids():
+    r = np.random.default_rng(0)
+    table = md.param(md.named(jnp.asarray(r.standard_normal((16, 32)), jnp.float32), "a e"))
+    ids = md.named(jnp.asarray(r.integers(-40, 40, 8), jnp.int32), "c")   # negative and outside ids too
+    return table, ids
+
+
+def test_campaign_few_ids_into_a_table_split_along_the_lookup_dim_move_instead_of_the_table():
+    """take(softplus(t)[a e:x], ids[c:x]) on x:8: the table was gathered along e (1792 B where
+    gspmd moves 924 B); now the 8 ids are gathered (28 B), each device looks up the rows it
+    holds, and the [c a] rows are reduce-scattered onto c (448 B)."""
+    table, ids = _table_and_ids()
+    fn = lambda t, i: (md.softplus(t), md.take(md.softplus(t), i, "e"))
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"c": "x", "e": "x"})
+    _kept(fn, mesh, layout, table, ids, moved={"all-gather": 28, "reduce-scatter": 448})
+
+
+def test_campaign_lookup_gradient_with_the_table_kept_split():
+    """The same lookup under jax.grad (of the table): the rows' cotangent is gathered back to every
+    device that looked up, and each scatters into the rows it holds."""
+    table, ids = _table_and_ids()
+    loss = lambda t, i: md.sum(md.tanh(md.take(md.softplus(t), i, "e"))).array
+    grad = lambda t, i: jax.grad(loss)(t, i)
+    _kept(grad, md.Mesh({"x": 8}), md.Layout({"c": "x", "e": "x"}), table, ids)

@@ -7,7 +7,9 @@ Over a dim split on mesh axis ``a``:
   partial sum over ``a`` (Megatron's vocab-parallel embedding). With ``param_gather="auto"`` a
   table stored split on its other dim (ZeRO-3's ``d_model:data``) is not gathered when moving the
   ids and rows is cheaper: the ids are gathered, each device looks up its columns of every row,
-  and one all-to-all moves the rows where the plan wants them;
+  and one all-to-all moves the rows where the plan wants them. Ids split over the axis the table's
+  dim is split on either keep their split (the table is gathered) or are gathered themselves (each
+  device looks up the rows it holds; the rows are reduce-scattered): whichever moves fewer bytes;
 * ``top_k``: local top-k, all-gather of the k candidates per device only, final top-k;
 * ``cumsum``: local cumsum plus the sum of the previous blocks' totals (an all-gather of one
   value per row and device);

@@ -5,6 +5,8 @@ Rule of thumb, applied by every op the same way so that communication is predict
 1. A dim keeps the split its operands already agree on (no data moves) - unless an elementwise
    op's result is larger than those operands, the layout places the dim otherwise and the result
    moves there later (returned: :mod:`meshdsl.foresight` tells): the operands move there first.
+   An op over its one operand's dims (a shift, a cache write) does the same when its result moves
+   there later: the same bytes, and the moved copy is shared by every op reading it.
 2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``);
    elementwise ops (``cheapest=True``) instead take the operands' placement that moves the fewest
    bytes (a replicated gradient meeting optimizer state stored split is sliced, not the state
@@ -46,7 +48,8 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
         held = {ctx.placement(x).of(x.dims, d.name) for x in holders}
         if len(held) == 1:
             proposal[d.name] = held.pop()
-            if cheapest and _cheaper_whole_now(ctx, dims, holders, proposal[d.name], canonical[d.name]):
+            if (cheapest or _in_place(dims, operands)) and _cheaper_whole_now(
+                    ctx, dims, holders, proposal[d.name], canonical[d.name], strict=cheapest):
                 whole_now.append(d.name)
         elif cheapest and held:
             options = [canonical[d.name], *sorted(held - {canonical[d.name]})]
@@ -107,16 +110,26 @@ def _free_at(ctx, operands, canonical, keep_pending) -> bool:
     return moved
 
 
-def _cheaper_whole_now(ctx, dims, holders, held, canonical) -> bool:
+def _in_place(dims, operands) -> bool:
+    """One operand over the op's own dims (a shift, a cache write, a cumsum): the result is the
+    operand's size."""
+    return len(operands) == 1 and set(operands[0].names) == {d.name for d in dims}
+
+
+def _cheaper_whole_now(ctx, dims, holders, held, canonical, *, strict=True) -> bool:
     """An elementwise op whose result is larger than the operands holding a dim split off the
     layout's placement (a parameter stored split, broadcast against another value): moving those
-    operands to the layout's placement now moves less than moving the result there later."""
+    operands to the layout's placement now moves less than moving the result there later.
+    ``strict=False`` (an op over its one operand's dims): the same bytes, and the copy moved now
+    is shared by every op reading it (a cache write and a shift of one parameter, both returned:
+    one gather, not two)."""
     if tuple(canonical[:len(held)]) == held:
         return False   # the layout's placement only splits further: a local slice
     result = 1
     for d in dims:
         result *= d.size
-    return sum(x.size for x in holders) < result   # a broadcast: the result is the larger
+    moved = sum(x.size for x in holders)
+    return moved < result if strict else moved <= result
 
 
 def _gather_bytes(ctx, x, name, target) -> float:

@@ -1,4 +1,5 @@
-"""Findings of fuzz campaign 16 (issue 9; tests/fuzz_campaign.py) about where a lookup runs.
+"""Findings of fuzz campaign 16 (issue 9; tests/fuzz_campaign.py): where a lookup runs, and where
+an op over its one operand's dims runs when its result is wanted whole.
 
 ``md.take`` of a table split along the looked-up dim by ids split over the same axis: gathering
 the table is one plan; gathering the (few) ids, looking up the rows each device holds and
@@ -39,3 +40,15 @@ def test_campaign_lookup_gradient_with_the_table_kept_split():
     loss = lambda t, i: md.sum(md.tanh(md.take(md.softplus(t), i, "e"))).array
     grad = lambda t, i: jax.grad(loss)(t, i)
     _kept(grad, md.Mesh({"x": 8}), md.Layout({"c": "x", "e": "x"}), table, ids)
+
+
+def test_campaign_cache_write_and_shift_of_one_stored_parameter_gather_it_once():
+    """dynamic_update_slice(w, sum(w, d) / 2, d, -1) and shift(w, d, 0) of w[b:x a d] stored split
+    on b (params=), both returned whole: each result was gathered at the return (14336 B where
+    gspmd moves 8064 B). Moving w whole first costs what moving a result does, and both ops share
+    that copy: one gather of w, one of the written column."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16, 8)), jnp.float32), "b a d"))
+    fn = lambda w: (md.dynamic_update_slice(w, md.sum(w, "d") * 0.5, "d", jnp.int32(-1)),
+                    md.shift(w, "d", 0, wrap=True))
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"m": "x"}, params={"b": "x"})
+    _kept(fn, mesh, layout, w, moved={"all-gather": 7168 + 896})

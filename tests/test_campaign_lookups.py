@@ -52,3 +52,18 @@ def test_campaign_cache_write_and_shift_of_one_stored_parameter_gather_it_once()
                     md.shift(w, "d", 0, wrap=True))
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"m": "x"}, params={"b": "x"})
     _kept(fn, mesh, layout, w, moved={"all-gather": 7168 + 896})
+
+
+def test_campaign_lookup_into_a_table_split_on_its_other_dim_moves_the_ids_and_rows():
+    """take(v[b:y+x a], ids[c:x+y], a) under jax.grad, v a copy of a parameter stored split on b:
+    the table was gathered along b and its gradient reduce-scattered back (1792 B where gspmd moves
+    268 B); now the 8 ids are gathered and each device looks up its b-columns of every row, which
+    the loss sums where they are: only the ids move."""
+    r = np.random.default_rng(0)
+    w = md.param(md.named(jnp.asarray(r.standard_normal((16, 16)), jnp.float32), "b a"))
+    ids = md.named(jnp.asarray(r.integers(0, 16, 8), jnp.int32), "c")
+    loss = lambda w, i: md.sum(md.tanh(md.take(md.shift(w, "a", 0), i, "a"))).array
+    grad = lambda w, i: jax.grad(loss)(w, i)
+    mesh = md.Mesh({"x": 4, "y": 2})
+    layout = md.Layout({"c": ("x", "y")}, params={"b": ("y", "x")})
+    _kept(grad, mesh, layout, w, ids, moved={"all-gather": 28})

@@ -128,17 +128,22 @@ def _cheaper_lookup(ctx, table, ids, name, out, renamed, target):
     """The cheapest of three plans by bytes, the result brought to the layout's placement
     included: ``target``; the ids keep their splits and the table's dim gives those mesh axes up
     (gathered: ``take(table[b:x], ids[b:x])`` gathers the table once rather than gathering the
-    ids and reduce-scattering the rows); or the table keeps its split of the dim and the ids give
-    those axes up (``take(table[e:x], ids[c:x])`` with few ids: the ids are gathered, each device
-    looks up the rows it holds, and the rows are reduce-scattered onto ``c``)."""
+    ids and reduce-scattering the rows); or the table stays where it is and the ids give its axes
+    up (``take(table[e:x], ids[c:x])`` with few ids: the ids are gathered, each device looks up
+    the rows it holds, and the rows are reduce-scattered onto ``c``; a table split on another dim
+    looks up its columns of every row, and the rows move by all-to-all)."""
     if not ctx.explicit:
         return target
     held = {d.name: a for d, a in zip(ids.dims, ctx.placement(ids).axes)}
     alt = {**target, **held}
     taken = {a for axes in held.values() for a in axes}
     alt[name] = tuple(a for a in target[name] if a not in taken)
-    own = ctx.placement(table).of(table.dims, name)
-    stay = {n: axes if n == name else _before(axes, own) for n, axes in {**target, name: own}.items()}
+    try:   # where the table is (a parameter: where the layout computes with it; the policy moves it)
+        tab = dict(zip(table.names, ctx.canonical(table.dims) if table.is_param else ctx.placement(table).axes))
+    except LayoutError:
+        tab = {}
+    used = {a for axes in tab.values() for a in axes}
+    stay = {n: tab[n] if n in tab else _before(axes, used) for n, axes in target.items()} if tab else target
     options = [o for o in (alt, stay) if o != target and _distinct(o)]
     if not options:
         return target

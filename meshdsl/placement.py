@@ -61,8 +61,10 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
     # Moving the operands now is cheaper than moving the (larger) result later - if the result
     # does move to the layout's placement later (returned, say), as the previous trace tells. A
     # result only summed (a loss) never moves: it stays where its operands are.
+    # Every dim then: the others only slice locally, and a split leaving one dim for another that
+    # the layout splits moves by all-to-all, not by a gather.
     if whole_now and ctx.result_relaid(operands, tuple(canonical[d.name] for d in dims)):
-        proposal.update((n, canonical[n]) for n in whole_now)
+        proposal = dict(canonical)
     if proposal != canonical and _free_at(ctx, operands, canonical, keep_pending):
         return canonical
     order = {d.name: i for i, d in enumerate(dims)}

@@ -1,5 +1,6 @@
-"""Findings of fuzz campaign 16 (issue 9; tests/fuzz_campaign.py): where a lookup runs, and where
-an op over its one operand's dims runs when its result is wanted whole.
+"""Findings of fuzz campaign 16 (issue 9; tests/fuzz_campaign.py): where a lookup runs, where an
+op over its one operand's dims runs when its result is wanted in the layout's placement, and how
+a split leaves a dim that must become whole.
 
 ``md.take`` of a table split along the looked-up dim by ids split over the same axis: gathering
 the table is one plan; gathering the (few) ids, looking up the rows each device holds and
@@ -67,3 +68,30 @@ def test_campaign_lookup_into_a_table_split_on_its_other_dim_moves_the_ids_and_r
     mesh = md.Mesh({"x": 4, "y": 2})
     layout = md.Layout({"c": ("x", "y")}, params={"b": ("y", "x")})
     _kept(grad, mesh, layout, w, ids, moved={"all-gather": 28})
+
+
+def _swapped():
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16, 8)), jnp.float32), "b a d")
+    return v, md.Mesh({"x": 2, "y": 4}), md.Layout({"b": ("y", "x")})
+
+
+def test_campaign_returned_cumsum_of_a_swapped_split_moves_it_by_all_to_all():
+    """v[b:y+x a d] with b and a swapped by a rename (a now holds the split), then cumsum along a,
+    returned: the operand moves to the layout's placement first, every dim of it - a's split goes
+    to b by one all-to-all (896 B), and the cumsum and top_k along a run locally. (The plan moved
+    only a there: it gathered a, 7168 B.)"""
+    v, mesh, layout = _swapped()
+
+    def fn(v):
+        c = md.cumsum(md.rename(v, {"b": "a", "a": "b"}), "a")
+        return c, md.top_k(c, "a", 2, out="k2")[0]
+    _kept(fn, mesh, layout, v, moved={"all-to-all": 896})
+
+
+def test_campaign_top_k_along_a_split_dim_hands_the_split_to_the_dim_the_layout_splits():
+    """Campaign 16 under jax.grad: top_k along a (split over y+x, off the layout) with b whole, which
+    the layout splits over y+x: the values gather a's blocks - a's split moves to b by all-to-all
+    instead (14336 B where gspmd moves 8960 B; now 1792 B, both ways)."""
+    v, mesh, layout = _swapped()
+    loss = lambda v: md.sum(md.top_k(md.cumsum(md.rename(v, {"b": "a", "a": "b"}), "a"), "a", 2, out="k2")[0]).array
+    _kept(lambda v: jax.grad(loss)(v), mesh, layout, v, moved={"all-to-all": 1792})

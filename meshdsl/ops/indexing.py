@@ -195,8 +195,9 @@ def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     elif 2 * min(k, n // ctx.axes_size(split)) >= n // ctx.axes_size(split):
         # The candidates (values and indices) would be no smaller than the blocks: gather the
         # values of the dim (positions are implicit; a relayout, so other ops reading the whole
-        # value share the gather) and take the top k of the whole.
-        axes = {**axes, name: ()}
+        # value share the gather) and take the top k of the whole. A whole dim the layout splits
+        # over the axes freed takes them: the split moves by all-to-all instead of a gather.
+        axes = {**axes, name: (), **_taking(ctx, x, axes, name, split)}
         vary = ctx.vary(axes.values(), [x], out_size=x.size)
         whole = jnp.moveaxis(ctx.local(x, axes, vary), x.names.index(name), -1)
         values, idx = jax.lax.top_k(whole, k)
@@ -216,6 +217,16 @@ def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     out_axes[out] = ()
     return (ctx.out(jnp.moveaxis(values, -1, pos), dims, out_axes),
             ctx.out(jnp.moveaxis(idx.astype(jnp.int32), -1, pos), dims, out_axes))
+
+
+def _taking(ctx, x, axes, name, freed) -> dict:
+    """Dims of ``x`` other than ``name``, whole in ``axes``, that the layout splits over axes in
+    ``freed`` (which ``name`` gives up): their layout's axes."""
+    try:
+        wanted = dict(zip(x.names, ctx.canonical(x.dims))) if ctx.explicit else {}
+    except LayoutError:
+        return {}
+    return {n: w for n, w in wanted.items() if n != name and w and not axes[n] and set(w) <= set(freed)}
 
 
 def argmax(x, dim):

@@ -260,12 +260,9 @@ def to_spec(axes_per_dim) -> PartitionSpec:
 def mesh_spec(mesh, axes_per_dim) -> PartitionSpec:
     """The PartitionSpec over ``mesh.jax_mesh`` (mesh axes) of a placement in factor axes; every
     dim must be split over whole mesh axes (as the layout places values)."""
-    out = []
-    for axes in axes_per_dim:
-        names = mesh.collapse(axes)
-        if any(":" in n for n in names):
-            raise ValueError(f"placement {mesh.axes_text(axes)} splits a dim over part of a mesh axis")
-        out.append(names)
+    out = [mesh.collapse(axes) for axes in axes_per_dim]
+    if any(a not in mesh.shape for axes in out for a in axes):
+        raise ValueError(f"placement {[mesh.axes_text(a) for a in axes_per_dim]} splits a dim over part of a mesh axis")
     return to_spec(out)
 
 

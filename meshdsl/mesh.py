@@ -121,6 +121,7 @@ class Mesh:
                 self._factor_sizes[f] = p
                 self._owner[f] = (name, before)
                 before *= p
+        self._factor_order = tuple(self._factor_sizes)
     @classmethod
     def parse(cls, spec: str, devices: Sequence | None = None) -> Mesh:
         """A mesh from ``"data:2;model:4"`` (``,`` and spaces also separate).
@@ -195,7 +196,7 @@ class Mesh:
     @property
     def factor_axes(self) -> tuple[str, ...]:
         """Every factor axis, in mesh order (major first)."""
-        return tuple(self._factor_sizes)
+        return self._factor_order
 
     def factors(self, axis: str) -> tuple[str, ...]:
         """The factor axes of ``axis``, major first (``(axis,)`` for a prime size or 1)."""

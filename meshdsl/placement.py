@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["plan"]
+__all__ = ["plan", "propose", "settle"]
 
 
 def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False) -> dict[str, tuple]:
@@ -67,7 +67,27 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
         proposal = dict(canonical)
     if proposal != canonical and _free_at(ctx, operands, canonical, keep_pending):
         return canonical
-    order = {d.name: i for i, d in enumerate(dims)}
+    return settle(proposal, canonical, [d.name for d in dims], prefer)
+
+
+def propose(ctx, dims, placed, *, prefer=()) -> dict[str, tuple]:
+    """Rules 1, 2 and 4 alone, for operands given as ``(dims, axes per dim)`` pairs that need not
+    exist yet: where an op over them would compute, foresight aside. A cost estimate of another
+    plan (an einsum summing an operand first plans its contraction over the sum)."""
+    canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
+    proposal = {}
+    for d in dims:
+        held = {axes for names, placement in placed for n, axes in zip(names, placement) if n == d.name}
+        proposal[d.name] = held.pop() if len(held) == 1 else canonical[d.name]
+    return settle(proposal, canonical, [d.name for d in dims], prefer)
+
+
+def settle(proposal, canonical, names, prefer=()) -> dict[str, tuple]:
+    """Rule 4: where dims of ``proposal`` claim one mesh axis, those off the layout's placement
+    return to it; then the ``prefer`` order (then ``names`` order) decides, and the others are
+    left whole from that axis on."""
+    proposal = dict(proposal)
+    order = {n: i for i, n in enumerate(names)}
     while True:
         owners = defaultdict(list)
         for name, axes in proposal.items():

@@ -16,6 +16,12 @@ contraction does not split, and the result is smaller than that operand, the sum
 through the einsum and is reduced later, on the smaller result (MoE's combine after a split-d_ff
 expert FFN). Other pending sums are reduced before the contraction.
 
+An operand's own contracted dims (no other operand has them) may be summed first, locally, and the
+rest contracted after: chosen where that moves no more bytes, the gradients included. The second
+contraction is planned anew for that estimate: a dim that gave a mesh axis up to a summed dim
+keeps its split there (``einsum(v[c a], u[p q a], out="p")`` with ``c`` over all of ``x`` and
+``p``, ``q`` over parts of it: ``u`` stays where it is and the small ``[a]`` sum moves, not ``u``).
+
 Parameters stored split (``params=`` rules) are all-gathered for the contraction and their
 gradients reduce-scattered, unless the ``param_gather`` policy (:mod:`meshdsl.param_gather`)
 decides otherwise: ``"auto"`` may run the contraction where the parameter is stored and relay the
@@ -34,6 +40,7 @@ from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..jaxcompat import differentiated
 from ..named import NamedArray, Placement
+from ..placement import propose
 from ..relayout import relayout_bytes
 from .common import as_named, union_dims, where_
 from .reductions import sum as reduce_sum
@@ -77,7 +84,7 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
     itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
     solo = _whole_own_dims(ctx, xs, contracted, target) or \
-        _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending_of(target))
+        _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending_of(target), linear)
     if solo:  # cheaper: sum those dims locally first (a pending sum), then contract the rest
         return einsum(*[reduce_sum(x, s) if s else x for x, s in zip(xs, solo)], out=out_names,
                       preferred_element_type=preferred_element_type)
@@ -139,7 +146,7 @@ def _whole_own_dims(ctx, xs, contracted, target):
     return solo if any(solo) else None
 
 
-def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending):
+def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending, linear):
     """Per operand, the contracted dims only it has, to be summed before the contraction, or
     ``None``: summing an operand's own split contracted dims first leaves a small pending sum
     (reduced before it meets a larger operand) instead of a pending sum of the larger result, or
@@ -164,21 +171,35 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
     now = sum(moved(x, x.dims, ctx.placement(x).axes, ctx.pending(x), target) for x in xs)
     now += relayout_bytes(ctx, out_dims, itemsize, [target[n] for n in out_names], pending,
                           [canon.get(n, ()) for n in out_names])
-    first = 0.0
-    for x, s in zip(xs, solo):
-        pl = ctx.placement(x)
-        dims = [d for d in x.dims if d.name not in s]
-        src = [a for d, a in zip(x.dims, pl.axes) if d.name not in s]
-        pend = ctx.pending(x) | {a for d, a in zip(x.dims, pl.axes) if d.name in s for a in a}
-        first += moved(x, dims, src, pend, canon)
+    rests = [(x, s, [d for d in x.dims if d.name not in s],
+               [a for d, a in zip(x.dims, ctx.placement(x).axes) if d.name not in s]) for x, s in zip(xs, solo)]
+    # The contraction of the sums is planned anew: dims that gave an axis up to a summed dim (rule
+    # 4) keep their split there, and those operands move to that plan, not the layout's.
+    rest = Shape(d for d in union_dims(ctx, xs) if not any(d.name in s for s in solo))
+    after = propose(ctx, rest, [([d.name for d in dims], src) for _, _, dims, src in rests],
+                    prefer=[n for n in contracted if n in rest.names])
+    left = frozenset(a for n in contracted if n in after for a in after[n])
+    first = relayout_bytes(ctx, out_dims, itemsize, [after[n] for n in out_names], left,
+                           [canon.get(n, ()) for n in out_names])
+    for x, s, dims, src in rests:
+        pend = ctx.pending(x) | {a for d, a in zip(x.dims, ctx.placement(x).axes) if d.name in s for a in a}
+        first += moved(x, dims, src, pend, canon if s else after)
         # Backward, without summing first, the gradient of each other operand being
         # differentiated holds x's sum over those dims as a partial sum: one more reduction.
         summed = frozenset(a for n in s for a in target[n])
         for y in xs:
-            if y is not x and differentiated(y.raw) and summed - ctx.placement(y).used_axes():
+            if y is not x and differentiated(y.raw) and summed - _used_after(ctx, y, target, linear):
                 axes = ctx.placement(y).axes
                 now += relayout_bytes(ctx, y.dims, y.dtype.itemsize, axes, summed, axes)
     return solo if first <= now else None
+
+
+def _used_after(ctx, y, target, linear) -> frozenset:
+    """The axes ``y`` is split or pending over once relaid to ``target`` for the contraction: a
+    pending sum is reduced there first unless it stays pending (``linear``, over no axis the
+    contraction splits)."""
+    split = frozenset(a for axes in target.values() for a in axes)
+    return frozenset(a for n in y.names for a in target[n]) | (ctx.pending(y) & (linear - split))
 
 
 def _linear_pending(ctx, xs, out_dims) -> frozenset:

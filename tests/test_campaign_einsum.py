@@ -1,0 +1,51 @@
+"""Findings of fuzz campaign 16 (issue 9; tests/fuzz_campaign.py) about which contraction an
+einsum does first.
+
+An operand's own contracted dims (dims no other operand has) may be summed first, leaving a small
+pending sum, and the rest contracted after. Whether that moves fewer bytes depends on the plan of
+the second contraction: with the summed dim gone, dims that gave a mesh axis up to it keep their
+split there; and under ``jax.grad``, on whether the other operands' gradients read a reduced sum
+or a partial one to reduce again."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import meshdsl as md
+
+from helpers import promises_kept as _kept
+
+
+def test_campaign_summing_a_dim_first_frees_the_axes_other_dims_gave_up_to_it():
+    """einsum(v1[c:x+y a], reshape(v0[d:x a] -> p2 q4 a), out="p2") on x:4, y:2: c claims all of x,
+    so p2 (x:(1)2) and q4 (x:(2)2), not placed by the layout, gave their axes up and v0 was
+    gathered (398 B where gspmd moves 240 B). Summing c first leaves [a] pending over x+y; the
+    contraction of that sum with v4 keeps p2 and q4 where they are: the [a] sum and two scalars
+    move, 106 B."""
+    r = np.random.default_rng(0)
+    v0 = md.named(jnp.asarray(r.standard_normal((8, 16)), jnp.float32), "d a")
+    v1 = md.param(md.named(jnp.asarray(r.standard_normal((8, 16)), jnp.float32), "c a"))
+    fn = lambda v0, v1: md.einsum(v1, md.reshape(v0, "p2:2 q4:4 a:16"), out="p2")
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"c": ("x", "y"), "d": "x"})
+    _kept(fn, mesh, layout, v0, v1, param_gather="regather", moved={"all-reduce": 102, "all-gather": 4})
+
+
+def test_campaign_summing_first_counts_the_gradient_of_an_operand_reduced_for_the_contraction():
+    """v1 = einsum(v0, v0, out="d"); v3 = einsum(v1, v0, out="") with v0[c d:y a:x], both returned,
+    under jax.grad: v1's pending sum over x is reduced for the contraction (a is split on x), so
+    its gradient - v0 summed over a, partial over x - was all-reduced backward (55 B where gspmd
+    moves 52 B). Summing v0 over a first reduces that [d] once, forward, and the backward pass
+    reads it: 52 B."""
+    v0 = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8, 16)), jnp.float32), "c d a"))
+
+    def fn(v0):
+        v1 = md.einsum(v0, v0, out="d")
+        return v1, md.einsum(v1, v0, out="")
+
+    def grad(v0):
+        return jax.grad(lambda v: sum(md.sum(md.tanh(y) * (0.5 + 0.25 * k)) for k, y in enumerate(fn(v))).array)(v0)
+
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"a": "x", "d": "y"})
+    _kept(grad, mesh, layout, v0, param_gather="regather", moved={"all-reduce": 52})

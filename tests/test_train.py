@@ -25,7 +25,8 @@ import pytest
 
 import meshdsl as md
 from meshdsl.models import checkpoint
-from meshdsl.models.train import _default_layout, _overrides, build_parser, main
+from meshdsl.models.options import overrides as _overrides
+from meshdsl.models.train import _default_layout, build_parser, main
 
 SMALL = "d_model=32,d_ff=64,heads=4,d_kv=8"
 TINY = ["--override", SMALL, "--batch", "8", "--encoder-length", "32", "--log-every", "1", "--no-explain",

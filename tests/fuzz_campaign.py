@@ -3,7 +3,7 @@ every failure kept (not only the first, as a hypothesis test would) and counted 
 
     python tests/fuzz_campaign.py --minutes 60 --seed 1 --out runs/fuzz-campaign
 
-Each case is one random program (``fuzz_programs.programs`` over all ops, 1-D and 2-D meshes,
+Each case is one random program (``fuzz_draw.programs`` over all ops, 1-D and 2-D meshes,
 ``params=`` rules, the three ``param_gather`` modes) and one of two checks, drawn in turn:
 
 * ``values``: an invalid layout must raise ``md.MeshDSLError``; a valid one must give the
@@ -41,7 +41,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 
-from fuzz_programs import ALL_OPS, programs  # noqa: E402
+from fuzz_draw import programs  # noqa: E402
+from fuzz_programs import ALL_OPS  # noqa: E402
 from helpers import assert_same  # noqa: E402
 from test_fuzz import _bytes, _finite, _grads_inside, _lower, _tol  # noqa: E402
 

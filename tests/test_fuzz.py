@@ -9,7 +9,7 @@
 
 Profiles: the default runs a few dozen cases in the normal suite; ``MESHDSL_FUZZ=long`` runs
 thousands (random, seed ``MESHDSL_FUZZ_SEED``; not for CI). The generator is
-:mod:`fuzz_programs`; a failing case prints its program (``Program.describe``).
+:mod:`fuzz_programs` (drawn by :mod:`fuzz_draw`); a failing case prints its program (``Program.describe``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, Phase, given, note, seed, settings
 import meshdsl as md
 from meshdsl import hlo_comm
 
-from fuzz_programs import ALL_OPS, NEW_OPS, OPS, programs
+from fuzz_draw import programs
+from fuzz_programs import ALL_OPS, NEW_OPS, OPS
 from helpers import assert_same
 
 LONG = os.environ.get("MESHDSL_FUZZ") == "long"
@@ -193,7 +194,8 @@ def test_every_registered_op_is_in_the_fuzzer():
 
     from meshdsl.ops import RULES
 
-    source = (pathlib.Path(__file__).parent / "fuzz_programs.py").read_text()
+    here = pathlib.Path(__file__).parent
+    source = (here / "fuzz_programs.py").read_text() + (here / "fuzz_draw.py").read_text()
     called = set(re.findall(r"md\.(?:random\.)?([a-z_0-9]+)\(", source))
     listed = set(re.findall(r'"([a-z_0-9]+)"', source))
     missing = sorted(set(RULES) - called - listed)

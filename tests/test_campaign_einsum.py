@@ -49,3 +49,18 @@ def test_campaign_summing_first_counts_the_gradient_of_an_operand_reduced_for_th
 
     mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"a": "x", "d": "y"})
     _kept(grad, mesh, layout, v0, param_gather="regather", moved={"all-reduce": 52})
+
+
+def test_campaign_a_weight_stored_split_is_gathered_under_keep_and_left_split_under_auto():
+    """einsum(w[b e], v[e c], out="b c") with w stored e:x (params=), x:8, v whole: "keep" and
+    "regather" gather w where the einsum reads it (ZeRO-3 as written: 1792 B), where gspmd slices
+    v and all-reduces the [b c] result (896 B). "auto" compares both and leaves w split: 896 B."""
+    r = np.random.default_rng(0)
+    w = md.param(md.named(jnp.asarray(r.standard_normal((16, 32)), jnp.float32), "b e"))
+    v = md.named(jnp.asarray(r.standard_normal((32, 8)), jnp.float32), "e c")
+    fn = lambda w, v: md.einsum(w, v, out="b c")
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({}, params={"e": "x"})
+    for policy in ("keep", "regather"):
+        report = md.explain(fn, mesh, layout, w, v, param_gather=policy)
+        assert {k: s["bytes"] for k, s in report.summary().items() if s["bytes"]} == {"all-gather": 1792}
+    _kept(fn, mesh, layout, w, v, param_gather="auto", moved={"all-reduce": 896})

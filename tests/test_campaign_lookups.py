@@ -95,3 +95,17 @@ def test_campaign_top_k_along_a_split_dim_hands_the_split_to_the_dim_the_layout_
     v, mesh, layout = _swapped()
     loss = lambda v: md.sum(md.top_k(md.cumsum(md.rename(v, {"b": "a", "a": "b"}), "a"), "a", 2, out="k2")[0]).array
     _kept(lambda v: jax.grad(loss)(v), mesh, layout, v, moved={"all-to-all": 1792})
+
+
+def test_campaign_cumsum_over_blocks_of_one_row_shares_the_gather_of_its_operand():
+    """cumsum(w, d) and local_map(fn, w, keep="") of w[d:y+x] (x:8, y:1: one row per device),
+    both returned (campaign 18): the cumsum gathered its block totals, the local_map gathered w -
+    the same 28 B, which XLA merged into one all-gather while md.explain counted two. A block of
+    one row is its own total: the cumsum gathers w by relayout, one copy both ops read."""
+    w = md.param(md.named(jnp.asarray(np.arange(8.0), jnp.float32), "d"))
+    fn = lambda w: (md.cumsum(w, "d"),
+                    md.local_map(lambda a: jnp.tanh(a) + jnp.cumsum(a, axis=-1) * 0.1, w, out="d", keep=""))
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"d": ("y", "x")})
+    _kept(fn, mesh, layout, w, moved={"all-gather": 28})
+    grad = lambda w: jax.grad(lambda w: sum(md.sum(md.tanh(y)) for y in fn(w)).array)(w)
+    _kept(grad, mesh, layout, w)

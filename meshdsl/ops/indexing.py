@@ -247,6 +247,10 @@ def cumsum(ctx, x, dim) -> NamedArray:
         # split off the layout and wanted in its placement later (returned): moving x there now
         # moves as much as moving the result later, and saves the block totals
         axes[name] = wanted[pos]
+    if axes[name] and x.dims[name].size == ctx.axes_size(axes[name]):
+        # blocks of one row: a block's total is the row, so gathering the totals gathers x; gather
+        # it by relayout, one copy shared with every other op gathering x (XLA would merge them)
+        axes[name] = ()
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)

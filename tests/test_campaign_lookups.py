@@ -109,3 +109,32 @@ def test_campaign_cumsum_over_blocks_of_one_row_shares_the_gather_of_its_operand
     _kept(fn, mesh, layout, w, moved={"all-gather": 28})
     grad = lambda w: jax.grad(lambda w: sum(md.sum(md.tanh(y)) for y in fn(w)).array)(w)
     _kept(grad, mesh, layout, w)
+
+
+def test_campaign_lookup_gathers_the_table_only_over_the_axes_the_ids_are_split_on():
+    """take(t[a:x+y], ids[b:x]) on x:4, y:2 (campaign 18): the table was gathered whole, 56 B,
+    where gspmd gathers it over x only and sums the rows found over y, 48 B. Gathered over x, each
+    device holds every y-th block of rows (x is the major axis): it looks up the ids whose block
+    is on its y, and the rows are summed over y: 24 + 16 B. Ids negative and out of range too."""
+    r = np.random.default_rng(0)
+    t = md.named(jnp.asarray(r.standard_normal(16), jnp.float32), "a")
+    ids = md.named(jnp.asarray(r.integers(-20, 20, 16), jnp.int32), "b")
+    fn = lambda t, i: md.gelu(md.take(t, i, "a"))
+    mesh = md.Mesh({"x": 4, "y": 2})
+    _kept(fn, mesh, md.Layout({"a": ("x", "y"), "b": "x"}), t, ids, moved={"all-gather": 24, "all-reduce": 16})
+    grad = lambda t, i: jax.grad(lambda t: md.sum(md.tanh(md.take(md.softplus(t), i, "a")) * t.shape["a"]).array)(t)
+    for rules in ({"a": ("x", "y"), "b": "x"}, {"a": ("y", "x"), "b": "x"}, {"a": ("x", "y"), "b": "y"}):
+        _kept(grad, mesh, md.Layout(rules), t, ids)
+
+
+def test_campaign_lookup_over_part_of_the_table_keeps_its_other_dims_split():
+    """A [a e] table split a:x+y, ids [c d] split c:x: the table is gathered over x only (96 B, not
+    224 B whole), each device looks up its ids' rows of [c d e] in every y-th block, and the rows
+    are summed over y (64 B). Values and gradients as unsharded."""
+    r = np.random.default_rng(1)
+    t = md.named(jnp.asarray(r.standard_normal((16, 4)), jnp.float32), "a e")
+    ids = md.named(jnp.asarray(r.integers(-16, 16, (8, 2)), jnp.int32), "c d")
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"a": ("x", "y"), "c": "x"})
+    fn = lambda t, i: md.take(md.tanh(t), i, "a")
+    _kept(fn, mesh, layout, t, ids, moved={"all-gather": 96, "all-reduce": 64})
+    _kept(lambda t, i: jax.grad(lambda t: md.sum(md.sin(fn(t, i))).array)(t), mesh, layout, t, ids)

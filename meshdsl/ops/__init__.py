@@ -9,8 +9,9 @@ from .elementwise import (
     multiply, negative, not_equal, power, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt,
     square, stop_gradient, subtract, tanh, where,
 )
-from .indexing import argmax, cumsum, one_hot, shift, take, top_k
+from .indexing import argmax, cumsum, one_hot, shift, top_k
 from .local_map import local_map
+from .lookup import take
 from .operators import install as _install_operators
 from .reductions import logsumexp, max, mean, min, softmax, sum
 from .registry import RULES, op

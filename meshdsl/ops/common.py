@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import collectives as C
 from ..dims import Dim, Shape, parse_dims
 from ..errors import ShapeError, suggest
 from ..named import NamedArray
 
-__all__ = ["where_", "as_named", "union_dims", "names_in", "align", "new_dims", "axis_of"]
+__all__ = ["where_", "as_named", "union_dims", "names_in", "one_dim", "align", "new_dims", "axis_of", "block_offset"]
 
 
 def where_(ctx) -> str:
@@ -62,6 +63,20 @@ def names_in(ctx, x: NamedArray, spec, what: str = "dims") -> tuple[str, ...]:
             raise ShapeError(f"{where_(ctx)}: {what} names {name!r} twice")
         out.append(name)
     return tuple(out)
+
+
+def one_dim(ctx, x: NamedArray, dim, what: str) -> str:
+    """The name of the one dim of ``x`` that ``dim`` names (a ShapeError otherwise)."""
+    names = names_in(ctx, x, dim, what)
+    if len(names) != 1:
+        raise ShapeError(f"{where_(ctx)}: {what} must be exactly one dim, got {list(names)}")
+    return names[0]
+
+
+def block_offset(axes, block: int):
+    """Global index of this device's first element of a dim split over ``axes`` in blocks of
+    ``block`` (0 when whole)."""
+    return C.axis_index(axes) * block if axes else 0
 
 
 def new_dims(ctx, spec, what: str) -> Shape:

@@ -1,15 +1,8 @@
-"""Ops that index along a dim: one_hot, take, top_k, argmax, cumsum, shift.
+"""Ops that index along a dim: one_hot, top_k, argmax, cumsum, shift (``take``: :mod:`.lookup`).
 
 Over a dim split on mesh axis ``a``:
 
 * ``one_hot``: each device builds its block of the new dim from the ids (no communication);
-* ``take`` (embedding lookup): each device looks up the rows it holds, zeros elsewhere: a pending
-  partial sum over ``a`` (Megatron's vocab-parallel embedding). With ``param_gather="auto"`` a
-  table stored split on its other dim (ZeRO-3's ``d_model:data``) is not gathered when moving the
-  ids and rows is cheaper: the ids are gathered, each device looks up its columns of every row,
-  and one all-to-all moves the rows where the plan wants them. Ids split over the axis the table's
-  dim is split on either keep their split (the table is gathered) or are gathered themselves (each
-  device looks up the rows it holds; the rows are reduce-scattered): whichever moves fewer bytes;
 * ``top_k``: local top-k, all-gather of the k candidates per device only, final top-k;
 * ``cumsum``: local cumsum plus the sum of the previous blocks' totals (an all-gather of one
   value per row and device);
@@ -25,25 +18,12 @@ import jax.numpy as jnp
 from .. import collectives as C
 from ..dims import Dim, Shape
 from ..errors import LayoutError, ShapeError
-from ..relayout import relayout_bytes
-from .common import align, as_named, names_in, new_dims, where_
 from ..named import NamedArray
+from .common import as_named, block_offset, new_dims, one_dim, where_
 from .registry import op
-from .restructure import rename, reshape
+from .restructure import reshape
 
-__all__ = ["one_hot", "take", "top_k", "argmax", "cumsum", "shift"]
-
-
-def _offset(ctx, axes, block):
-    """Global index of this device's first element of a dim split over ``axes``."""
-    return C.axis_index(axes) * block if axes else 0
-
-
-def _one(ctx, x, dim, what) -> str:
-    names = names_in(ctx, x, dim, what)
-    if len(names) != 1:
-        raise ShapeError(f"{where_(ctx)}: {what} must be exactly one dim, got {list(names)}")
-    return names[0]
+__all__ = ["one_hot", "top_k", "argmax", "cumsum", "shift"]
 
 
 @op("one_hot")
@@ -59,120 +39,9 @@ def one_hot(ctx, ids, dim, dtype=jnp.float32) -> NamedArray:
     local = ctx.local(ids, axes, vary)
     split = axes[new.name]
     block = new.size // ctx.axes_size(split)
-    iota = jnp.arange(block, dtype=local.dtype) + _offset(ctx, split, block).astype(local.dtype) \
+    iota = jnp.arange(block, dtype=local.dtype) + block_offset(split, block).astype(local.dtype) \
         if split else jnp.arange(block, dtype=local.dtype)
     return ctx.out((local[..., None] == iota).astype(dtype), dims, axes)
-
-
-@op("take")
-def take(ctx, table, ids, dim) -> NamedArray:
-    """Rows of ``table`` along ``dim`` picked by integer ``ids``: dims are ids' dims, then the
-    table's other dims. Over a split ``dim`` the result is a pending partial sum.
-
-    Ids index numpy-style: an id in ``[-size, 0)`` counts from the end (``-1`` is the last row);
-    an id outside ``[-size, size)`` gives a row of zeros. Every layout, and the unsharded run,
-    gives the same values. ``ids`` may carry a dim named like ``dim`` (``out[b, v, e] =
-    table[ids[b, v], e]``)."""
-    table = as_named(ctx, table, "table")
-    ids = as_named(ctx, ids, "ids")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] are {ids.dtype}; take needs integer ids "
-                         "(ids.astype(jnp.int32))")
-    name = _one(ctx, table, dim, "take dim")
-    if name in ids.names:  # the ids' own dim of that name: look up under another name, rename back
-        inner = f"{name}_ids_"
-        while inner in ids.names or inner in table.names:
-            inner += "_"
-        return rename(_lookup(ctx, table, rename(ids, {name: inner}), name, {inner: name}), {inner: name})
-    return _lookup(ctx, table, ids, name, {})
-
-
-def _lookup(ctx, table, ids, name, renamed) -> NamedArray:
-    """``take`` along ``name``; ``renamed``: dims of the result to be renamed afterwards (placed
-    by the layout as their new names)."""
-    rest = [d for d in table.dims if d.name != name]
-    clash = [d.name for d in rest if d.name in ids.names]
-    if clash:
-        raise ShapeError(f"{where_(ctx)}: ids [{ids.dims}] and table [{table.dims}] share dims {clash}; "
-                         "rename one side")
-    out = Shape((*ids.dims, *rest))
-    space = Shape((*out, table.dims[name]))
-    target = _cheaper_lookup(ctx, table, ids, name, out, renamed, ctx.plan(space, [table, ids]))
-    out_axes = [target[d.name] for d in out]
-    # A table stored split on a row dim may stay there (param_gather="auto"): look up there, move the rows.
-    axes = ctx.params.place(ctx, space, [table, ids], target, lambda p: relayout_bytes(
-        ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]), out_axes,
-        frozenset(target[name])))
-    vary = ctx.vary(axes.values(), [table, ids])
-    t_local = ctx.local(table, axes, vary)
-    i_local = ctx.local(ids, axes, vary)
-    pos = table.names.index(name)
-    split = axes[name]
-    size = table.dims[name].size
-    i_local = jnp.where(i_local < 0, i_local + size, i_local)  # numpy-style negative ids
-    block = size // ctx.axes_size(split)
-    rel = i_local - _offset(ctx, split, block).astype(i_local.dtype) if split else i_local
-    inside = (rel >= 0) & (rel < block)  # rows this device holds; ids out of range: zeros
-    rows = jnp.take(t_local, jnp.clip(rel, 0, block - 1), axis=pos)
-    mask = jnp.expand_dims(inside, tuple(range(pos)) + tuple(range(pos + ids.ndim, len(rest) + ids.ndim)))
-    rows = jnp.where(mask, rows, jnp.zeros((), rows.dtype))
-    got = Shape((*table.dims[:pos], *ids.dims, *table.dims[pos + 1:]))
-    result = ctx.out(align(rows, got, out), out, axes, frozenset(split))
-    if axes is target:
-        return result
-    pending = frozenset(target[name])
-    return ctx.out(ctx.local(result, target, vary, keep_pending=pending), out, target, pending)
-
-
-def _cheaper_lookup(ctx, table, ids, name, out, renamed, target):
-    """The cheapest of three plans by bytes, the result brought to the layout's placement
-    included: ``target``; the ids keep their splits and the table's dim gives those mesh axes up
-    (gathered: ``take(table[b:x], ids[b:x])`` gathers the table once rather than gathering the
-    ids and reduce-scattering the rows); or the table stays where it is and the ids give its axes
-    up (``take(table[e:x], ids[c:x])`` with few ids: the ids are gathered, each device looks up
-    the rows it holds, and the rows are reduce-scattered onto ``c``; a table split on another dim
-    looks up its columns of every row, and the rows move by all-to-all)."""
-    if not ctx.explicit:
-        return target
-    held = {d.name: a for d, a in zip(ids.dims, ctx.placement(ids).axes)}
-    alt = {**target, **held}
-    taken = {a for axes in held.values() for a in axes}
-    alt[name] = tuple(a for a in target[name] if a not in taken)
-    try:   # where the table is (a parameter: where the layout computes with it; the policy moves it)
-        tab = dict(zip(table.names, ctx.canonical(table.dims) if table.is_param else ctx.placement(table).axes))
-    except LayoutError:
-        tab = {}
-    used = {a for axes in tab.values() for a in axes}
-    stay = {n: tab[n] if n in tab else _before(axes, used) for n, axes in target.items()} if tab else target
-    options = [o for o in (alt, stay) if o != target and _distinct(o)]
-    if not options:
-        return target
-
-    try:   # the layout's placement of the result, under the names it will have
-        wanted = ctx.canonical(Shape(Dim(renamed.get(d.name, d.name), d.size) for d in out))
-    except LayoutError:
-        return target   # no valid placement: the error comes where the result is made
-
-    def cost(p):
-        moved = sum(relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, ctx.pending(x),
-                                   [p[d.name] for d in x.dims]) for x in (table, ids))
-        return moved + relayout_bytes(ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]),
-                                      wanted)
-
-    return min([target, *options], key=cost)
-
-
-def _before(axes, taken):
-    """``axes`` up to the first one in ``taken`` (a dim split over a prefix of its axes)."""
-    for k, a in enumerate(axes):
-        if a in taken:
-            return tuple(axes[:k])
-    return tuple(axes)
-
-
-def _distinct(plan) -> bool:
-    used = [a for axes in plan.values() for a in axes]
-    return len(used) == len(set(used))
 
 
 @op("top_k")
@@ -180,7 +49,7 @@ def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     """The ``k`` largest entries along ``dim``: ``(values, indices)`` with dim ``out`` (size k)
     in place of ``dim``; indices are global positions along ``dim`` (int32)."""
     x = as_named(ctx, x)
-    name = _one(ctx, x, dim, "top_k dim")
+    name = one_dim(ctx, x, dim, "top_k dim")
     n = x.dims[name].size
     if not 0 < k <= n:
         raise ShapeError(f"{where_(ctx)}: k={k} is not in 1..{n} (size of {name!r})")
@@ -205,7 +74,7 @@ def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
         block = n // ctx.axes_size(split)
         kk = min(k, block)
         v1, i1 = jax.lax.top_k(local, kk)
-        i1 = i1 + _offset(ctx, split, block).astype(i1.dtype)
+        i1 = i1 + block_offset(split, block).astype(i1.dtype)
         last = local.ndim - 1
         v_all = C.all_gather(ctx, v1, split, last, invariant=True, tensor=f"[{x.dims}] top_k candidates")
         i_all = C.all_gather(ctx, i1, split, last, invariant=True, tensor=f"[{x.dims}] top_k indices")
@@ -239,7 +108,7 @@ def argmax(x, dim):
 def cumsum(ctx, x, dim) -> NamedArray:
     """Inclusive cumulative sum along ``dim``."""
     x = as_named(ctx, x)
-    name = _one(ctx, x, dim, "cumsum dim")
+    name = one_dim(ctx, x, dim, "cumsum dim")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     pos = x.names.index(name)
     wanted = ctx.canonical(x.dims) if ctx.explicit else None
@@ -284,7 +153,7 @@ def _shift_local(v, pos, offset, wrap):
 def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
     """``y[i] = x[i - offset]`` along ``dim``, zero-filled (cyclic with ``wrap=True``)."""
     x = as_named(ctx, x)
-    name = _one(ctx, x, dim, "shift dim")
+    name = one_dim(ctx, x, dim, "shift dim")
     size = x.dims[name].size
     if not isinstance(offset, int):
         raise ShapeError(f"{where_(ctx)}: shift offset must be a Python int, got {offset!r}")

@@ -167,7 +167,7 @@ def run(ctx, x, p: Plan, target_shape, tensor: str = ""):
         has = jnp.asarray([loc is not None for loc in p.local])[me]
         src = jnp.asarray([loc[0] if loc else (0,) * x.ndim for loc in p.local])[me]
         dst = jnp.asarray([loc[1] if loc else (0,) * x.ndim for loc in p.local])[me]
-        out = _put(out, jnp.where(has, lax.dynamic_slice(x, tuple(src), p.piece), 0), dst)
+        out = _put(out, jnp.where(has, lax.dynamic_slice(x, tuple(src), p.piece), jnp.zeros((), x.dtype)), dst)
     for k, (pairs, send, recv) in enumerate(p.rounds):
         piece = lax.dynamic_slice(x, tuple(jnp.asarray(send)[me]), p.piece)
         got = C.ppermute(ctx, piece, p.axes, pairs, f"{tensor} round {k + 1} of {len(p.rounds)}")
@@ -176,7 +176,8 @@ def run(ctx, x, p: Plan, target_shape, tensor: str = ""):
 
 
 def _put(out, piece, at):
-    """Add ``piece`` into ``out`` at offsets ``at``: every target element is written by exactly
-    one piece, and a device that receives nothing in a round gets zeros."""
+    """Add ``piece`` into ``out`` at offsets ``at`` (or it in, for booleans): every target element
+    is written by exactly one piece, and a device that receives nothing in a round gets zeros."""
     at = tuple(at)
-    return lax.dynamic_update_slice(out, lax.dynamic_slice(out, at, piece.shape) + piece, at)
+    here = lax.dynamic_slice(out, at, piece.shape)
+    return lax.dynamic_update_slice(out, here | piece if out.dtype == jnp.bool_ else here + piece, at)

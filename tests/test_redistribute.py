@@ -87,3 +87,29 @@ def test_rounds_are_matchings_and_as_few_as_the_largest_degree(n_src, n_tgt, see
     assert sorted(itertools.chain(*rounds)) == sorted(edges)
     for r in rounds:
         assert len({e[0] for e in r}) == len(r) and len({e[1] for e in r}) == len(r)
+
+
+def test_a_mask_moved_by_ppermute_rounds_stays_boolean():
+    """A bernoulli mask where(bernoulli(m128), relu(reshape(v[b:x d] -> m128)), 0) with m128 over
+    y (campaign 18): the mask is moved to the reshaped value's placement by ppermute rounds, and the
+    piece a device keeps was promoted to int: a raw TypeError. Integers and booleans move like floats."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32), "b d")
+
+    def fn(v):
+        h = md.relu(md.reshape(v, "m128:128"))
+        return h, md.where(md.random.bernoulli(jax.random.key(7), 0.7, "m128:128"), h, 0.0)
+
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"b": "x", "m128": "y"})
+    assert_same(md.lower(fn, mesh, layout)(v), fn(v))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(moves(), st.sampled_from(["bool", "int32"]))
+def test_random_moves_of_booleans_and_integers(move, dtype):
+    """A mask or ids moved between placements (campaign 18: a bernoulli mask of a reshaped value
+    moved by ppermute rounds raised a raw TypeError: the piece a device keeps was promoted to int)."""
+    mesh, sizes, src, dst, rules = move
+    v = np.random.default_rng(0).standard_normal(sizes)
+    x = md.named(jnp.asarray(v > 0 if dtype == "bool" else np.floor(v * 9), dtype), " ".join(src))
+    fn = lambda x: md.rename(x, dict(zip(src, dst)))
+    assert_same(md.lower(fn, md.Mesh(mesh), md.Layout(rules))(x), fn(x))

@@ -51,7 +51,7 @@ def parse(text: str, seed: int = 0) -> Program:
 
 
 def main(path):
-    stats = {"ratios": [], "worst": (0.0, 0, 0, "")}
+    stats = {"ratios": [], "worst": (0.0, 0, 0, ""), "worst_exempt": (0.0, 0, 0, "")}
     for k, line in enumerate(open(path)):
         rec = json.loads(line)
         prog = parse(rec["program"])

@@ -163,6 +163,12 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
         raise ShapeError(f"{where_(ctx)}: shift by {offset} along {name}:{size} leaves nothing; "
                          f"use |offset| < {size}, or wrap=True for a cyclic shift")
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
+    held = dict(zip(x.names, ctx.placement(x).axes)) if ctx.explicit else axes
+    if not wrap and offset and not held[name] and not axes[name] and axes != held and not ctx.pending(x) \
+            and not ctx.relaid(x, tuple(axes[n] for n in x.names)):
+        # x would move first because the result moves later (rule 1), but no other op reads that
+        # copy: the result moves by the rows that stay (relayout's pieces), fewer bytes than x
+        axes = held
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)

@@ -168,8 +168,9 @@ def _cost(ctx, table, ids, name, out, renamed):
         return None
 
     def cost(p, table_bytes=None):
+        relaid = (table, ids) if table_bytes is None else (ids,)
         moved = sum(relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, ctx.pending(x),
-                                   [p[d.name] for d in x.dims]) for x in (table, ids) if x is ids or table_bytes is None)
+                                   [p[d.name] for d in x.dims]) for x in relaid)
         return (moved + (table_bytes or 0.0) + relayout_bytes(
             ctx, out, table.dtype.itemsize, [p[d.name] for d in out], frozenset(p[name]), wanted))
     return cost

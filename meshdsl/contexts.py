@@ -53,7 +53,7 @@ class GlobalContext:
     def pending(self, x: NamedArray) -> frozenset:
         return frozenset()
 
-    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False, out_dtype=None):
         return {d.name: () for d in dims}
 
     def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):

@@ -70,8 +70,9 @@ class ExplicitContext(LayoutContext):
     def axes_size(self, axes) -> int:
         return self.mesh.axes_size(axes)
 
-    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False):
-        return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending, cheapest=cheapest)
+    def plan(self, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False, out_dtype=None):
+        return plan(self, dims, operands, prefer=prefer, keep_pending=keep_pending, cheapest=cheapest,
+                    out_dtype=out_dtype)
 
     def vary(self, planned, operands=(), keep_pending=frozenset(), out_size=None):
         """Mesh axes an op's local computation varies over: every axis the plan splits a dim on

@@ -120,15 +120,18 @@ class Auto(Keep):
         alt = _stored_plan(ctx, params, axes)
         if alt is None:
             return None
+        # Gathered anyway (by another op, or for the return): reading that copy is free. Still a
+        # decision point, so that the probe's decisions and the run's stay aligned.
+        copied = all(ctx.relaid(x, tuple(axes.get(d.name, ()) for d in x.dims)) for x in params)
         if self.decisions is not None:
-            return None if self.decisions.pop(0) else alt
+            return None if self.decisions.pop(0) or copied else alt
 
         def moved(x, p):
             return relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, frozenset(),
                                   tuple(p.get(d.name, ()) for d in x.dims))
 
         others = [x for x in operands if not any(x is q for q in params)]
-        gather = sum(moved(x, axes) * ctx.rec.executions_of(x.raw) for x in params)
+        gather = 0.0 if copied else sum(moved(x, axes) * ctx.rec.executions_of(x.raw) for x in params)
         stay = sum(moved(x, alt) for x in operands) + result_bytes(alt) - sum(moved(x, axes) for x in others)
         stay *= ctx.rec.multiplier
         self.probe.append((frozenset(id(x.raw) for x in params), gather, stay))

@@ -3,8 +3,9 @@
 Rule of thumb, applied by every op the same way so that communication is predictable:
 
 1. A dim keeps the split its operands already agree on (no data moves) - unless an elementwise
-   op's result is larger than those operands, the layout places the dim otherwise and the result
-   moves there later (returned: :mod:`meshdsl.foresight` tells): the operands move there first.
+   op's result is larger in bytes than those operands (a broadcast, a cast to a wider type), the
+   layout places the dim otherwise and the result moves there later (returned:
+   :mod:`meshdsl.foresight` tells): the operands move there first.
    An op over its one operand's dims (a shift, a cache write) does the same when its result moves
    there later: the same bytes, and the moved copy is shared by every op reading it.
 2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``);
@@ -37,9 +38,11 @@ from collections import defaultdict
 __all__ = ["plan", "propose", "settle"]
 
 
-def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False) -> dict[str, tuple]:
+def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=False,
+         out_dtype=None) -> dict[str, tuple]:
     """Mesh axes per dim name of the iteration space ``dims`` for an op over ``operands`` that
-    keeps the pending sums over ``keep_pending`` (linear ops) and reduces the others."""
+    keeps the pending sums over ``keep_pending`` (linear ops) and reduces the others; the result
+    is of ``out_dtype`` (default: the widest operand's)."""
     canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
     resolving = set().union(*(ctx.pending(x) for x in operands)) - set(keep_pending)
     proposal, whole_now = {}, []
@@ -49,7 +52,8 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
         if len(held) == 1:
             proposal[d.name] = held.pop()
             if (cheapest or _in_place(dims, operands)) and _cheaper_whole_now(
-                    ctx, dims, holders, proposal[d.name], canonical[d.name], strict=cheapest):
+                    ctx, dims, holders, proposal[d.name], canonical[d.name], out_dtype,
+                    strict=cheapest and not _in_place(dims, operands)):
                 whole_now.append(d.name)
         elif cheapest and held:
             options = [canonical[d.name], *sorted(held - {canonical[d.name]})]
@@ -138,19 +142,21 @@ def _in_place(dims, operands) -> bool:
     return len(operands) == 1 and set(operands[0].names) == {d.name for d in dims}
 
 
-def _cheaper_whole_now(ctx, dims, holders, held, canonical, *, strict=True) -> bool:
+def _cheaper_whole_now(ctx, dims, holders, held, canonical, out_dtype, *, strict=True) -> bool:
     """An elementwise op whose result is larger than the operands holding a dim split off the
-    layout's placement (a parameter stored split, broadcast against another value): moving those
-    operands to the layout's placement now moves less than moving the result there later.
+    layout's placement (a parameter stored split broadcast against another value, a boolean cast
+    to float): moving those operands to the layout's placement now moves fewer bytes than moving
+    the result there later.
     ``strict=False`` (an op over its one operand's dims): the same bytes, and the copy moved now
     is shared by every op reading it (a cache write and a shift of one parameter, both returned:
     one gather, not two)."""
     if tuple(canonical[:len(held)]) == held:
         return False   # the layout's placement only splits further: a local slice
-    result = 1
+    itemsize = out_dtype.itemsize if out_dtype is not None else max(x.dtype.itemsize for x in holders)
+    result = itemsize
     for d in dims:
         result *= d.size
-    moved = sum(x.size for x in holders)
+    moved = sum(x.size * x.dtype.itemsize for x in holders)
     return moved < result if strict else moved <= result
 
 

@@ -101,3 +101,46 @@ def test_campaign_returned_cumsum_along_a_stored_split_gathers_its_operand_once(
     w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32), "c d"))
     mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"e": "x"}, params={"d": ("x", "y")})
     _kept(lambda w: md.cumsum(w, "d"), mesh, layout, w, param_gather="keep", moved={"all-gather": 224})
+
+
+# -- campaign 21 (on 820a2f4) ---------------------------------------------------------------------
+
+def test_campaign_a_cast_to_a_wider_type_moves_its_narrow_operand_first():
+    """astype(max(v > 0, p4), float32) of v[b p4:x q4:x c] (a reshaped a:x), returned with q4
+    whole: the float32 result was gathered at the return (1408 B where gspmd moves 640 B); the
+    boolean it is cast from is gathered first, a quarter of the bytes."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16, 8)), jnp.float32), "b a c")
+    fn = lambda v: md.astype(md.max(md.greater(md.reshape(v, "b:16 p4:4 q4:4 c:8"), 0.0), "p4"), jnp.float32)
+    _kept(fn, md.Mesh({"x": 8}), md.Layout({"a": "x"}), v, moved={"all-reduce": 384, "all-gather": 256})
+
+
+def test_campaign_a_pending_scalar_times_a_vector_is_reduced_before_the_broadcast():
+    """s = v[3] of a parameter v[d] stored split (a masked local read: s is a pending sum), then
+    s * v, shift(v) and sum(shift(v)), all returned: once v is gathered for the shift, s * v kept
+    s's sum pending at v's size (a 56 B all-reduce of the product where the scalar's is 7 B; 84 B
+    in all, gspmd 60 B). A sum pending on an operand smaller than the result is reduced first."""
+    v = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "d"))
+
+    def fn(v):
+        v = md.where(md.equal(md.round(v), md.round(v)), v, v)
+        s = md.dynamic_slice(v, "d", jnp.int32(3), None)
+        w = md.shift(v, "d", -1, wrap=True)
+        return w, s * v, md.sum(w, "d")
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"e": "x"}, params={"d": "x"})
+    _kept(fn, mesh, layout, v, param_gather="keep", moved={"all-gather": 28, "all-reduce": 7})
+
+
+# -- campaign 22 (on 820a2f4) ---------------------------------------------------------------------
+
+def test_campaign_a_returned_function_of_a_stored_parameter_gathers_the_parameter():
+    """tanh(w) returned and einsum(tanh(w), w, out="") of w[a:y b] stored split, under
+    param_gather="auto": tanh ran where w is stored and its result was gathered at the return
+    (512 B); the einsum then contracted where w is stored (a 4 B scalar all-reduce; gspmd moves
+    512 B in all). Moving w instead costs the same 512 B and the einsum reads that copy: 512 B."""
+    w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16)), jnp.float32), "a b"))
+
+    def fn(w):
+        t = md.tanh(w)
+        return t, md.einsum(t, w, out="")
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"e": "x"}, params={"a": "y"})
+    _kept(fn, mesh, layout, w, param_gather="auto", moved={"all-gather": 512})

@@ -8,7 +8,9 @@ Pending partial sums stay pending through linear ops, so they are reduced once, 
 * ``a + b`` / ``a - b`` of two partial sums over the same axes is a partial sum (one psum for
   the two einsums that produced them, not two);
 * ``a * c``, ``c * a`` and ``a / c`` with only ``a`` pending scale each partial sum;
-* ``-a``, ``astype`` between float types and ``stop_gradient`` keep it.
+* ``-a``, ``astype`` between float types and ``stop_gradient`` keep it;
+* but not through a broadcast: pending operands smaller than the result (a scalar times a
+  vector) are reduced first, at their own size.
 
 Every other elementwise op needs whole values: pending sums are reduced first (psum, or a
 reduce-scatter when the result is split over the same axis).
@@ -45,7 +47,10 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve"):
         holders = [i for i, p in enumerate(pend) if p]
         if len(holders) == 1 and (pending_rule == "product" or holders == [0]):
             keep = pend[holders[0]]
-    axes = ctx.plan(dims, xs, keep_pending=keep, cheapest=True)
+    if keep and sum(x.size for x, p in zip(xs, pend) if p) < math.prod(dims.sizes):
+        keep = frozenset()   # a broadcast: reducing the smaller operands' sums moves fewer bytes
+    out_dtype = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((), x.dtype) for x in xs)).dtype
+    axes = ctx.plan(dims, xs, keep_pending=keep, cheapest=True, out_dtype=out_dtype)
     keep = keep - {a for ax in axes.values() for a in ax}
     vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(dims.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]

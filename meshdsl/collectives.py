@@ -43,17 +43,18 @@ def _differentiable(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def attributed_vjp(ctx, forward, backward):
-    """A ``jax.custom_vjp`` function ``f(*args) = forward(*args)[0]`` whose rules run attributed
-    to the op being lowered now: ``forward(*args) -> (out, residuals)`` (jax may run it later,
-    e.g. differentiating a scan body: same origin) and ``backward(residuals, ct) -> cotangents``
+def attributed_vjp(ctx, forward, backward, primal=None):
+    """A ``jax.custom_vjp`` function ``f(*args) = forward(*args)[0]`` (or ``primal(*args)``, the
+    same value computed without what only the gradient needs) whose rules run attributed to the
+    op being lowered now: ``forward(*args) -> (out, residuals)`` (jax may run it later, e.g.
+    differentiating a scan body: same origin) and ``backward(residuals, ct) -> cotangents``
     (recorded in the ``backward`` phase). Every hand-written derivative of the rewriter uses it,
     so what it emits is attributed to the user's op and line."""
     op, multiplier, phase = ctx.rec.capture()
 
     @jax.custom_vjp
     def f(*args):
-        return forward(*args)[0]
+        return primal(*args) if primal is not None else forward(*args)[0]
 
     def f_fwd(*args):
         with ctx.rec.origin(op, multiplier, phase):

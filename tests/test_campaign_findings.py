@@ -410,3 +410,24 @@ def test_campaign_reshape_weighs_no_placement_that_cannot_divide_a_dim():
     _same(fn, {"x": 2, "y": 4}, {"d": ("x", "y"), "q4": "x"}, v)
     e, h = _explain_vs_hlo(fn, mesh, layout, v)
     assert e == h
+
+
+# -- campaign 20 (on 0c49b59) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [{"c": ("y", "x")}, {"e": "x"}], ids=["max-local", "max-split"])
+def test_campaign_max_gradient_reads_the_value_its_maximum_came_from(layout):
+    """grad of einsum(max(v + 0.01 * arange(e), e), -v, out="c"): the tie mask compares v with its
+    maximum bit for bit. XLA's CPU backend at -O0 (the suite's flags) computed v + 0.01 * i once
+    for the maximum and once for the mask, rounded differently: no element matched, the tie
+    count was 0 and the gradient inf (plain jax.jit(jax.grad(...)) does the same). Now both read
+    one buffer, inside the lowered function and around it."""
+    v = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, 32)), jnp.float32), "b c e"))
+
+    def loss(v):
+        shifted = v + md.astype(md.arange(md.Dim("e", 32)), jnp.float32) * 0.01
+        return md.sum(md.tanh(md.einsum(md.max(shifted, "e"), -v, out="c"))).array
+    mesh, lay = md.Mesh({"x": 8, "y": 1}), md.Layout(layout)
+    want = jax.grad(loss)(v)
+    assert_same(md.lower(jax.grad(loss), mesh, lay)(v), want)
+    assert_same(jax.grad(md.lower(loss, mesh, lay))(v), want)
+    assert np.isfinite(np.asarray(want.array)).all()

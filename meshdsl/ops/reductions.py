@@ -66,12 +66,12 @@ def _extreme(ctx, x, dims, what, is_max: bool):
     split = tuple(a for n in names for a in axes[n])
     reducer = jnp.max if is_max else jnp.min
     out_dims = Shape(d for d in x.dims if d.name not in names)
-    if not split:
-        return ctx.out(reducer(local, axis=pos), out_dims, axes)
-    split = tuple(a for a in ctx.mesh.factor_axes if a in split)
+    split = tuple(a for a in ctx.mesh.factor_axes if a in split) if split else ()
 
     def combine(v):
         m = reducer(v, axis=pos)
+        if not split:
+            return m
         if m.dtype == jnp.bool_:  # any / all: the collective runs on 0/1
             m = m.astype(jnp.uint8)
             return (C.pmax if is_max else C.pmin)(ctx, m, split).astype(jnp.bool_)
@@ -79,6 +79,11 @@ def _extreme(ctx, x, dims, what, is_max: bool):
         return (C.pmax if is_max else C.pmin)(ctx, m, split)
 
     def forward(v):
+        # The backward mask compares v with its extreme bit for bit: both must read one buffer.
+        # Without the barrier XLA may compute v again for each reader, rounded differently (the
+        # CPU backend at -O0 does: no element then equals the maximum, the tie count is 0 and the
+        # gradient inf; jax-ml/jax#40564 is the same class on GPU, in jnp.maximum's rule).
+        v = jax.lax.optimization_barrier(v)
         m = combine(v)
         return m, (v, m)
 
@@ -90,9 +95,9 @@ def _extreme(ctx, x, dims, what, is_max: bool):
         count = C.cast(ctx, count, split)  # ties share the gradient, as jnp.max's do
         return (jnp.where(mask, jnp.expand_dims(ct / count, pos), 0).astype(v.dtype),)
 
-    f = C.attributed_vjp(ctx, forward, backward)
-    y = f(local) if jnp.issubdtype(local.dtype, jnp.floating) else combine(local)
-    return ctx.out(y, out_dims, axes)
+    if not jnp.issubdtype(local.dtype, jnp.floating):
+        return ctx.out(combine(local), out_dims, axes)
+    return ctx.out(C.attributed_vjp(ctx, forward, backward, primal=combine)(local), out_dims, axes)
 
 
 @op("max")

@@ -64,3 +64,33 @@ def test_campaign_a_weight_stored_split_is_gathered_under_keep_and_left_split_un
         report = md.explain(fn, mesh, layout, w, v, param_gather=policy)
         assert {k: s["bytes"] for k, s in report.summary().items() if s["bytes"]} == {"all-gather": 1792}
     _kept(fn, mesh, layout, w, v, param_gather="auto", moved={"all-reduce": 896})
+
+
+def test_campaign_an_operands_own_dims_split_off_the_plan_are_summed_where_they_are():
+    """einsum(v[d:x c e], reshape(v -> p2 q4 c e), out="d") under jax.grad on x:8: d keeps x, so
+    p2 (x:(1)2) and q4 (x:(2)4), contracted and held by the reshaped operand alone, gave x up and
+    that operand was gathered (7168 B forward, 8960 B in all where gspmd moves 4352 B). Summing
+    them first where they are split leaves a pending [c e] to all-reduce: 1792 B each way."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8, 32)), jnp.float32), "d c e")
+    loss = lambda v: md.sum(md.tanh(md.einsum(v, md.reshape(v, "p2:2 q4:4 c e"), out="d"))).array
+    _kept(jax.grad(loss), md.Mesh({"x": 8}), md.Layout({"d": "x"}), v, moved={"all-reduce": 3584})
+
+
+# -- campaign 22 (on 820a2f4) ---------------------------------------------------------------------
+
+def test_campaign_a_dim_one_operand_holds_split_off_the_layout_stays_split():
+    """w = einsum(u[e a], u, out="a") with u whole and v = rename(x[b:y] -> a), then
+    einsum(v, einsum(u, v, out="a"), out=""): a is held split (y) by v alone, the layout places
+    it nowhere, so v was gathered for each einsum (48 B where gspmd moves 12 B). Slicing the
+    whole operand instead: the kept a stays split (not returned, nothing to gather later), the
+    contracted a leaves a scalar to all-reduce."""
+    r = np.random.default_rng(0)
+    u = md.named(jnp.asarray(r.standard_normal((32, 16)), jnp.float32), "e a")
+    x = md.named(jnp.asarray(r.standard_normal(16), jnp.float32), "b")
+
+    def fn(u, x):
+        v = md.rename(x, {"b": "a"})
+        return md.einsum(v, md.einsum(u, v, out="a"), out="")
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"b": "y"})
+    _kept(fn, mesh, layout, u, x, moved={"all-reduce": 6})
+    _kept(jax.grad(lambda u, x: fn(u, x).array, argnums=(0, 1)), mesh, layout, u, x)

@@ -11,16 +11,8 @@ Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.placement`):
 * a contracted and a kept dim both mapped to ``a`` by the layout: the contracted dim keeps the
   split (the result is pending), so the sum is later reduce-scattered onto the kept dim.
 
-An einsum is linear in each operand: when only one operand holds a pending sum over an axis the
-contraction does not split, and the result is smaller than that operand, the sum stays pending
-through the einsum and is reduced later, on the smaller result (MoE's combine after a split-d_ff
-expert FFN). Other pending sums are reduced before the contraction.
 
-An operand's own contracted dims (no other operand has them) may be summed first, locally, and the
-rest contracted after: chosen where that moves no more bytes, the gradients included. The second
-contraction is planned anew for that estimate: a dim that gave a mesh axis up to a summed dim
-keeps its split there (``einsum(v[c a], u[p q a], out="p")`` with ``c`` over all of ``x`` and
-``p``, ``q`` over parts of it: ``u`` stays where it is and the small ``[a]`` sum moves, not ``u``).
+Where it computes and which dims it sums first is chosen by bytes: :mod:`meshdsl.ops.contraction`.
 
 Parameters stored split (``params=`` rules) are all-gathered for the contraction and their
 gradients reduce-scattered, unless the ``param_gather`` policy (:mod:`meshdsl.param_gather`)
@@ -38,11 +30,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..dims import Shape, parse_dims
 from ..errors import ShapeError, suggest
-from ..jaxcompat import differentiated
 from ..named import NamedArray, Placement
-from ..placement import propose
 from ..relayout import relayout_bytes
 from .common import as_named, union_dims, where_
+from .contraction import choose, linear_pending
 from .reductions import sum as reduce_sum
 from .registry import op
 
@@ -73,7 +64,7 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     contracted = tuple(d.name for d in dims if d.name not in out_names)
     xs = [_copy_made_anyway(ctx, x, contracted) for x in xs]
 
-    linear = _linear_pending(ctx, xs, out_dims)
+    linear = linear_pending(ctx, xs, out_dims)
 
     def kept(plan):
         return linear - {a for ax in plan.values() for a in ax}
@@ -81,10 +72,8 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     def pending_of(plan):
         return frozenset(a for n in contracted for a in plan[n]) | kept(plan)
 
-    target = ctx.plan(dims, xs, prefer=contracted, keep_pending=linear)
     itemsize = jnp.dtype(preferred_element_type or jnp.result_type(*[x.dtype for x in xs])).itemsize
-    solo = _whole_own_dims(ctx, xs, contracted, target) or \
-        _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending_of(target), linear)
+    target, solo = choose(ctx, dims, xs, contracted, out_names, out_dims, itemsize, linear, pending_of)
     if solo:  # cheaper: sum those dims locally first (a pending sum), then contract the rest
         return einsum(*[reduce_sum(x, s) if s else x for x, s in zip(xs, solo)], out=out_names,
                       preferred_element_type=preferred_element_type)
@@ -132,91 +121,3 @@ def _copy_made_anyway(ctx, x, contracted):
     split = frozenset(a for axes in target for a in axes)
     copy = ctx.local(x, dict(zip(x.names, target)), split)
     return NamedArray(copy, x.dims, placement=Placement(tuple(target)))
-
-
-def _whole_own_dims(ctx, xs, contracted, target):
-    """Per operand, the contracted dims only it has and that are whole (in the plan and on this
-    device), or ``None``: summed locally first, they never reach a relayout, a cast or, backward,
-    the all-reduce of that operand's gradient (a parameter [a, e] contracted with data over a and
-    e: its gradient is reduced as [a], not [a, e]). Local work only: never more bytes."""
-    if not ctx.explicit or len(xs) < 2:
-        return None
-    solo = [[n for n in x.names if n in contracted and not target[n] and not ctx.placement(x).of(x.dims, n)
-             and sum(n in y.names for y in xs) == 1] for x in xs]
-    return solo if any(solo) else None
-
-
-def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pending, linear):
-    """Per operand, the contracted dims only it has, to be summed before the contraction, or
-    ``None``: summing an operand's own split contracted dims first leaves a small pending sum
-    (reduced before it meets a larger operand) instead of a pending sum of the larger result, or
-    of a kept dim gathered because the contracted dim keeps the split. Chosen unless it moves more
-    bytes (ring estimates); on a tie it is the better choice for the gradient: the other operands'
-    gradients then read the reduced sum, not a partial one to reduce again (``einsum(w[a], x[c],
-    out="")`` with ``c`` split: one scalar all-reduce in the forward pass, none backward). Under
-    ``jax.grad`` the backward reductions count too: without summing first, each differentiated
-    other operand's gradient is reduced again (``einsum(w[a], x[b a], out="")``, b split: the
-    forward scalar and w's gradient [a] backward; summed first, x's [a] once, forward)."""
-    if not ctx.explicit or len(xs) < 2:
-        return None
-    solo = [[n for n in x.names if n in contracted and target[n] and sum(n in y.names for y in xs) == 1]
-            for x in xs]
-    if not any(solo):
-        return None
-    canon = {d.name: ctx.layout_axes(d.name) for x in xs for d in x.dims}
-
-    def moved(x, dims, src, pend, to):
-        return relayout_bytes(ctx, dims, x.dtype.itemsize, src, pend, tuple(to.get(d.name, ()) for d in dims))
-
-    now = sum(moved(x, x.dims, ctx.placement(x).axes, ctx.pending(x), target) for x in xs)
-    now += relayout_bytes(ctx, out_dims, itemsize, [target[n] for n in out_names], pending,
-                          [canon.get(n, ()) for n in out_names])
-    rests = [(x, s, [d for d in x.dims if d.name not in s],
-               [a for d, a in zip(x.dims, ctx.placement(x).axes) if d.name not in s]) for x, s in zip(xs, solo)]
-    # The contraction of the sums is planned anew: dims that gave an axis up to a summed dim (rule
-    # 4) keep their split there, and those operands move to that plan, not the layout's.
-    rest = Shape(d for d in union_dims(ctx, xs) if not any(d.name in s for s in solo))
-    after = propose(ctx, rest, [([d.name for d in dims], src) for _, _, dims, src in rests],
-                    prefer=[n for n in contracted if n in rest.names])
-    left = frozenset(a for n in contracted if n in after for a in after[n])
-    first = relayout_bytes(ctx, out_dims, itemsize, [after[n] for n in out_names], left,
-                           [canon.get(n, ()) for n in out_names])
-    for x, s, dims, src in rests:
-        pend = ctx.pending(x) | {a for d, a in zip(x.dims, ctx.placement(x).axes) if d.name in s for a in a}
-        first += moved(x, dims, src, pend, canon if s else after)
-        # Backward, without summing first, the gradient of each other operand being
-        # differentiated holds x's sum over those dims as a partial sum: one more reduction.
-        summed = frozenset(a for n in s for a in target[n])
-        for y in xs:
-            if y is not x and differentiated(y.raw) and summed - _used_after(ctx, y, target, linear):
-                axes = ctx.placement(y).axes
-                now += relayout_bytes(ctx, y.dims, y.dtype.itemsize, axes, summed, axes)
-    return solo if first <= now else None
-
-
-def _used_after(ctx, y, target, linear) -> frozenset:
-    """The axes ``y`` is split or pending over once relaid to ``target`` for the contraction: a
-    pending sum is reduced there first unless it stays pending (``linear``, over no axis the
-    contraction splits)."""
-    split = frozenset(a for axes in target.values() for a in axes)
-    return frozenset(a for n in y.names for a in target[n]) | (ctx.pending(y) & (linear - split))
-
-
-def _linear_pending(ctx, xs, out_dims) -> frozenset:
-    """Pending axes that may stay pending: held by exactly one operand, larger than the result plus,
-    under ``jax.grad``, the other operands being differentiated (their gradients read the partial
-    sums and are reduced again backward). Otherwise reducing first moves no more, and the other
-    operands' gradients read the reduced value."""
-    pend = [ctx.pending(x) for x in xs]
-    keep = set()
-    for a in set().union(*pend):
-        holders = [x for x, p in zip(xs, pend) if a in p]
-        if len(holders) != 1:
-            continue
-        # Kept, the sum is reduced on the result, and backward on the gradient of each other
-        # operand being differentiated (it reads the partial sums); reduced now, on the operand.
-        backward = sum(y.size for y in xs if y is not holders[0] and differentiated(y.raw)
-                       and a not in ctx.placement(y).used_axes())
-        if math.prod(d.size for d in out_dims) + backward < holders[0].size:
-            keep.add(a)
-    return frozenset(keep)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import meshdsl as md
 
@@ -144,3 +145,15 @@ def test_campaign_a_returned_function_of_a_stored_parameter_gathers_the_paramete
         return t, md.einsum(t, w, out="")
     mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"e": "x"}, params={"a": "y"})
     _kept(fn, mesh, layout, w, param_gather="auto", moved={"all-gather": 512})
+
+
+# -- campaign 23 (on 29fb3c8) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_campaign_cumsum_and_shift_read_the_copy_top_k_gathers(wrap):
+    """top_k(v[b:x], b) gathers v whole; cumsum(v, b) then gathered its block totals and the
+    shift of that moved boundary rows (88 B where gspmd moves 60 B). Both read the gathered copy
+    instead: 56 B, the gather alone."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32), "b")
+    fn = lambda v: (md.top_k(v, "b", 2, "k2")[0], md.shift(md.cumsum(v, "b"), "b", -15, wrap=wrap))
+    _kept(fn, md.Mesh({"x": 8}), md.Layout({"b": "x"}), v, moved={"all-gather": 56})

@@ -94,6 +94,13 @@ def axis_of(x: NamedArray, name: str) -> int:
     return x.names.index(name)
 
 
+def whole_copy_made(ctx, x: NamedArray, axes, name: str) -> bool:
+    """Is a copy of ``x`` holding ``name`` whole, its other dims placed by ``axes``, made anyway
+    (gathered by another op, or for the return)? An op that would communicate along a split
+    ``name`` (block totals, boundary rows, a masked read) reads that copy: nothing more moves."""
+    return bool(axes[name]) and ctx.relaid(x, tuple(() if n == name else axes[n] for n in x.names))
+
+
 def align(local, from_dims, to_dims):
     """Transpose a local block from ``from_dims`` order to ``to_dims`` order, with size-1 axes for
     dims it lacks, so that it broadcasts against the result."""

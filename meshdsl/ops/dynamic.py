@@ -27,7 +27,7 @@ from .. import collectives as C
 from ..dims import Dim, Shape
 from ..errors import ShapeError
 from ..named import NamedArray
-from .common import align, as_named, names_in, where_
+from .common import align, as_named, names_in, where_, whole_copy_made
 from .registry import op
 
 __all__ = ["dynamic_slice", "dynamic_update_slice"]
@@ -68,8 +68,7 @@ def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
         raise ShapeError(f"{where_(ctx)}: size {size!r} must be a Python int in 0..{n} (the size of "
                          f"{name!r}), or None for one entry without the dim")
     axes = ctx.plan(x.dims, [x])
-    if jnp.issubdtype(x.dtype, jnp.bool_) or axes[name] and ctx.relaid(x, [() if d.name == name else axes[d.name]
-                                                                           for d in x.dims]):
+    if jnp.issubdtype(x.dtype, jnp.bool_) or whole_copy_made(ctx, x, axes, name):
         axes[name] = ()  # booleans; or a copy holding the dim whole is made anyway (top_k): read it
     vary = ctx.vary(axes.values(), [x])
     local = ctx.local(x, axes, vary)

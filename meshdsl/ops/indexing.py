@@ -19,7 +19,7 @@ from .. import collectives as C
 from ..dims import Dim, Shape
 from ..errors import LayoutError, ShapeError
 from ..named import NamedArray
-from .common import as_named, block_offset, new_dims, one_dim, where_
+from .common import as_named, block_offset, new_dims, one_dim, where_, whole_copy_made
 from .registry import op
 from .restructure import reshape
 
@@ -116,9 +116,11 @@ def cumsum(ctx, x, dim) -> NamedArray:
         # split off the layout and wanted in its placement later (returned): moving x there now
         # moves as much as moving the result later, and saves the block totals
         axes[name] = wanted[pos]
-    if axes[name] and x.dims[name].size == ctx.axes_size(axes[name]):
+    if axes[name] and x.dims[name].size == ctx.axes_size(axes[name]) or \
+            not ctx.pending(x) and whole_copy_made(ctx, x, axes, name):
         # blocks of one row: a block's total is the row, so gathering the totals gathers x; gather
-        # it by relayout, one copy shared with every other op gathering x (XLA would merge them)
+        # it by relayout, one copy shared with every other op gathering x (XLA would merge them).
+        # Or a copy holding the dim whole is made anyway (top_k): read it, no block totals
         axes[name] = ()
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
@@ -169,6 +171,8 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
         # x would move first because the result moves later (rule 1), but no other op reads that
         # copy: the result moves by the rows that stay (relayout's pieces), fewer bytes than x
         axes = held
+    if not ctx.pending(x) and whole_copy_made(ctx, x, axes, name):
+        axes[name] = ()   # a copy holding the dim whole is made anyway (top_k): read it, no rows move
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
     local = ctx.local(x, axes, vary, keep_pending=keep)

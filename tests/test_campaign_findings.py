@@ -431,3 +431,17 @@ def test_campaign_max_gradient_reads_the_value_its_maximum_came_from(layout):
     assert_same(md.lower(jax.grad(loss), mesh, lay)(v), want)
     assert_same(jax.grad(md.lower(loss, mesh, lay))(v), want)
     assert np.isfinite(np.asarray(want.array)).all()
+
+
+def test_max_over_a_whole_dim_keeps_forward_mode_autodiff():
+    """The max rule that reads one buffer is a JVP where the dim is whole: jax.jvp and
+    jax.hessian through md.max work as through jnp.max, unsharded and lowered (ties share)."""
+    v = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [2.0, -1.0, 0.5, 2.0]], jnp.float32)
+    fn = lambda a: md.max(md.named(a, "a b"), "b").array
+    lowered = md.lower(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"a": "x"}))
+    for f in (fn, lowered):
+        y, t = jax.jvp(f, (v,), (jnp.ones_like(v),))
+        np.testing.assert_allclose(t, [1.0, 1.0])
+        np.testing.assert_allclose(jax.grad(lambda a: f(a).sum())(v), [[0, 0.5, 0.5, 0], [0.5, 0, 0, 0.5]])
+    np.testing.assert_allclose(jax.hessian(lambda a: (fn(a) ** 2).sum())(v),
+                               jax.hessian(lambda a: (jnp.max(a, axis=1) ** 2).sum())(v))

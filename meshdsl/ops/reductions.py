@@ -11,6 +11,7 @@ Over a dim split on mesh axis ``a``:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -66,12 +67,13 @@ def _extreme(ctx, x, dims, what, is_max: bool):
     split = tuple(a for n in names for a in axes[n])
     reducer = jnp.max if is_max else jnp.min
     out_dims = Shape(d for d in x.dims if d.name not in names)
-    split = tuple(a for a in ctx.mesh.factor_axes if a in split) if split else ()
+    if not split:
+        floating = jnp.issubdtype(local.dtype, jnp.floating)
+        return ctx.out(_local_extreme(reducer, local, pos) if floating else reducer(local, axis=pos), out_dims, axes)
+    split = tuple(a for a in ctx.mesh.factor_axes if a in split)
 
     def combine(v):
         m = reducer(v, axis=pos)
-        if not split:
-            return m
         if m.dtype == jnp.bool_:  # any / all: the collective runs on 0/1
             m = m.astype(jnp.uint8)
             return (C.pmax if is_max else C.pmin)(ctx, m, split).astype(jnp.bool_)
@@ -79,11 +81,7 @@ def _extreme(ctx, x, dims, what, is_max: bool):
         return (C.pmax if is_max else C.pmin)(ctx, m, split)
 
     def forward(v):
-        # The backward mask compares v with its extreme bit for bit: both must read one buffer.
-        # Without the barrier XLA may compute v again for each reader, rounded differently (the
-        # CPU backend at -O0 does: no element then equals the maximum, the tie count is 0 and the
-        # gradient inf; jax-ml/jax#40564 is the same class on GPU, in jnp.maximum's rule).
-        v = jax.lax.optimization_barrier(v)
+        v = jax.lax.optimization_barrier(v)   # the mask reads the buffer the extreme came from
         m = combine(v)
         return m, (v, m)
 
@@ -98,6 +96,26 @@ def _extreme(ctx, x, dims, what, is_max: bool):
     if not jnp.issubdtype(local.dtype, jnp.floating):
         return ctx.out(combine(local), out_dims, axes)
     return ctx.out(C.attributed_vjp(ctx, forward, backward, primal=combine)(local), out_dims, axes)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2))
+def _local_extreme(reducer, v, pos):
+    return reducer(v, axis=pos)
+
+
+@_local_extreme.defjvp
+def _local_extreme_jvp(reducer, pos, primals, tangents):
+    """jnp.max's derivative (ties share it), with the mask and the extreme read from one buffer.
+    Without the barrier XLA may compute ``v`` again for each reader, rounded differently (the CPU
+    backend at -O0 does: no element then equals the maximum, the tie count is 0 and the gradient
+    inf; jax-ml/jax#40564 is the same class on GPU, in jnp.maximum's rule). A JVP, so forward-mode
+    autodiff (jax.jvp, jax.hessian) still works where the dim is whole."""
+    (v,), (t,) = primals, tangents
+    v = jax.lax.optimization_barrier(v)
+    m = reducer(v, axis=pos)
+    mask = v == jnp.expand_dims(m, pos)
+    count = jnp.sum(mask, axis=pos).astype(v.dtype)
+    return m, jnp.sum(jnp.where(mask, t, jnp.zeros((), t.dtype)), axis=pos) / count
 
 
 @op("max")

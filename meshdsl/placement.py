@@ -6,8 +6,9 @@ Rule of thumb, applied by every op the same way so that communication is predict
    op's result is larger in bytes than those operands (a broadcast, a cast to a wider type), the
    layout places the dim otherwise and the result moves there later (returned:
    :mod:`meshdsl.foresight` tells): the operands move there first.
-   An op over its one operand's dims (a shift, a cache write) does the same when its result moves
-   there later: the same bytes, and the moved copy is shared by every op reading it.
+   An op over its one operand's dims (a shift, a cache write, a unary elementwise op) does the
+   same when its result moves there later and is no smaller: the same bytes, and the moved copy is
+   shared by every op reading it.
 2. Where operands disagree on a dim, or hold it nowhere, the layout decides (``Layout.axes``);
    elementwise ops (``cheapest=True``) instead take the operands' placement that moves the fewest
    bytes (a replicated gradient meeting optimizer state stored split is sliced, not the state
@@ -53,7 +54,7 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
             proposal[d.name] = held.pop()
             if (cheapest or _in_place(dims, operands)) and _cheaper_whole_now(
                     ctx, dims, holders, proposal[d.name], canonical[d.name], out_dtype,
-                    strict=cheapest and not _in_place(dims, operands)):
+                    strict=not _in_place(dims, operands)):
                 whole_now.append(d.name)
         elif cheapest and held:
             options = [canonical[d.name], *sorted(held - {canonical[d.name]})]

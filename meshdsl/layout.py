@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Union

@@ -171,12 +171,13 @@ class ExplicitContext(LayoutContext):
         if self.op:
             self._made_by[id(array)] = what
             self._keepalive.append(array)
-        number = self.foresight.result(array)
+        number = self.foresight.result(array, x.names, bool(pending))
         if self._widening is not None:
             self.foresight.widened(array, self._widening)
             self._widening = None
-        if pending and number in self.foresight.early:
-            return self._resolve_now(x, self.foresight.early[number])
+        early = self.foresight.early_target(number, x.names) if pending else None
+        if early is not None:
+            return self._resolve_now(x, early)
         return x
 
     def _resolve_now(self, x: NamedArray, target) -> NamedArray:

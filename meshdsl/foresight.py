@@ -3,8 +3,9 @@
 The rewriter decides op by op, in program order; a few choices depend on what later ops do:
 
 * a value with a pending sum that a linear op carries on (``shift(rows)``) and that is also
-  reduced (``rows`` is returned): the sum travels twice, once per value. Had the sum been reduced
-  where the value is made, every reader would share one reduction (gspmd's choice);
+  reduced (``rows`` is returned), or that linear ops carry on into several values each reduced
+  (``rows * 0.5`` and ``-rows``, both returned): the sum travels twice, once per value. Had the sum
+  been reduced where the value is made, every reader would share one reduction (gspmd's choice);
 * an elementwise op on a parameter stored split (``erf(w)``) runs where ``w`` is stored; when a
   later op gathers ``w`` whole anyway (``top_k(w)``), reading that copy would move nothing and the
   result would already be where the layout wants it;
@@ -18,7 +19,8 @@ The rewriter decides op by op, in program order; a few choices depend on what la
 in every trace of one program), records both situations, and :meth:`Foresight.next`
 turns them into the hints of a second trace: pending sums to reduce where made (``early``),
 copies that will be made anyway (``later``) and ops not to widen (``narrow``). ``Program.make_jaxpr`` traces a second time only when
-there is something to gain; numbers that no longer match just make a hint moot (a reduction or a
+there is something to gain (and a third when the second raised a question the first could not
+answer: an op that now meets a gathered copy asks whether its result moves later); numbers that no longer match just make a hint moot (a reduction or a
 gather done earlier than needed is still correct).
 
 Reading a copy another op made (``ExplicitContext.relaid``) is free only if that op stays: when
@@ -38,7 +40,7 @@ class Foresight:
     def __init__(self, early=None, later=None, narrow=None, no_reuse=False):
         self.no_reuse = no_reuse      # read no copy made by another op (see Program.make_jaxpr)
         self.reused = False           # an op read a copy made by another op
-        self.early: dict = dict(early or {})   # number -> placement to reduce its pending sum to
+        self.early: dict = dict(early or {})   # number -> (dim names, placement to reduce its sum to)
         self.later: dict = dict(later or {})   # number -> placements of copies a later op makes
         self.narrow: set = set(narrow or ())   # widenings (in order) to leave out
         self._widenings = 0
@@ -48,15 +50,27 @@ class Foresight:
         self._alive: list = []     # keeps the ids above unique while the trace lives
         self._count = 0
         self._kept: set = set()       # numbers of pending values a linear op carried on
+        self._carried: list = []      # numbers of pending values the op at hand carries on
+        self._names: dict = {}        # number of an op result -> its dim names
+        self._origin: dict = {}       # number of a pending result -> the value its sum came from
+        self._resolved_from: dict = {}  # number of an origin -> placements its carried sums were reduced to
         self._resolved: dict = {}     # number -> placement its pending sum was first reduced to
         self._made: dict = {}         # number -> placements of the copies made (relayouts)
         self._wished: set = set()     # (number, placement) an elementwise op would have read
 
     # -- numbering -------------------------------------------------------------------------------
 
-    def result(self, array) -> int:
-        """Number an op's result (every result, in trace order)."""
-        return self.number(array)
+    def result(self, array, names=(), pending=False) -> int:
+        """Number an op's result (every result, in trace order). A pending result of an op that
+        carried one operand's sum on, over the same dims (``x * 0.5`` of a pending ``x``), keeps
+        that operand's origin: the value whose sum it is."""
+        n = self.number(array)
+        self._names[n] = tuple(names)
+        origins = {self._origin.get(k, k) for k in self._carried}
+        if pending and len(origins) == 1 and self._names.get(o := origins.pop()) == tuple(names):
+            self._origin[n] = o
+        self._carried = []
+        return n
 
     def number(self, array) -> int:
         """``array``'s number: op results in the order made, other arrays (inputs, the tracers
@@ -73,11 +87,22 @@ class Foresight:
 
     def kept(self, array) -> None:
         """A linear op read ``array`` (a value with a pending sum) keeping the sum."""
-        self._kept.add(self.number(array))
+        n = self.number(array)
+        self._kept.add(n)
+        self._carried.append(n)
 
     def resolved(self, array, target) -> None:
         """``array``'s pending sum was reduced, the value placed by ``target`` (axes per dim)."""
-        self._resolved.setdefault(self.number(array), tuple(target))
+        n = self.number(array)
+        self._resolved.setdefault(n, tuple(target))
+        if n in self._origin:
+            self._resolved_from.setdefault(self._origin[n], []).append(tuple(target))
+
+    def early_target(self, number, names):
+        """The placement to reduce the pending sum of result ``number`` (over dims ``names``) to
+        where it is made, or ``None``."""
+        hint = self.early.get(number)
+        return hint[1] if hint is not None and tuple(hint[0]) == tuple(names) else None
 
     def made(self, array, target) -> None:
         """A copy of ``array`` placed by ``target`` was made (a relayout)."""
@@ -125,6 +150,12 @@ class Foresight:
     def next(self):
         """Hints for a second trace, or ``None`` when it would decide nothing differently."""
         early = {n: t for n, t in self._resolved.items() if n in self._kept}
+        # one sum carried on into several values, each reduced alike: reduce it once, where made
+        early.update((o, ts[0]) for o, ts in self._resolved_from.items()
+                     if o not in early and len(ts) > 1 and len(set(ts)) == 1)
+        # with the value's dim names: a trace deciding otherwise numbers values otherwise, and a
+        # hint must not place a value it was not learned on
+        early = {n: (self._names.get(n, ()), t) for n, t in early.items()}
         wished = {(n, t) for n, t in self._wished if t in self._made.get(n, ())}
         if not early and not wished and not self._replicated:
             return None

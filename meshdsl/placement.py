@@ -58,7 +58,11 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
                 whole_now.append(d.name)
         elif cheapest and held:
             options = [canonical[d.name], *sorted(held - {canonical[d.name]})]
-            proposal[d.name] = min(options, key=lambda c: sum(_gather_bytes(ctx, x, d.name, c) for x in holders))
+            cost = {c: sum(_gather_bytes(ctx, x, d.name, c) for x in holders) for c in options}
+            proposal[d.name] = min(options, key=cost.get)
+            if cost[canonical[d.name]] - cost[proposal[d.name]] < _result_move_bytes(
+                    ctx, dims, operands, out_dtype, proposal[d.name], canonical[d.name]):
+                whole_now.append(d.name)   # the few bytes now, if the larger result would move later
         else:
             proposal[d.name] = canonical[d.name]
         if resolving & set(canonical[d.name]):
@@ -159,6 +163,19 @@ def _cheaper_whole_now(ctx, dims, holders, held, canonical, out_dtype, *, strict
         result *= d.size
     moved = sum(x.size * x.dtype.itemsize for x in holders)
     return moved < result if strict else moved <= result
+
+
+def _result_move_bytes(ctx, dims, operands, out_dtype, held, canonical) -> float:
+    """Bytes the result of an elementwise op over ``dims`` gathers when a dim computed split on
+    ``held`` moves to the layout's ``canonical`` axes later (0 if that only slices)."""
+    if tuple(canonical[:len(held)]) == held:
+        return 0.0
+    itemsize = out_dtype.itemsize if out_dtype is not None else max(x.dtype.itemsize for x in operands)
+    result = itemsize
+    for d in dims:
+        result *= d.size
+    lost = [a for a in held if a not in canonical]
+    return (ctx.axes_size(lost) - 1) * result / ctx.axes_size(held)
 
 
 def _gather_bytes(ctx, x, name, target) -> float:

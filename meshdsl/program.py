@@ -84,25 +84,32 @@ class Program:
 
     def make_jaxpr(self, avals):
         """The traced program; traced again with what the first trace learned when that could
-        change a decision (:mod:`meshdsl.foresight`), keeping the trace that moves the fewest bytes."""
+        change a decision (:mod:`meshdsl.foresight`), and once more with what that trace learned,
+        keeping the trace that moves the fewest bytes."""
         closed = jax.make_jaxpr(self.run)(*avals)
         if self.owner.backend != "explicit" or self._foresight_done:
             return closed
         self._foresight_done = True
-        first, seen = closed, self.last_ctx.foresight
+        seen = self.last_ctx.foresight
         variants = [(seen.next(), True)]
         if seen.reused:   # an op read a copy another op made: is that other op dead?
             variants.append(({"no_reuse": True}, False))
-        variants = [(h, tie) for h, tie in variants if h]
-        if not variants:
-            return closed
-        best = (_moved(first, self.last_ctx), first, self.last_ctx, {})
-        for hints, wins_a_tie in variants:   # a tie: what the first trace learned wins, reading no copy does not
-            self.hints = hints
-            closed = jax.make_jaxpr(self.run)(*avals)
-            moved = _moved(closed, self.last_ctx)
-            if moved < best[0] or moved == best[0] and wins_a_tie:
-                best = (moved, closed, self.last_ctx, hints)
+        best = (_moved(closed, self.last_ctx), closed, self.last_ctx, {})
+        tried = []
+        for _ in range(_ROUNDS):
+            variants = [(h, tie) for h, tie in variants if h and h not in tried]
+            if not variants:
+                break
+            for hints, wins_a_tie in variants:   # a tie: what a trace learned wins, reading no copy does not
+                tried.append(hints)
+                self.hints = hints
+                closed = jax.make_jaxpr(self.run)(*avals)
+                moved = _moved(closed, self.last_ctx)
+                if moved < best[0] or moved == best[0] and wins_a_tie:
+                    best = (moved, closed, self.last_ctx, hints)
+            # A decision changed by the hints may raise a question the previous trace could not
+            # answer (an op now meeting a gathered copy asks whether its result moves later)
+            variants = [(best[2].foresight.next(), True)]
         _, closed, self.last_ctx, self.hints = best
         return closed
 
@@ -226,6 +233,9 @@ def _check_unused_rules(layout: Layout, seen: set) -> None:
         if hint:
             raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
                               f"fix the dim name in the layout")
+
+
+_ROUNDS = 2   # traces with hints at most: what the first learned, then what that one learned
 
 
 def _moved(closed, ctx) -> float:

@@ -47,12 +47,13 @@ def test_campaign_cache_write_and_shift_of_one_stored_parameter_gather_it_once()
     """dynamic_update_slice(w, sum(w, d) / 2, d, -1) and shift(w, d, 0) of w[b:x a d] stored split
     on b (params=), both returned whole: each result was gathered at the return (14336 B where
     gspmd moves 8064 B). Moving w whole first costs what moving a result does, and both ops share
-    that copy: one gather of w, one of the written column."""
+    that copy: one gather of w (the written column, once one gathered too, is summed from that
+    copy: a third trace knows it is made)."""
     w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16, 8)), jnp.float32), "b a d"))
     fn = lambda w: (md.dynamic_update_slice(w, md.sum(w, "d") * 0.5, "d", jnp.int32(-1)),
                     md.shift(w, "d", 0, wrap=True))
     mesh, layout = md.Mesh({"x": 8}), md.Layout({"m": "x"}, params={"b": "x"})
-    _kept(fn, mesh, layout, w, moved={"all-gather": 7168 + 896})
+    _kept(fn, mesh, layout, w, moved={"all-gather": 7168})
 
 
 def test_campaign_lookup_into_a_table_split_on_its_other_dim_moves_the_ids_and_rows():

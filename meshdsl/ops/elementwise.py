@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .common import align, as_named, union_dims
+from .creation import full
 from ..named import NamedArray
 from .registry import op
 
@@ -124,7 +125,11 @@ def gelu(ctx, x, approximate: bool = True) -> NamedArray:
 
 @op("where")
 def where(ctx, cond, x, y) -> NamedArray:
-    """``x`` where ``cond`` else ``y``, broadcasting by name."""
+    """``x`` where ``cond`` else ``y``, broadcasting by name. ``where(c, x, x)`` is ``x`` broadcast
+    over ``c``'s dims: the condition's values are not read, so they never move (XLA's simplifier
+    drops them too)."""
+    if x is y and isinstance(cond, NamedArray):
+        cond = full(cond.dims, True, jnp.bool_)
     return _apply(ctx, jnp.where, (cond, x, y))
 
 

@@ -445,3 +445,28 @@ def test_max_over_a_whole_dim_keeps_forward_mode_autodiff():
         np.testing.assert_allclose(jax.grad(lambda a: f(a).sum())(v), [[0, 0.5, 0.5, 0], [0.5, 0, 0, 0.5]])
     np.testing.assert_allclose(jax.hessian(lambda a: (fn(a) ** 2).sum())(v),
                                jax.hessian(lambda a: (jnp.max(a, axis=1) ** 2).sum())(v))
+
+
+# -- campaign 27 (on 8fde770) ---------------------------------------------------------------------
+
+def test_campaign_top_k_ties_minus_zero_and_zero():
+    """top_k(einsum(one_hot(ids, c), v[d a c], out="b c a"), c): off the hot entry the product is
+    0 * sum_d v, which is -0.0 where the lowered einsum sums d first (a whole own dim) and 0.0 where
+    the unsharded one sums the products. XLA's top_k orders -0.0 below 0.0, so the indices of the
+    tied zeros differed (205 of 512 entries of values + 0.01 * indices, with the campaign's
+    values). Now -0.0 and 0.0 tie: lowest index first, everywhere. The program is checked with
+    these values; the four-value case pins the rule (it fails without it)."""
+    r = np.random.default_rng(0)
+    v = md.param(md.named(jnp.asarray(r.standard_normal((8, 16, 8)), jnp.float32), "d a c"))
+    ids = md.named(jnp.asarray(r.integers(-3, 19, 16), jnp.int32), "b")
+
+    def fn(v, ids):
+        scores = md.einsum(md.one_hot(ids, md.Dim("c", 8)), v, out="b c a") * 2.0
+        values, index = md.top_k(scores, "c", 2, "k2")
+        return values, index
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"m": "x"}, params={"e": "x"})
+    assert_same(md.lower(fn, mesh, layout)(v, ids), fn(v, ids))
+    x = jnp.asarray([-0.0, 0.0, -1.0, 3.0], jnp.float32)
+    top = lambda a: md.top_k(md.named(a, "c"), "c", 2, "k")[1].array
+    for f in (top, md.lower(top, md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"}))):
+        np.testing.assert_array_equal(f(x), [3, 0])

@@ -44,10 +44,20 @@ def one_hot(ctx, ids, dim, dtype=jnp.float32) -> NamedArray:
     return ctx.out((local[..., None] == iota).astype(dtype), dims, axes)
 
 
+@jax.custom_jvp
+def _signless_zero(v):
+    """``v`` with ``-0.0`` written ``0.0`` (XLA's top_k orders them); the derivative is 1."""
+    return jnp.where(v == 0, jnp.zeros((), v.dtype), v)
+
+
+_signless_zero.defjvp(lambda primals, tangents: (_signless_zero(primals[0]), tangents[0]))
+
+
 @op("top_k")
 def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     """The ``k`` largest entries along ``dim``: ``(values, indices)`` with dim ``out`` (size k)
-    in place of ``dim``; indices are global positions along ``dim`` (int32)."""
+    in place of ``dim``; indices are global positions along ``dim`` (int32). Ties go to the
+    lowest index, ``-0.0`` and ``0.0`` included."""
     x = as_named(ctx, x)
     name = one_dim(ctx, x, dim, "top_k dim")
     n = x.dims[name].size
@@ -58,6 +68,8 @@ def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     axes = ctx.plan(x.dims, [x])
     vary = ctx.vary(axes.values(), [x], out_size=x.size)
     local = jnp.moveaxis(ctx.local(x, axes, vary), x.names.index(name), -1)
+    if jnp.issubdtype(local.dtype, jnp.floating):
+        local = _signless_zero(local)   # -0.0 and 0.0 tie: a sum a layout reassociates may give either
     split = axes[name]
     if not split:
         values, idx = jax.lax.top_k(local, k)

@@ -73,8 +73,7 @@ def _where_held(ctx, dims, xs, contracted, out_names, out_dims, target, itemsize
         later = list(wanted) if certain else [w or p for w, p in zip(wanted, placed)]
         if len({a for axes in later for a in axes}) != sum(len(axes) for axes in later):
             later = list(wanted)
-        now = sum(_moved(ctx, x, x.dims, ctx.placement(x).axes, ctx.pending(x), plan) for x in xs)
-        return now + relayout_bytes(ctx, out_dims, itemsize, placed, pending_of(plan), later)
+        return _contract_bytes(ctx, xs, out_names, out_dims, plan, itemsize, pending_of(plan), later)
     hopeful = min(options, key=lambda o: cost(o, False))
     sure = min(options, key=lambda o: cost(o, True))
     if hopeful is sure or not ctx.result_relaid(xs, wanted):
@@ -130,13 +129,15 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
     return best
 
 
-def _contract_bytes(ctx, xs, out_names, out_dims, target, itemsize, pending):
+def _contract_bytes(ctx, xs, out_names, out_dims, target, itemsize, pending, later=None):
     """Bytes of contracting ``xs`` at ``target`` as they are: moving them there, and the result
-    (pending over ``pending``) to the layout's placement."""
-    canon = {d.name: ctx.layout_axes(d.name) for x in xs for d in x.dims}
+    (pending over ``pending``) to ``later``, the axes per result dim it moves to after (by default
+    the layout's placement)."""
+    if later is None:
+        canon = {d.name: ctx.layout_axes(d.name) for x in xs for d in x.dims}
+        later = [canon.get(n, ()) for n in out_names]
     now = sum(_moved(ctx, x, x.dims, ctx.placement(x).axes, ctx.pending(x), target) for x in xs)
-    return now + relayout_bytes(ctx, out_dims, itemsize, [target[n] for n in out_names], pending,
-                                [canon.get(n, ()) for n in out_names])
+    return now + relayout_bytes(ctx, out_dims, itemsize, [target[n] for n in out_names], pending, later)
 
 
 def _moved(ctx, x, dims, src, pend, to):

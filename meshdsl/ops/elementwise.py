@@ -18,6 +18,7 @@ reduce-scatter when the result is split over the same axis).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -37,7 +38,14 @@ __all__ = [
 ]
 
 
-def _apply(ctx, fn, args, pending_rule: str = "resolve"):
+@functools.lru_cache(maxsize=None)
+def _result_dtype(fn, dtypes: tuple):
+    """The dtype ``fn`` gives operands of ``dtypes`` (its placement compares bytes), traced once
+    per op and dtypes: ``fn`` is a module-level function (a closure passes ``out_dtype`` instead)."""
+    return jax.eval_shape(fn, *(jax.ShapeDtypeStruct((), d) for d in dtypes)).dtype
+
+
+def _apply(ctx, fn, args, pending_rule: str = "resolve", out_dtype=None):
     xs = [as_named(ctx, a, f"operand {i + 1}") for i, a in enumerate(args)]
     dims = union_dims(ctx, xs)
     pend = [ctx.pending(x) for x in xs]
@@ -50,7 +58,7 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve"):
             keep = pend[holders[0]]
     if keep and sum(x.size for x, p in zip(xs, pend) if p) < math.prod(dims.sizes):
         keep = frozenset()   # a broadcast: reducing the smaller operands' sums moves fewer bytes
-    out_dtype = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((), x.dtype) for x in xs)).dtype
+    out_dtype = out_dtype or _result_dtype(fn, tuple(x.dtype for x in xs))
     axes = ctx.plan(dims, xs, keep_pending=keep, cheapest=True, out_dtype=out_dtype)
     keep = keep - {a for ax in axes.values() for a in ax}
     vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(dims.sizes))
@@ -120,7 +128,9 @@ logical_not = _unary("logical_not", jnp.logical_not)
 @op("gelu")
 def gelu(ctx, x, approximate: bool = True) -> NamedArray:
     """GELU; ``approximate=True`` is the tanh form (T5's ``gelu_new``)."""
-    return _apply(ctx, lambda v: jax.nn.gelu(v, approximate=approximate), (x,))
+    x = as_named(ctx, x)
+    return _apply(ctx, lambda v: jax.nn.gelu(v, approximate=approximate), (x,),
+                  out_dtype=_result_dtype(jax.nn.gelu, (x.dtype,)))
 
 
 @op("where")
@@ -135,7 +145,9 @@ def where(ctx, cond, x, y) -> NamedArray:
 
 @op("clip")
 def clip(ctx, x, lo=None, hi=None) -> NamedArray:
-    return _apply(ctx, lambda v: jnp.clip(v, lo, hi), (x,))
+    x = as_named(ctx, x)
+    fn = lambda v: jnp.clip(v, lo, hi)  # noqa: E731
+    return _apply(ctx, fn, (x,), out_dtype=jax.eval_shape(fn, jax.ShapeDtypeStruct((), x.dtype)).dtype)
 
 
 @op("astype")
@@ -143,4 +155,5 @@ def astype(ctx, x, dtype) -> NamedArray:
     """Cast to ``dtype``; a pending sum stays pending between floating types."""
     x = as_named(ctx, x)
     linear = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    return _apply(ctx, lambda v: v.astype(dtype), (x,), "scale" if linear else "resolve")
+    return _apply(ctx, lambda v: v.astype(dtype), (x,), "scale" if linear else "resolve",
+                  out_dtype=jax.eval_shape(lambda v: v.astype(dtype), jax.ShapeDtypeStruct((), x.dtype)).dtype)

@@ -233,8 +233,11 @@ def test_pending_sum_flows_through_an_einsum_linear_in_it(mesh):
 
 
 def test_zero1_optimizer_update_stays_in_the_storage_layout():
-    """Optimizer state marked md.param is stored split over data; the replicated gradient is sliced
-    to it (no gather of the state), and only the new weights are gathered: ZeRO-1's bytes."""
+    """ZeRO-1 by hand: the weight is not marked md.param (replicated), the optimizer state is
+    (stored split over data). The state is never gathered: the gradient is sliced to it and only the
+    new weights are gathered. The weight's gradient is all-reduced by the backward pass (the
+    transpose of using a replicated weight on every device), so the step moves 3 Psi, not the 2 Psi
+    of the params= layout that stores the weight split too (test_09_neighbours_fused_training_step_bytes)."""
     mesh = md.Mesh({"data": 8})
     k = jax.random.split(jax.random.key(3), 2)
     x = md.named(jax.random.normal(k[0], (16, D)), "batch d_model")

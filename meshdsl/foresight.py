@@ -4,8 +4,9 @@ The rewriter decides op by op, in program order; a few choices depend on what la
 
 * a value with a pending sum that a linear op carries on (``shift(rows)``) and that is also
   reduced (``rows`` is returned), or that linear ops carry on into several values each reduced
-  (``rows * 0.5`` and ``-rows``, both returned): the sum travels twice, once per value. Had the sum
-  been reduced where the value is made, every reader would share one reduction (gspmd's choice);
+  (``rows * 0.5`` and ``-rows``; ``shift(rows)`` and ``sum(rows, "e")``, both returned): the sum
+  travels once per value. Had the sum been reduced where the value is made, every reader would
+  share one reduction (gspmd's choice), cheaper when those values together are larger;
 * an elementwise op on a parameter stored split (``erf(w)``) runs where ``w`` is stored; when a
   later op gathers ``w`` whole anyway (``top_k(w)``), reading that copy would move nothing and the
   result would already be where the layout wants it;
@@ -52,8 +53,10 @@ class Foresight:
         self._kept: set = set()       # numbers of pending values a linear op carried on
         self._carried: list = []      # numbers of pending values the op at hand carries on
         self._names: dict = {}        # number of an op result -> its dim names
+        self._sizes: dict = {}        # number of an op result -> its local block's elements
         self._origin: dict = {}       # number of a pending result -> the value its sum came from
-        self._resolved_from: dict = {}  # number of an origin -> placements its carried sums were reduced to
+        self._resolved_from: dict = {}  # number of an origin -> (placement, dim names, elements) of each
+        #                                 value its carried sum was reduced in
         self._resolved: dict = {}     # number -> placement its pending sum was first reduced to
         self._made: dict = {}         # number -> placements of the copies made (relayouts)
         self._wished: set = set()     # (number, placement) an elementwise op would have read
@@ -62,13 +65,14 @@ class Foresight:
 
     def result(self, array, names=(), pending=False) -> int:
         """Number an op's result (every result, in trace order). A pending result of an op that
-        carried one operand's sum on, over the same dims (``x * 0.5`` of a pending ``x``), keeps
+        carried one operand's sum on (``x * 0.5`` or ``sum(x, "e")`` of a pending ``x``) keeps
         that operand's origin: the value whose sum it is."""
         n = self.number(array)
         self._names[n] = tuple(names)
+        self._sizes[n] = getattr(array, "size", 0)
         origins = {self._origin.get(k, k) for k in self._carried}
-        if pending and len(origins) == 1 and self._names.get(o := origins.pop()) == tuple(names):
-            self._origin[n] = o
+        if pending and len(origins) == 1:
+            self._origin[n] = origins.pop()
         self._carried = []
         return n
 
@@ -96,7 +100,8 @@ class Foresight:
         n = self.number(array)
         self._resolved.setdefault(n, tuple(target))
         if n in self._origin:
-            self._resolved_from.setdefault(self._origin[n], []).append(tuple(target))
+            self._resolved_from.setdefault(self._origin[n], []).append(
+                (tuple(target), self._names.get(n), self._sizes.get(n, 0)))
 
     def early_target(self, number, names):
         """The placement to reduce the pending sum of result ``number`` (over dims ``names``) to
@@ -150,9 +155,7 @@ class Foresight:
     def next(self):
         """Hints for a second trace, or ``None`` when it would decide nothing differently."""
         early = {n: t for n, t in self._resolved.items() if n in self._kept}
-        # one sum carried on into several values, each reduced alike: reduce it once, where made
-        early.update((o, ts[0]) for o, ts in self._resolved_from.items()
-                     if o not in early and len(ts) > 1 and len(set(ts)) == 1)
+        early.update((o, t) for o, t in map(self._reduce_once, self._resolved_from) if t is not None and o not in early)
         # with the value's dim names: a trace deciding otherwise numbers values otherwise, and a
         # hint must not place a value it was not learned on
         early = {n: (self._names.get(n, ()), t) for n, t in early.items()}
@@ -161,3 +164,14 @@ class Foresight:
             return None
         return {"early": early, "later": {n: set(ts) for n, ts in self._made.items()},
                 "narrow": set(self._replicated)}
+
+    def _reduce_once(self, o):
+        """``(o, placement)``: one sum carried on into several values, each reduced, costs less
+        reduced once where made, when those values together are larger than it (``rows * 0.5``
+        and ``-rows``; or ``shift(rows)`` and ``sum(rows, "e")``): placed as the values over its
+        own dims were (all alike), else ``None``."""
+        reductions = self._resolved_from[o]
+        alike = {t for t, names, _ in reductions if names == self._names.get(o)}
+        if len(alike) != 1 or sum(size for _, _, size in reductions) <= self._sizes.get(o, 0):
+            return o, None
+        return o, alike.pop()

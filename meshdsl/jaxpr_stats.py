@@ -144,8 +144,10 @@ def memory(jaxpr) -> dict:
 
 def live(jaxpr):
     """``jaxpr`` without the computations whose results are never used and without repeated
-    identical computations (as the compiler drops them: DCE and CSE)."""
-    return dce(cse(inline(getattr(jaxpr, "jaxpr", jaxpr))))
+    identical computations (as the compiler drops them: DCE and CSE). Dead code goes first: a
+    computation repeated by an aborted trace (``md.scan`` retrying a step, its records rolled back)
+    must not stand in for the live one it repeats (explain matches collectives by name scope)."""
+    return dce(cse(dce(inline(getattr(jaxpr, "jaxpr", jaxpr)))))
 
 
 _GATHER_PARAMS = ("all_gather_dimension", "axis_name", "axis_size", "tiled")
@@ -255,62 +257,87 @@ def inline(jaxpr):
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
-def name_scopes(jaxpr, pattern: str = SCOPES, multiplier: int = 1, constants=frozenset()) -> Counter:
+def name_scopes(jaxpr, pattern: str = SCOPES, multiplier: int = 1, forms=None) -> Counter:
     """How many times each name scope matching ``pattern`` runs: every equation carrying it, times
     the trip counts of the loops around it (sub-programs included; jax wraps scopes, e.g.
     ``transpose(jvp(mdc3))``, and a rematerialized equation appears twice). An equation in a scan
-    body that depends on neither the carry nor the scanned inputs runs once: XLA hoists it."""
+    body that depends on neither the carry nor the scanned inputs runs once: XLA hoists it. A
+    gather or sum XLA folds (:func:`_constant_forms`) does not run."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     out = Counter()
-    const, folded = _replicated(jaxpr, constants)
+    forms, folded = _constant_forms(jaxpr, forms or {})
     for eqn in jaxpr.eqns:
         if id(eqn) in folded:
             continue
         for tag in set(re.findall(pattern, str(eqn.source_info.name_stack))):
             out[tag] += multiplier
         if eqn.primitive.name == "scan":
-            out.update(_scan_body_scopes(eqn, pattern, multiplier, const))
+            out.update(_scan_body_scopes(eqn, pattern, multiplier, forms))
             continue
         for sub in _sub_jaxprs(eqn):
-            out.update(name_scopes(sub, pattern, multiplier, _inner_constants(eqn, sub, const)))
+            out.update(name_scopes(sub, pattern, multiplier, _inner_forms(eqn, sub, forms)))
     return out
 
 
-def _inner_constants(eqn, sub, const) -> set:
-    """The inputs of a called program (pjit, custom_vjp_call, ...) that are constants outside."""
+def _inner_forms(eqn, sub, forms) -> dict:
+    """The forms (:func:`_constant_forms`) of a called program's inputs (pjit, custom_vjp_call, ...)."""
     if len(sub.invars) != len(eqn.invars):
-        return set()
-    return {s for s, v in zip(sub.invars, eqn.invars) if isinstance(v, jcore.Literal) or v in const}
+        return {}
+    return {s: _form(v, forms) for s, v in zip(sub.invars, eqn.invars) if _form(v, forms)}
 
 
 _GATHER_REDUCE = ("all_gather", "all_gather_invariant", "psum", "psum_invariant")
+# Ops that keep a broadcast constant a broadcast constant, as XLA's simplifier rewrites them (an
+# elementwise op of broadcasts is a broadcast; so are a reshape, slice or reduction of one).
+_KEEPS_BROADCAST = frozenset((
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "rev",
+    "concatenate", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "convert_element_type", "pvary", "copy", "copy_p",
+    "neg", "add", "sub", "mul", "div", "max", "min", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+    "sqrt", "rsqrt", "abs", "sign", "floor", "ceil", "round", "sin", "cos", "erf", "integer_pow", "pow", "square",
+    "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "stop_gradient"))
+_CALLS = ("pjit", "jit", "closed_call", "custom_vjp_call", "custom_jvp_call", "remat", "checkpoint")
 
 
-def _replicated(jaxpr, constants=frozenset()):
-    """The variables computed from constants alone (literals, ``constants``: no program input, no
-    device index), and the ids of the gathers and sums of such values: the same on every device,
-    so XLA folds them (all-gather of a broadcast constant is a broadcast; replication analysis
-    turns such a sum into a product). A constant cotangent (the gradient of ``sum(x)``) gathered in
-    the backward pass is one."""
-    const, folded = set(constants), set()
+def _form(v, forms):
+    if isinstance(v, jcore.Literal):
+        return "scalar" if math.prod(np.shape(v.val)) == 1 else None
+    return forms.get(v)
+
+
+def _constant_forms(jaxpr, forms):
+    """Which variables XLA sees as constants, and the ids of the gathers and sums it folds. A
+    value computed from constants alone is a ``"scalar"`` constant (one element) or, broadcast to
+    more than one element and carried through ops that keep it so (:data:`_KEEPS_BROADCAST`), a
+    ``"broadcast"`` constant. XLA folds a gather or sum of a broadcast constant (it is the same on
+    every device: a constant cotangent, the gradient of ``sum(x)``, gathered in the backward pass),
+    but not of a one-element constant, an iota, a pad or a matmul of constants (measured on the
+    CPU backend: ``psum`` of a zero-filled ``[4, 2]`` folds, of ``0.0``, ``[1]`` or ``arange(4)``
+    does not)."""
+    forms, folded = dict(forms), set()
     for eqn in jaxpr.eqns:
-        inputs_const = all(isinstance(v, jcore.Literal) or v in const for v in eqn.invars)
-        if not inputs_const or _reads_device(eqn):
+        # a slice of a broadcast at any (traced) position is that broadcast
+        ins = [_form(v, forms) for v in (eqn.invars[:1] if eqn.primitive.name == "dynamic_slice" else eqn.invars)]
+        if not all(ins) or any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):
             continue
-        if eqn.primitive.name in _GATHER_REDUCE:
-            folded.add(id(eqn))
-        const.update(eqn.outvars)
-    return const, folded
+        name = eqn.primitive.name
+        if name in _GATHER_REDUCE:
+            if all(f == "broadcast" for f in ins):
+                folded.add(id(eqn))
+                forms.update((v, "broadcast") for v in eqn.outvars)
+            continue
+        if name in _CALLS:
+            subs = list(_sub_jaxprs(eqn))
+            if len(subs) == 1:
+                inner, _ = _constant_forms(subs[0], _inner_forms(eqn, subs[0], forms))
+                forms.update((o, _form(i, inner)) for o, i in zip(eqn.outvars, subs[0].outvars) if _form(i, inner))
+            continue
+        if name in _KEEPS_BROADCAST:
+            for v in eqn.outvars:
+                forms[v] = "broadcast" if math.prod(v.aval.shape) > 1 else "scalar"
+    return forms, folded
 
 
-def _reads_device(eqn) -> bool:
-    """Does ``eqn`` (or a program inside it) depend on which device runs it, or have effects?"""
-    if eqn.primitive.name == "axis_index" or any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):
-        return True
-    return any(_reads_device(inner) for sub in _sub_jaxprs(eqn) for inner in sub.eqns)
-
-
-def _scan_body_scopes(eqn, pattern, multiplier, outer_const=frozenset()) -> Counter:
+def _scan_body_scopes(eqn, pattern, multiplier, outer_forms) -> Counter:
     body = eqn.params["jaxpr"].jaxpr
     length, n_consts = int(eqn.params["length"]), int(eqn.params["num_consts"])
     n_carry = int(eqn.params["num_carry"])
@@ -318,9 +345,9 @@ def _scan_body_scopes(eqn, pattern, multiplier, outer_const=frozenset()) -> Coun
     passed = {v for k, v in enumerate(body.invars[n_consts:n_consts + n_carry])
               if k < len(body.outvars) and body.outvars[k] is v}
     variant = set(body.invars[n_consts:]) - passed
-    outer = [isinstance(v, jcore.Literal) or v in outer_const for v in eqn.invars]
-    const, folded = _replicated(body, {b for k, b in enumerate(body.invars[:n_consts + n_carry])
-                                       if outer[k] and (k < n_consts or b in passed)})
+    outer = [_form(v, outer_forms) for v in eqn.invars]
+    forms, folded = _constant_forms(body, {b: outer[k] for k, b in enumerate(body.invars[:n_consts + n_carry])
+                                           if outer[k] and (k < n_consts or b in passed)})
     out = Counter()
     for inner in body.eqns:
         loop_variant = any(isinstance(v, jcore.Var) and v in variant for v in inner.invars)
@@ -332,8 +359,8 @@ def _scan_body_scopes(eqn, pattern, multiplier, outer_const=frozenset()) -> Coun
         for tag in set(re.findall(pattern, str(inner.source_info.name_stack))):
             out[tag] += m
         if inner.primitive.name == "scan":
-            out.update(_scan_body_scopes(inner, pattern, m, const))
+            out.update(_scan_body_scopes(inner, pattern, m, forms))
         else:
             for sub in _sub_jaxprs(inner):
-                out.update(name_scopes(sub, pattern, m, _inner_constants(inner, sub, const)))
+                out.update(name_scopes(sub, pattern, m, _inner_forms(inner, sub, forms)))
     return out

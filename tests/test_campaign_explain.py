@@ -1,0 +1,62 @@
+"""Findings of fuzz campaigns 28 and 29 and of a bf16 bytes probe (issue 9; tests/fuzz_campaign.py,
+replayed with tests/fuzz_replay.py), each with the promise it broke: which collectives XLA folds
+or merges (explain must predict exactly the compiled ones), and a pending sum carried into values
+of other dims (:mod:`meshdsl.foresight`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import meshdsl as md
+
+from helpers import promises_kept as _kept
+
+
+def _normal(shape, names, seed=0):
+    return md.named(jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32), names)
+
+
+def test_campaign_a_sum_of_a_one_element_constant_is_not_folded():
+    """slice(pad(v, q4, 8, 8), q4, 16, 4) reads padding only: zeros, split on q4 over x. Its
+    einsum with v sums the zeros on each device and all-reduces the scalar. XLA folds a sum of a
+    broadcast constant (the same on every device) but not of a one-element constant: explain
+    counted no collective where the compiled program moves 4 B."""
+    v = _normal(16, "b")
+
+    def fn(v):
+        zeros = md.slice(md.pad(md.reshape(v, "p4:4 q4:4"), "q4", 8, 8), "q4", 16, 4)
+        return md.einsum(zeros, v, out="")
+    _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"q4": "x"}), v, moved={"all-reduce": 4})
+
+
+def test_campaign_a_scan_retry_does_not_hide_the_live_collectives():
+    """A scan over p2 of reshape(v[d:x]) under jax.grad: md.scan retried its step (the carry left
+    wider than it entered) and rolled the first try's records back, but that try's collectives
+    stayed in the trace, dead, identical to the live ones. Explain merged identical computations
+    before dropping dead ones, so the dead copies stood in for the live ones and their records
+    were never matched: explain {} where the compiled program moves 4 B + 4 B."""
+    v = _normal(8, "d")
+
+    def loss(v):
+        w = md.reshape(v, "p2:2 q4:4")
+        step = lambda c, wi: (md.tanh(c + wi) * 0.5 + c * 0.5, None)
+        carry, _ = md.scan(step, md.sum(w, "p2") * 0.1, w, dim="p2")
+        return (md.sum(md.tanh(w)) + md.sum(md.tanh(carry))).array
+
+    _kept(jax.grad(loss), md.Mesh({"x": 8}), md.Layout({"d": "x"}), v,
+          moved={"all-reduce": 4, "all-gather": 4})
+
+
+def test_campaign_a_sum_carried_into_a_reduction_and_a_shift_is_reduced_once():
+    """m = mean(v, d) of v[e c d:x] is a pending sum over x; sum(m, e) and shift(m, c, 0), both
+    returned, each carried it on and reduced it: [c] (56 B) and [e c] (1792 B), where gspmd reduces
+    m once (1792 B) and sums it locally. The values the sum reached are larger together than m:
+    reduced once where m is made."""
+    v = _normal((32, 8, 8), "e c d")
+
+    def fn(v):
+        m = md.mean(v, "d")
+        return md.sum(m, "e"), md.shift(m, "c", 0)
+    _kept(fn, md.Mesh({"x": 8, "y": 1}), md.Layout({"d": ("x", "y")}), v, moved={"all-reduce": 1792})

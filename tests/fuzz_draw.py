@@ -28,7 +28,8 @@ def _axes_choice(draw, mesh):
 
 
 @st.composite
-def programs(draw, max_steps=6, ops=OPS, allow_invalid=True):
+def programs(draw, max_steps=6, ops=OPS, allow_invalid=True, dtypes=("float32",)):
+    """A random :class:`Program` of ``ops``; its float inputs of one of ``dtypes``."""
     mesh = draw(st.sampled_from(MESHES))
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 31)))
     all_names = list(BASE) + ["m128", "m64", "m256", "p4", "q4", "p2", "k2", "k4"]
@@ -80,7 +81,7 @@ def programs(draw, max_steps=6, ops=OPS, allow_invalid=True):
         values.append(Value(tuple(names), "float", keeps_mark))
     made = [i for i in range(len(inputs), len(values))] or [0]
     outputs = sorted(set(draw(st.lists(st.sampled_from(made), min_size=1, max_size=2))) | {len(values) - 1})
-    prog = Program(mesh, layout, params, param_gather, inputs, steps, outputs, values)
+    prog = Program(mesh, layout, params, param_gather, inputs, steps, outputs, values, draw(st.sampled_from(dtypes)))
     if not allow_invalid and not prog.layout_valid():
         from hypothesis import assume
         assume(False)

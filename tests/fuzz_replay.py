@@ -21,14 +21,14 @@ import numpy as np  # noqa: E402
 
 from fuzz_programs import Program, Value, size_of  # noqa: E402
 
-_HEAD = re.compile(r"mesh=(\{.*?\}) layout=(\{.*?\}) params=(\{.*?\}) param_gather=(\w+)$")
+_HEAD = re.compile(r"mesh=(\{.*?\}) layout=(\{.*?\}) params=(\{.*?\}) param_gather=(\w+)(?: dtype=(\w+))?$")
 _INPUT = re.compile(r"\s*v(\d+) = input \[(.*?)\] (\w+)( param)?$")
 _STEP = re.compile(r"\s*v(\d+) = (\w+)\((.*?); (\{.*\})\) -> \[(.*?)\]$")
 
 
 def parse(text: str, seed: int = 0) -> Program:
     lines = text.strip().splitlines()
-    mesh, layout, params, gather = _HEAD.match(lines[0]).groups()
+    mesh, layout, params, gather, dtype = _HEAD.match(lines[0]).groups()
     rng = np.random.default_rng(seed)
     inputs, values, steps, outputs = [], [], [], []
     for line in lines[1:]:
@@ -47,7 +47,7 @@ def parse(text: str, seed: int = 0) -> Program:
         elif line.strip().startswith("return"):
             outputs = [int(v.strip()[1:]) for v in line.strip()[len("return "):].split(",")]
     return Program(ast.literal_eval(mesh), ast.literal_eval(layout), ast.literal_eval(params), gather,
-                   inputs, steps, outputs, values)
+                   inputs, steps, outputs, values, dtype or "float32")
 
 
 def main(path):

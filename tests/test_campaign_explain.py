@@ -60,3 +60,21 @@ def test_campaign_a_sum_carried_into_a_reduction_and_a_shift_is_reduced_once():
         m = md.mean(v, "d")
         return md.sum(m, "e"), md.shift(m, "c", 0)
     _kept(fn, md.Mesh({"x": 8, "y": 1}), md.Layout({"d": ("x", "y")}), v, moved={"all-reduce": 1792})
+
+
+def test_campaign_a_merge_moves_a_later_dims_split_onto_its_first():
+    """reshape(rename(v[b a:x d], a <-> b), "m256 d") under jax.grad: the merged group [a b] had
+    its split on b, its second dim, and the first was whole, so the reshape gathered b (7168 B)
+    where gspmd moves the split onto a (an all-to-all, 896 B each way: 1792 B) and merges a
+    result split over x (only summed into the loss: it never moves again). That is a candidate
+    now. Returned, the merged result must be whole and the gather stays the cheapest."""
+    v = md.param(_normal((16, 16, 8), "b a d"))
+    mesh, layout = md.Mesh({"x": 8, "y": 1}), md.Layout({"a": ("x", "y")})
+
+    def loss(v):
+        w = md.rename(v * v, {"b": "a", "a": "b"})
+        return (md.sum(md.tanh(w)) + md.sum(md.tanh(md.reshape(w, "m256:256 d:8")))).array
+
+    _kept(jax.grad(loss), mesh, layout, v, moved={"all-to-all": 1792})
+    merged = lambda v: md.reshape(md.rename(v, {"b": "a", "a": "b"}), "m256:256 d:8")
+    _kept(merged, mesh, layout, v, moved={"all-gather": 7168})

@@ -151,11 +151,13 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     """``(axes of x's dims before, axes of the new dims after)``: a dim kept as it is keeps its
     split; a merged or split group is split on the axes of its first dim, which either stay those
     of the first old dim (no move now) or become those the layout gives the first new dim (a move
-    now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b); axes
-    that fit neither may move to a whole kept dim (:func:`_parked`). The cheapest by bytes,
+    now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b) or
+    those of a later dim of the group, moved onto the first (``[a, b:x] -> [m]``: m split over x
+    where it is made; it moves later only if it must); axes that fit none may move to a whole kept
+    dim (:func:`_parked`). The cheapest by bytes,
     counting the move of the result to the layout's placement."""
-    def plan(layout_first, spread=False, current=current):
-        return _plan(ctx, groups, current, layout_first, spread)
+    def plan(layout_first, spread=False, current=current, to_first=False):
+        return _plan(ctx, groups, current, layout_first, spread, to_first)
 
     wanted = ctx.canonical(new)   # the layout's placement of the result (a LayoutError if none)
     made: dict = {}
@@ -186,7 +188,8 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
                                                        pending, before, kept(before))
         return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, kept(before), later, kept(later))
 
-    options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
+    options = [o for o in (plan(False), plan(True), plan(False, spread=True), plan(False, to_first=True))
+               if o is not None]
     options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
     whole = dict(zip(x.names, ctx.canonical(x.dims)))   # x as the layout places it: a copy made anyway?
     if copy_made(whole):
@@ -201,8 +204,11 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     return sure
 
 
-def _plan(ctx, groups, current, layout_first, spread):
-    """One candidate of :func:`_reshape_plan` starting from ``current`` (axes per dim of x)."""
+def _plan(ctx, groups, current, layout_first, spread, to_first=False):
+    """One candidate of :func:`_reshape_plan` starting from ``current`` (axes per dim of x).
+    ``to_first``: a merged group whose first dim is whole takes the axes of the first of its dims
+    that is split (``[a, b:x] -> [m]``: an all-to-all of b's split onto a, then m is split over x
+    where it is made, instead of a gather of b)."""
     src, out = {}, {}
     for old_g, new_g in groups:
         if len(old_g) == 1 and len(new_g) == 1:
@@ -214,6 +220,8 @@ def _plan(ctx, groups, current, layout_first, spread):
             out.update((d.name, axes) for d, axes in zip(new_g, spreads))
             continue
         major = current[old_g[0].name] if old_g else ()
+        if to_first and not major:
+            major = next((current[d.name] for d in old_g if current[d.name]), ())
         if layout_first and old_g and new_g:
             major = ctx.layout_axes(new_g[0].name)
         if major and (not new_g or not old_g or new_g[0].size % ctx.axes_size(major)

@@ -78,3 +78,16 @@ def test_campaign_a_merge_moves_a_later_dims_split_onto_its_first():
     _kept(jax.grad(loss), mesh, layout, v, moved={"all-to-all": 1792})
     merged = lambda v: md.reshape(md.rename(v, {"b": "a", "a": "b"}), "m256:256 d:8")
     _kept(merged, mesh, layout, v, moved={"all-gather": 7168})
+
+
+def test_campaign_a_read_before_a_merge_shares_the_gathered_operand():
+    """dynamic_slice(v[d:y+x a], d, 6) and reshape(v, "m128"), both returned: the reshape kept d's
+    split on m128 and the return gathered m128 (448 B), while the read summed its masked row on
+    its own (a 112 B all-reduce). gspmd gathers v once and reads the row from it. Gathering v or
+    the result is a tie for the reshape: it now gathers v (the copy other readers can share), and
+    the next trace's read reads that copy."""
+    v = _normal((8, 16), "d a")
+
+    def fn(v):
+        return md.dynamic_slice(v, "d", jnp.int32(6), None), md.reshape(v, "m128:128")
+    _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"d": ("y", "x")}), v, moved={"all-gather": 448})

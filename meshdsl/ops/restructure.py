@@ -194,8 +194,11 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     whole = dict(zip(x.names, ctx.canonical(x.dims)))   # x as the layout places it: a copy made anyway?
     if copy_made(whole):
         options += [o for o in (plan(False, current=whole), plan(False, spread=True, current=whole)) if o is not None]
-    hopeful = min(options, key=lambda o: cost(o, False))
-    sure = min(options, key=lambda o: cost(o, True))
+    # Ties: hoping, the option that leaves less to move if the result does move (one reading a
+    # copy of x made anyway); sure, the one that moves x now: other ops reading x share that copy
+    # (a dynamic_slice of x before the reshape reads it, not a masked sum of its own).
+    hopeful = min(options, key=lambda o: (cost(o, False), cost(o, True)))
+    sure = min(options, key=lambda o: (cost(o, True), all(o[0][n] == current[n] for n in x.names)))
     # The result is relaid to the layout's placement later (returned), the previous trace says:
     # a split the layout does not want is then sure to move. Asked only when the answer matters
     # (asking makes a second trace).

@@ -91,3 +91,16 @@ def test_campaign_a_read_before_a_merge_shares_the_gathered_operand():
     def fn(v):
         return md.dynamic_slice(v, "d", jnp.int32(6), None), md.reshape(v, "m128:128")
     _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"d": ("y", "x")}), v, moved={"all-gather": 448})
+
+
+def test_campaign_a_returned_outer_product_gathers_the_small_sum():
+    """einsum(w[c e], v[a], out="e a") with w stored split on e, returned: c is w's own dim,
+    summed first, and the [e] sum met v where w holds e, so the [e a] result was gathered at the
+    return (1792 B; under every param_gather mode). gspmd gathers the [e] sum (112 B). The
+    layout's placement of a kept dim is a candidate too, chosen when the result is sure to move."""
+    r = np.random.default_rng(0)
+    w = md.param(md.named(jnp.asarray(r.standard_normal((8, 32)), jnp.float32), "c e"))
+    v = _normal(16, "a", seed=1)
+    for mode in ("keep", "regather", "auto"):
+        _kept(lambda w, v: md.einsum(w, v, out="e a"), md.Mesh({"x": 8}), md.Layout({}, params={"e": "x"}),
+              w, v, param_gather=mode, moved={"all-gather": 112})

@@ -60,7 +60,10 @@ def _where_held(ctx, dims, xs, contracted, out_names, out_dims, target, itemsize
     options = [target]
     for n in dims.names:
         held = {ctx.placement(x).of(x.dims, n) for x in xs if n in x.names and not x.is_param}
-        for axes in sorted(held - {target[n], ()}):
+        # and the layout's placement of a kept dim the plan leaves where an operand holds it
+        # (einsum(w[c e:x], v[a], out="e a") returned: gather the [e] sum, not the [e a] result)
+        wanted_too = {canonical[n]} if n in out_names and target[n] != canonical[n] else set()
+        for axes in sorted((held | wanted_too) - {target[n]} - ({()} - wanted_too)):
             alt = settle({**target, n: axes}, canonical, list(dims.names), contracted)
             if alt not in options:
                 options.append(alt)

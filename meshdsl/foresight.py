@@ -27,7 +27,10 @@ gather done earlier than needed is still correct).
 Reading a copy another op made (``ExplicitContext.relaid``) is free only if that op stays: when
 the compiler drops it (its result is never used), the copy is made for the reader alone. A trace
 in which some collective is dead and some op read a copy is compared with one reading none
-(``no_reuse``); ``Program.make_jaxpr`` keeps whichever moves fewer bytes.
+(``no_reuse``); ``Program.make_jaxpr`` keeps whichever moves fewer bytes. So is a trace in which a
+reshape moved a split to make its result split off the layout, hoping it stays so (it is only
+summed into a loss), with one making no such bet (``no_gamble``): the result may yet move, through
+the ops that read it, at the return.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ __all__ = ["Foresight"]
 class Foresight:
     """Hints from a previous trace (``early``, ``later``) and this trace's observations."""
 
-    def __init__(self, early=None, later=None, narrow=None, no_reuse=False):
+    def __init__(self, early=None, later=None, narrow=None, no_reuse=False, no_gamble=False):
         self.no_reuse = no_reuse      # read no copy made by another op (see Program.make_jaxpr)
         self.reused = False           # an op read a copy made by another op
+        self.no_gamble = no_gamble    # make no result split off the layout in the hope it stays
+        self.gambled = False          # an op did (see Program.make_jaxpr)
         self.early: dict = dict(early or {})   # number -> (dim names, placement to reduce its sum to)
         self.later: dict = dict(later or {})   # number -> placements of copies a later op makes
         self.narrow: set = set(narrow or ())   # widenings (in order) to leave out

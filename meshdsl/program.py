@@ -94,6 +94,8 @@ class Program:
         variants = [(seen.next(), True)]
         if seen.reused:   # an op read a copy another op made: is that other op dead?
             variants.append(({"no_reuse": True}, False))
+        if seen.gambled:  # a result made split off the layout, hoping it stays: does it move later?
+            variants.append(({"no_gamble": True}, False))
         best = (_moved(closed, self.last_ctx), closed, self.last_ctx, {})
         tried = []
         for _ in range(_ROUNDS):

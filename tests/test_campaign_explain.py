@@ -104,3 +104,17 @@ def test_campaign_a_returned_outer_product_gathers_the_small_sum():
     for mode in ("keep", "regather", "auto"):
         _kept(lambda w, v: md.einsum(w, v, out="e a"), md.Mesh({"x": 8}), md.Layout({}, params={"e": "x"}),
               w, v, param_gather=mode, moved={"all-gather": 112})
+
+
+def test_campaign_a_merge_bet_on_staying_split_is_checked_against_none():
+    """relu(reshape(w[c e:x], "m256")) * 2 + 0.25 returned: the merge moved e's split onto c (a
+    112 B all-to-all, the candidate added for campaign 31) hoping m256 stays split; it did not,
+    the returned value was gathered (896 B) after the elementwise ops (1008 B where gspmd moves
+    896 B). A trace that made such a bet is now compared with one that makes none (the fewer
+    bytes kept); campaign 31's program keeps its 1792 B."""
+    w = md.param(_normal((8, 32), "c e"))
+
+    def fn(w):
+        return md.relu(md.reshape(w, "m256:256")) * 2.0 + 0.25, md.reshape(w, "p2:2 q4:4 e:32")
+    _kept(fn, md.Mesh({"x": 8}), md.Layout({"d": "x", "e": "x", "m128": "x"}), w, param_gather="regather",
+          moved={"all-gather": 896})

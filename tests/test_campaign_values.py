@@ -72,3 +72,25 @@ def test_campaign_top_k_ties_minus_zero_and_zero():
     top = lambda a: md.top_k(md.named(a, "c"), "c", 2, "k")[1].array
     for f in (top, md.lower(top, md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"}))):
         np.testing.assert_array_equal(f(x), [3, 0])
+
+
+# -- campaign 34 (on 3efe521) ---------------------------------------------------------------------
+
+def test_campaign_saturated_tanh_gradient_is_the_compiled_unsharded_programs():
+    """tanh(v1 + sum(v0 * v0)) with the sum near 13.5: every tanh is saturated, and its derivative
+    1 - tanh(x)**2 is 0 run op by op but 1.2e-7 per element compiled (XLA's fused tanh), so the
+    gradient of v0 differs 1500-fold between two runs of the unsharded program. The lowered one
+    is jax.jit's exactly: the fuzzer accepts either run of the unsharded program."""
+    r = np.random.default_rng(0)
+    u = r.standard_normal(16)
+    v0 = md.named(jnp.asarray(u * np.sqrt(13.5 / (u @ u)), jnp.float32), "b")   # sum(v0 * v0) = 13.5
+    v1 = md.param(md.named(jnp.asarray(r.standard_normal((8, 16, 8)), jnp.float32), "c a d"))
+
+    def loss(v0, v1):
+        s = md.einsum(v0, v0, out="")
+        return (md.sum(md.tanh(s)) * 0.5 + md.sum(md.tanh(v1 + s)) * 0.75).array
+    grad = jax.grad(loss, argnums=(0, 1))
+    lowered = md.lower(grad, md.Mesh({"x": 8, "y": 1}), md.Layout({"b": ("x", "y")}))(v0, v1)
+    compiled = jax.jit(grad)(v0, v1)
+    assert np.abs(np.asarray(compiled[0].array)).max() > 1e-6   # saturated, yet not 0 compiled
+    assert_same(lowered, compiled, rtol=1e-5, atol=1e-12)

@@ -78,6 +78,21 @@ def _tol(ref):
     return dict(rtol=2e-4, atol=2e-4 * scale)
 
 
+def _same_as_unsharded(actual, fn, args, ref):
+    """``actual`` is what the unsharded program computes: ``ref`` (``fn`` run op by op), or, where
+    the two runs of the unsharded program differ by XLA's fusion alone, ``jax.jit(fn)``. A
+    saturated ``tanh``'s derivative ``1 - tanh(x)**2`` is one: 0 op by op, 1.2e-7 per element
+    compiled (campaign 34: a gradient 1500 times the op-by-op one, the same as ``jax.jit``'s)."""
+    try:
+        assert_same(actual, ref, **_tol(ref))
+    except AssertionError as first:
+        compiled = jax.jit(fn)(*args)
+        try:
+            assert_same(actual, compiled, **_tol(compiled))
+        except AssertionError:
+            raise first from None
+
+
 def _finite(tree) -> bool:
     return all(np.isfinite(np.asarray(x.array if isinstance(x, md.NamedArray) else x, np.float64)).all()
                for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, md.NamedArray)))
@@ -97,20 +112,20 @@ def _values_and_gradients(prog):
     ref = prog.fn(*args)
     if not _finite(ref):
         return
-    assert_same(_lower(prog)(*args), ref, **_tol(ref))
+    _same_as_unsharded(_lower(prog)(*args), prog.fn, args, ref)
     if not prog.float_inputs():
         return
     g_ref = _grads_inside(prog)(*args)
     if not _finite(g_ref):
         return
-    assert_same(_lower(prog, _grads_inside(prog))(*args), g_ref, **_tol(g_ref))
+    _same_as_unsharded(_lower(prog, _grads_inside(prog))(*args), _grads_inside(prog), args, g_ref)
     f = _lower(prog)
     idx = tuple(prog.float_inputs())
 
     def around(*a):
         return sum(jnp.sum(jnp.tanh(y.array)) * (0.5 + 0.25 * k) for k, y in enumerate(f(*a)))
 
-    assert_same(jax.grad(around, argnums=idx)(*args), g_ref, **_tol(g_ref))
+    _same_as_unsharded(jax.grad(around, argnums=idx)(*args), _grads_inside(prog), args, g_ref)
 
 
 @_seeded

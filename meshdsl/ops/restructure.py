@@ -188,8 +188,9 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
                                                        pending, before, kept(before))
         return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, kept(before), later, kept(later))
 
-    options = [o for o in (plan(False), plan(True), plan(False, spread=True), plan(False, to_first=True))
-               if o is not None]
+    options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
+    bet = None if ctx.foresight.no_gamble else plan(False, to_first=True)   # see _plan
+    options += [bet] if bet is not None and bet not in options else []
     options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
     whole = dict(zip(x.names, ctx.canonical(x.dims)))   # x as the layout places it: a copy made anyway?
     if copy_made(whole):
@@ -203,6 +204,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     # a split the layout does not want is then sure to move. Asked only when the answer matters
     # (asking makes a second trace).
     if hopeful is sure or not ctx.result_relaid([x], wanted):
+        ctx.foresight.gambled |= hopeful is bet   # the trace without the bet is compared
         return hopeful
     return sure
 

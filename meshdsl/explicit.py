@@ -282,10 +282,11 @@ class ExplicitContext(LayoutContext):
 
     def checkpoint(self):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
-        return len(self.rec.records), len(self._cache_log)
+        return len(self.rec.records), len(self._cache_log), self.foresight.checkpoint()
 
     def rollback(self, mark) -> None:
-        n_records, n_cache = mark
+        n_records, n_cache, seen = mark
+        self.foresight.rollback(seen)
         del self.rec.records[n_records:]
         for full in self._cache_log[n_cache:]:
             self._cache.pop(full, None)

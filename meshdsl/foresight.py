@@ -61,7 +61,11 @@ class Foresight:
         self._sizes: dict = {}        # number of an op result -> its local block's elements
         self._origin: dict = {}       # number of a pending result -> the value its sum came from
         self._resolved_from: dict = {}  # number of an origin -> (placement, dim names, elements) of each
-        #                                 value its carried sum was reduced in
+        #                                 value its carried sum was reduced in (elements times the
+        #                                 trips of the loop around the reduction)
+        self._log: list = []          # origins, in the order reductions were added above
+        self._slice_of: dict = {}     # number of one step's slice of a scanned stack -> the scanned
+        #                               dim's position in the stack
         self._resolved: dict = {}     # number -> placement its pending sum was first reduced to
         self._made: dict = {}         # number -> placements of the copies made (relayouts)
         self._wished: set = set()     # (number, placement) an elementwise op would have read
@@ -100,13 +104,35 @@ class Foresight:
         self._kept.add(n)
         self._carried.append(n)
 
-    def resolved(self, array, target) -> None:
-        """``array``'s pending sum was reduced, the value placed by ``target`` (axes per dim)."""
+    def sliced(self, stack, piece, names, pos) -> None:
+        """``piece`` is one step's slice of ``stack`` (a scanned input with a pending sum, dims
+        ``names``, the scanned dim at ``pos`` left out): a reduction of the slice in every step
+        reduces the stack's sum piece by piece, placed as the slice is with the scanned dim whole."""
+        n, m = self.number(stack), self.number(piece)
+        self._origin[m] = self._origin.get(n, n)
+        self._names[m], self._sizes[m], self._slice_of[m] = tuple(names), getattr(piece, "size", 0), pos
+
+    def resolved(self, array, target, trips=1) -> None:
+        """``array``'s pending sum was reduced, the value placed by ``target`` (axes per dim),
+        ``trips`` times (in a loop body)."""
         n = self.number(array)
-        self._resolved.setdefault(n, tuple(target))
+        target = tuple(target)
+        self._resolved.setdefault(n, target)
         if n in self._origin:
-            self._resolved_from.setdefault(self._origin[n], []).append(
-                (tuple(target), self._names.get(n), self._sizes.get(n, 0)))
+            if n in self._slice_of:   # the stack's placement: the scanned dim whole
+                pos = self._slice_of[n]
+                target = target[:pos] + ((),) + target[pos:]
+            o = self._origin[n]
+            self._resolved_from.setdefault(o, []).append((target, self._names.get(n), self._sizes.get(n, 0) * trips))
+            self._log.append(o)
+
+    def checkpoint(self):
+        """A mark to forget later reductions at (an aborted trace of a loop body: md.scan)."""
+        return len(self._log)
+
+    def rollback(self, mark) -> None:
+        while len(self._log) > mark:
+            self._resolved_from[self._log.pop()].pop()
 
     def early_target(self, number, names):
         """The placement to reduce the pending sum of result ``number`` (over dims ``names``) to

@@ -172,7 +172,7 @@ class _Move:
     def reduce_pending(self):
         """Reduce-scatter onto a dim that needs the axis next, else all-reduce."""
         if self.pend and not self.dry:
-            self.ctx.foresight.resolved(self.source, self.target)
+            self.ctx.foresight.resolved(self.source, self.target, self.ctx.rec.multiplier)
         for i in range(len(self.cur)):
             run = []
             k = len(self.cur[i])
@@ -252,21 +252,39 @@ def _route(ctx, shape, src_axes, src_pending, target, keep_pending):
     the source does not use: less data, and no replicated source whose gradient would need a
     psum), ppermute rounds (:mod:`meshdsl.redistribute`) to ``mid``, then the axis-by-axis steps
     to ``target``, where that moves fewer bytes than the steps alone; else None. ``mid`` is the
-    target, then the source's splits the target drops (trailing: the steps gather them). Only for
-    moves that resolve no pending sum."""
+    target, then the source's splits the target drops, trailing (the steps gather them): on their
+    own dims, or one moved to another dim (:func:`_mids`). Only for moves that resolve no pending
+    sum."""
     used_src = {a for axes in src_axes for a in axes}
     used_tgt = {a for axes in target for a in axes}
     if src_pending - keep_pending or src_pending & (used_src | used_tgt):
         return None
-    mid = tuple(tuple(t) + tuple(a for a in s if a not in used_tgt) for s, t in zip(src_axes, target))
     pre = tuple(tuple(s) + tuple(a for a in t if a not in used_src) for s, t in zip(src_axes, target))
-    if mid == pre:
-        return None
-    p = redistribute.plan(shape, pre, mid, ctx.mesh.factor_axes, {a: ctx.axes_size((a,)) for a in used_src | used_tgt})
-    if p is None:
-        return None
-    via = p.bytes(1) + _steps_bytes(ctx, shape, mid, target)
-    return (p, pre, mid) if via < _steps_bytes(ctx, shape, src_axes, target) else None
+    sizes = {a: ctx.axes_size((a,)) for a in used_src | used_tgt}
+    best, best_bytes = None, _steps_bytes(ctx, shape, src_axes, target)
+    for mid in _mids(src_axes, target, used_tgt):
+        p = None if mid == pre else redistribute.plan(shape, pre, mid, ctx.mesh.factor_axes, sizes)
+        if p is not None:
+            via = p.bytes(1) + _steps_bytes(ctx, shape, mid, target)
+            if via < best_bytes:
+                best, best_bytes = (p, pre, mid), via
+    return best
+
+
+def _mids(src_axes, target, used_tgt):
+    """Placements a redistribution may route through: the target, then each source split the
+    target drops, trailing on its own dim; and the same with one of those splits on another dim
+    instead (``[p2:y q4:x] -> [q4:y]`` on a mesh ``x:4`` (factors ``x.0, x.1``): through
+    ``[p2:x.0 q4:y+x.1]``, one piece per device, where ``q4`` cannot hold all three)."""
+    dropped = [(i, a) for i, s in enumerate(src_axes) for a in s if a not in used_tgt]
+    base = [tuple(t) + tuple(a for a in s if a not in used_tgt) for s, t in zip(src_axes, target)]
+    yield tuple(base)
+    for i, a in dropped:
+        for j in range(len(target)):
+            if j != i:
+                mid = [tuple(b for b in axes if b != a) for axes in base]
+                mid[j] += (a,)
+                yield tuple(mid)
 
 
 def needs_gather(ctx, x, axes_by_name) -> bool:

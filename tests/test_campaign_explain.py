@@ -1,7 +1,8 @@
-"""Findings of fuzz campaigns 28 and 29 and of a bf16 bytes probe (issue 9; tests/fuzz_campaign.py,
+"""Findings of fuzz campaigns 28 to 37 and of a bf16 bytes probe (issue 9; tests/fuzz_campaign.py,
 replayed with tests/fuzz_replay.py), each with the promise it broke: which collectives XLA folds
-or merges (explain must predict exactly the compiled ones), and a pending sum carried into values
-of other dims (:mod:`meshdsl.foresight`)."""
+or merges (explain must predict exactly the compiled ones), a pending sum carried into values
+of other dims or into a loop (:mod:`meshdsl.foresight`), and moves the planner had no cheap route
+for (``test_campaign_b_*``: campaigns 34 and 37)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,36 @@ def test_campaign_a_merge_bet_on_staying_split_is_checked_against_none():
         return md.relu(md.reshape(w, "m256:256")) * 2.0 + 0.25, md.reshape(w, "p2:2 q4:4 e:32")
     _kept(fn, md.Mesh({"x": 8}), md.Layout({"d": "x", "e": "x", "m128": "x"}), w, param_gather="regather",
           moved={"all-gather": 896})
+
+
+def test_campaign_b_scanned_pending_rows_read_twice_are_reduced_once():
+    """rows = take(v[d:x], ids[c]) is a pending sum over x; md.scan over c of rows (the carry
+    starts as sum(rows, c)) reduced the carry's start (7 B) and, in every step, that step's row
+    (8 x 7 B): 63 B where gspmd reduces rows once before the loop (56 B). A reduction in a loop
+    body now counts once per trip, a step's slice as a piece of the stack: reduced once, where
+    made."""
+    v = md.param(_normal(16, "d"))
+    ids = md.named(jnp.asarray([3, 0, 15, 7, 8, 2, 2, 11], jnp.int32), "c")
+
+    def fn(v, ids):
+        rows = md.take(v, ids, "d")
+        step = lambda c, r: (md.tanh(c + r) * 0.5 + c * 0.5, None)
+        carry, _ = md.scan(step, md.sum(rows, "c") * 0.1, rows, dim="c")
+        return carry
+    _kept(fn, md.Mesh({"x": 8}), md.Layout({"d": "x"}), v, ids, moved={"all-reduce": 56})
+
+
+def test_campaign_b_redistribution_routes_a_dropped_split_through_another_dim():
+    """reshape(one_hot(ids[d c:y+x]), "d p2 q4 e") under q4:y, returned with its operand: p2 is
+    split over y and q4 over x (factors x.0, x.1) where made, the return wants q4 over y alone.
+    Routing through the target with the dropped splits trailing needs q4 over y+x.0+x.1 (8 ways of
+    4 rows: no plan), so the reshape parked c's split on d (an all-to-all, 896 B), then permuted and
+    gathered: 4992 B where gspmd moves 4096 B. A dropped split may now wait on another dim (one
+    piece per device), then is gathered."""
+    ids = md.named(jnp.asarray(np.random.default_rng(0).integers(0, 32, (8, 8)), jnp.int32), "d c")
+
+    def fn(ids):
+        hot = md.one_hot(ids, "e:32")
+        return hot, md.reshape(hot, "d:8 p2:2 q4:4 e:32")
+    _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"c": ("y", "x"), "q4": "y"}), ids,
+          moved={"collective-permute": 1024, "all-gather": 3072})

@@ -6,7 +6,9 @@
   traced again with the carry entering split as the step leaves it: moved once, not per step.
 * The stacked ``xs`` are cast, once and before the loop, to vary over the axes the carry varies
   over (casting per step inside the loop would make jax keep every layer's weights as residuals).
-* Collectives traced in the body are recorded with the trip count as their count.
+* Collectives traced in the body are recorded with the trip count as their count. A stacked xs
+  entry with a pending sum enters the loop pending; where the steps reduce its slices and other
+  readers reduce it again, the foresight (:mod:`meshdsl.foresight`) has it reduced once, where made.
 * Values the step captures from outside are relaid and cast outside the loop, once.
 
 :mod:`meshdsl.ops.scan` (a plain scan) and :mod:`meshdsl.ops.pipeline` (a scan over a split dim)
@@ -76,6 +78,9 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
     def body(c_arrs, x_arrs):
         carry = _rebuild(c_tree, c_arrs, c_templates)
         xs = _rebuild(x_tree, x_arrs, x_templates)
+        for leaf, piece, t in zip(x_leaves, x_arrs, x_templates):
+            if t[2] is not None and t[2].pending:   # a pending sum reduced per step is the stack's
+                ctx.foresight.sliced(leaf.raw, piece, leaf.names, leaf.names.index(dim))
         with ctx.rec.loop(length):
             new_carry, ys = step(carry, xs)
             new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)

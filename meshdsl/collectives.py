@@ -6,6 +6,7 @@ its dual under the same origin (op and source line):
 
     psum (varying -> invariant)          <->  cast to varying (free)
     cast to varying (free)               <->  psum
+    cast of a gathered value (free)      <->  the gathers' transpose, then psum
     psum_scatter                         <->  all_gather (varying)
     all_gather, varying result           <->  psum_scatter
     all_gather, invariant result         <->  take_block (free)
@@ -29,11 +30,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from .jaxcompat import varying_axes
 
-__all__ = ["psum", "pmax", "pmin", "cast", "psum_scatter", "all_gather", "take_block", "all_to_all",
-           "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
+__all__ = ["psum", "pmax", "pmin", "cast", "cast_gathered", "psum_scatter", "all_gather", "take_block",
+           "all_to_all", "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
 
 # the kinds of collective, each the checkpoint_name of its results (remat policies keep them by name)
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -56,15 +58,24 @@ def attributed_vjp(ctx, forward, backward, primal=None):
     def f(*args):
         return primal(*args) if primal is not None else forward(*args)[0]
 
+    arity = []
+
     def f_fwd(*args):
+        args = custom_vjp_primal_tree_values(args)
+        arity[:] = [len(args)]
         with ctx.rec.origin(op, multiplier, phase):
             return forward(*args)
 
     def f_bwd(res, ct):
+        if isinstance(ct, SymbolicZero):   # nothing flows back: emit nothing (no collective of zeros)
+            return (None,) * arity[0]
         with ctx.rec.origin(op, multiplier, "backward"):
             return backward(res, ct)
 
-    f.defvjp(f_fwd, f_bwd)
+    # Symbolic zeros: a result whose cotangent is zero (read only where no gradient flows, as the
+    # gathered copy :func:`cast_gathered` reads) emits no backward collective. jax would otherwise
+    # pass zeros, and the collective of zeros stays in the program explain reads while XLA drops it.
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     return f
 
 
@@ -105,6 +116,21 @@ def cast(ctx, x, axes, tensor: str = ""):
         return x
     return _linear(ctx, x, lambda v: jax.lax.pcast(v, axes, to="varying"),
                    lambda ct: psum(ctx, ct, axes, tensor + " gradient of a value replicated there"))
+
+
+def cast_gathered(ctx, source, gathered, axes, ungather, tensor: str = ""):
+    """Cast ``gathered`` - ``source`` gathered, ``ungather`` the gathers' transpose - to varying
+    over ``axes`` (no data moves). Its backward sums the cotangent over ``axes`` once un-gathered,
+    on ``source``'s block, where :func:`cast`'s psum would sum the gathered block: the same
+    gradient (the gathers run over other axes), fewer bytes. The gradient goes to ``source``
+    directly; ``gathered``, shared with other readers, gets none from here."""
+    axes = tuple(a for a in axes if a not in varying_axes(gathered))
+    if not axes or not _differentiable(gathered):
+        return jax.lax.pcast(gathered, axes, to="varying") if axes else gathered
+    return attributed_vjp(
+        ctx, lambda s, g: (jax.lax.pcast(g, axes, to="varying"), None),
+        lambda _, ct: (psum(ctx, ungather(ct), axes, tensor + " gradient of a value replicated there"), None),
+    )(source, gathered)
 
 
 def psum(ctx, x, axes, tensor: str = ""):

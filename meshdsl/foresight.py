@@ -31,6 +31,13 @@ in which some collective is dead and some op read a copy is compared with one re
 reshape moved a split to make its result split off the layout, hoping it stays so (it is only
 summed into a loss), with one making no such bet (``no_gamble``): the result may yet move, through
 the ops that read it, at the return.
+
+A pending sum reduced with a dim whole that the layout splits over free axes (``rows[b k]``, a
+lookup's partial rows, ``k`` whole because the small value it came from - a top_k's ``[k]`` -
+was replicated) is all-reduced whole; sliced first, its backward would gather the cotangent.
+gspmd computes ``k`` split from where it enters, at the small value's size. A trace computing
+such dims (``split``) as the layout splits them wherever an op could keep them whole for free
+is compared with the others.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ __all__ = ["Foresight"]
 class Foresight:
     """Hints from a previous trace (``early``, ``later``) and this trace's observations."""
 
-    def __init__(self, early=None, later=None, narrow=None, no_reuse=False, no_gamble=False):
+    def __init__(self, early=None, later=None, narrow=None, no_reuse=False, no_gamble=False, split=()):
         self.no_reuse = no_reuse      # read no copy made by another op (see Program.make_jaxpr)
+        self.split = frozenset(split)  # dims to compute split as the layout says, wherever that is free
+        self.split_wished: set = set()  # dims a pending sum was reduced whole that the layout splits
         self.reused = False           # an op read a copy made by another op
         self.no_gamble = no_gamble    # make no result split off the layout in the hope it stays
         self.gambled = False          # an op did (see Program.make_jaxpr)
@@ -193,8 +202,9 @@ class Foresight:
         wished = {(n, t) for n, t in self._wished if t in self._made.get(n, ())}
         if not early and not wished and not self._replicated:
             return None
-        return {"early": early, "later": {n: set(ts) for n, ts in self._made.items()},
-                "narrow": set(self._replicated)}
+        hints = {"early": early, "later": {n: set(ts) for n, ts in self._made.items()},
+                 "narrow": set(self._replicated)}
+        return {**hints, "split": self.split} if self.split else hints
 
     def _reduce_once(self, o):
         """``(o, placement)``: one sum carried on into several values, each reduced, costs less

@@ -57,10 +57,38 @@ def relayout(ctx, x, target, vary, keep_pending):
     cast = tuple(a for a in ctx.mesh.factor_axes if a in vary and a not in varying_axes(moved))
     if not cast:
         return moved
+    # A gathered value: its cotangent is summed over ``cast`` once un-gathered (smaller), not before
+    gathers = ctx.cached(moved, ("gathers",), lambda: None) if moved is not x.raw else None
+    if gathers:
+        text = f"[{x.dims}] gradient of a gathered copy, un-gathered"
+        return ctx.cached(moved, ("cast", cast), lambda: C.cast_gathered(
+            ctx, x.raw, moved, cast, lambda ct: _ungather(ctx, ct, gathers, text), f"[{x.dims}]"))
     return ctx.cached(moved, ("cast", cast), lambda: C.cast(ctx, moved, cast, f"[{x.dims}]"))
 
 
+def _ungather(ctx, ct, gathers, tensor):
+    """The transpose of the gathers ``(axes, dim, invariant)`` a relayout made, on a cotangent:
+    a reduce-scatter for a gather typed varying, this device's block for one typed invariant."""
+    for axes, i, invariant in reversed(gathers):
+        ct = C.take_block(ctx, ct, axes, i, tensor) if invariant else C.psum_scatter(ctx, ct, axes, i, tensor)
+    return ct
+
+
+def _wish_split(ctx, x, src, target, keep_pending) -> None:
+    """A pending sum reduced with a dim left whole (or less split) where the layout splits it
+    further over axes the target leaves free: tell the foresight (a trace computing the dim split
+    from where it enters may move less)."""
+    if not src.pending - keep_pending:
+        return
+    used = {a for axes in target for a in axes} | set(src.pending)
+    for d, axes in zip(x.dims, target):
+        want = ctx.layout_axes(d.name)
+        if len(want) > len(axes) and tuple(want[:len(axes)]) == tuple(axes) and not set(want[len(axes):]) & used:
+            ctx.foresight.split_wished.add(d.name)
+
+
 def _relayout_value(ctx, x, src, target, vary, keep_pending):
+    _wish_split(ctx, x, src, target, keep_pending)
     pieces = _by_pieces(ctx, x, src, target, vary, keep_pending)
     return _relayout(ctx, x, src, target, vary, keep_pending) if pieces is None else pieces
 
@@ -105,7 +133,10 @@ def _relayout(ctx, x, src, target, vary, keep_pending):
     shape = tuple(d.size for d in x.dims)
     route = _route(ctx, shape, src.axes, src.pending, target, keep_pending)
     if route is None:
-        return _Move(ctx, x, src, target, vary, keep_pending).run().arr
+        move = _Move(ctx, x, src, target, vary, keep_pending).run()
+        if move.gathers and not move.others:   # only gathers: relayout may cast the result so
+            ctx.cached(move.arr, ("gathers",), lambda: tuple(move.gathers))
+        return move.arr
     p, pre, mid = route
     move = _Move(ctx, x, src, pre, vary, keep_pending | src.pending)
     local = tuple(n // ctx.axes_size(t) for n, t in zip(shape, mid))
@@ -127,6 +158,7 @@ class _Move:
         self.cur = [list(axes) for axes in src.axes]
         self.pend = set(src.pending) - set(keep_pending)
         self.bytes, self.local = 0.0, local   # dry run: bytes so far, local block bytes now
+        self.gathers, self.others = [], 0     # the gathers made (axes, dim, invariant); other steps
         if dry:
             self.arr, self.names, self.shape_txt = None, names, ""
             return
@@ -142,6 +174,7 @@ class _Move:
                 self.bytes += moved_bytes(kind, self.local, self.local * grow, n)
             self.local *= grow
         else:
+            self.others += kind != "all-gather"
             self.arr = collective()
 
     def owner(self, a):
@@ -236,6 +269,7 @@ class _Move:
         self.emit("all-gather", tuple(run), self.ctx.axes_size(tuple(run)), lambda: C.all_gather(
             self.ctx, self.arr, tuple(run), i, invariant=run[0] not in self.vary,
             tensor=f"{self.shape_txt} gather {self.names[i]}"))
+        self.gathers.append((tuple(run), i, run[0] not in self.vary))
         del cur[len(cur) - len(run):]
 
     def run(self):

@@ -1,8 +1,9 @@
-"""Findings of fuzz campaigns 28 to 37 and of a bf16 bytes probe (issue 9; tests/fuzz_campaign.py,
+"""Findings of fuzz campaigns 28 to 38 and of a bf16 bytes probe (issue 9; tests/fuzz_campaign.py,
 replayed with tests/fuzz_replay.py), each with the promise it broke: which collectives XLA folds
 or merges (explain must predict exactly the compiled ones), a pending sum carried into values
 of other dims or into a loop (:mod:`meshdsl.foresight`), and moves the planner had no cheap route
-for (``test_campaign_b_*``: campaigns 34 and 37)."""
+for (``test_campaign_b_*``: campaigns 34 and 37), and gradients that took the long way
+(``test_campaign_c_*``: campaign 38)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,43 @@ def test_campaign_b_redistribution_routes_a_dropped_split_through_another_dim():
         return hot, md.reshape(hot, "d:8 p2:2 q4:4 e:32")
     _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"c": ("y", "x"), "q4": "y"}), ids,
           moved={"collective-permute": 1024, "all-gather": 3072})
+
+
+def test_campaign_c_gathered_copy_cast_varying_reduces_its_gradient_ungathered():
+    """Campaign 38 (bf16; f32 alike): a replicated table [b] (from v[a:x]) is gathered over x for
+    an add and for take(table, ids[d:x+y]), which varies over y too: the gathered copy was cast
+    varying over y, and its gradient summed over y on the whole [b] (96 B) before the
+    reduce-scatter over x (32 B): 160 B where gspmd moves 144 B. A gathered copy's cast now sums
+    its cotangent once un-gathered: reduce-scatter over x (32 B), then all-reduce over y of the
+    half (48 B). The add's share of the gradient adds in before that reduce-scatter: jax passes
+    no cotangent to the shared gather for the take's read (a symbolic zero: no collective of
+    zeros for XLA to drop)."""
+    v = _normal(16, "a")
+    ids = md.named(jnp.asarray(np.random.default_rng(1).integers(0, 16, (8, 8)), jnp.int32), "d c")
+
+    def loss(v, ids):
+        table = md.rename(v, {"a": "b"})
+        shifted = table + md.astype(md.arange(md.Dim("b", 16)), jnp.float32) * 0.01
+        rows = md.take(table, ids, "b")
+        return (md.sum(md.tanh(shifted)) * 0.5 + md.sum(md.tanh(rows)) * 0.75).array
+    _kept(lambda v, ids: jax.grad(loss)(v, ids), md.Mesh({"x": 2, "y": 4}), md.Layout({"a": "x", "d": ("x", "y")}),
+          v, ids, moved={"all-gather": 32, "reduce-scatter": 32, "all-reduce": 48})
+
+
+def test_campaign_c_dim_entering_whole_is_computed_split_when_its_sum_is_reduced():
+    """Campaign 38: top_k(v1[a:x]) -> [k2] (whole) compared with v0[a:x] -> [k2 a], looked up
+    by ids -> rows[b k2], a pending sum over x, reduced whole by the loss: 192 B for [16 x 2]
+    (252 B in all, gspmd 182 B: it computes k2 split over y from the top_k on, as the layout
+    says). Sliced at the reduction instead, its backward would gather the cotangent. A trace
+    that reduced a sum with a dim whole the layout splits over free axes is now compared with one
+    computing that dim split wherever it is whole for free: [16 x 1] is reduced (96 B)."""
+    v0, v1 = _normal(16, "a"), _normal(16, "a", seed=1)
+    ids = md.named(jnp.asarray(np.random.default_rng(2).integers(0, 16, 16), jnp.int32), "b")
+
+    def loss(v0, v1, ids):
+        vals, idx = md.top_k(v1, "a", k=2, out="k2")
+        top = vals + md.stop_gradient(md.astype(idx, jnp.float32) * 0.01)
+        rows = md.take(md.where(top >= v0, top, v0), ids, "a")
+        return md.sum(md.tanh(rows)).array
+    _kept(lambda v0, v1, ids: jax.grad(loss, argnums=(0, 1))(v0, v1, ids), md.Mesh({"x": 4, "y": 2}),
+          md.Layout({"a": "x", "k2": "y"}), v0, v1, ids, moved={"all-gather": 52, "all-reduce": 118})

@@ -129,7 +129,7 @@ class ExplicitContext(LayoutContext):
         return self.foresight.next_made(target)
 
     def pieces(self, y, name, pieces):
-        self._pads[id(y.raw)] = (name, list(pieces))
+        self._pads[id(y.raw)] = (name, list(pieces), tuple(y.dims))
         self._keepalive.append(y.raw)
         return y
 
@@ -142,7 +142,12 @@ class ExplicitContext(LayoutContext):
         return x
 
     def padded_from(self, y):
-        return self._pads.get(id(y.raw))
+        """``(dim name, [(piece, offset)])`` of a value made of pieces along a dim (a pad, a
+        concat, a zero-filled shift), or None. Only under the dims it was made with: a rename or
+        reshape since gives the same local array other dims (a swap ``c <-> d`` of two dims of one
+        size: the pieces' ``c`` is the value's ``d`` now)."""
+        hit = self._pads.get(id(y.raw))
+        return None if hit is None or hit[2] != tuple(y.dims) else hit[:2]
 
     def derived(self, operands, result) -> None:
         self.foresight.derived([x.raw for x in operands], [y.raw for y in result])

@@ -1,6 +1,7 @@
-"""Findings of fuzz campaigns 20 and 27 (issue 9; tests/fuzz_campaign.py) about values, not bytes:
-a gradient that must read the buffer its maximum came from, and top_k ties that a layout's
-reassociated sums must not break differently (-0.0 against 0.0)."""
+"""Findings of fuzz campaigns 20, 27, 34 and 43 (issue 9; tests/fuzz_campaign.py) about values,
+not bytes: a gradient that must read the buffer its maximum came from, top_k ties that a layout's
+reassociated sums must not break differently (-0.0 against 0.0), the fuzzer's reference for a
+saturated tanh, and a value's pieces read under names a rename gave it since."""
 
 from __future__ import annotations
 
@@ -94,3 +95,32 @@ def test_campaign_saturated_tanh_gradient_is_the_compiled_unsharded_programs():
     compiled = jax.jit(grad)(v0, v1)
     assert np.abs(np.asarray(compiled[0].array)).max() > 1e-6   # saturated, yet not 0 compiled
     assert_same(lowered, compiled, rtol=1e-5, atol=1e-12)
+
+
+# -- campaign 43 (on f0c4148) ---------------------------------------------------------------------
+
+def _swapped_pad_cases():
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, 8)), jnp.float32), "b c d")
+    w = md.named(jnp.asarray(np.random.default_rng(1).standard_normal((4, 8, 12)), jnp.float32), "b c d")
+
+    def shifted_then_swapped(v):   # campaign 43's program, its int8 min left out
+        s = md.rename(md.shift(v, "b", -3), {"c": "d", "d": "c"})
+        return md.local_map(lambda a: jnp.tanh(a) + jnp.cumsum(a, axis=-1) * 0.1, s, out="b d c", keep="d")
+
+    def padded_swapped_sliced(w):
+        s = md.rename(md.pad(w, "c", 2, 2), {"c": "d", "d": "c"})
+        return md.slice(s, "c", 2, 8)
+    return [(shifted_then_swapped, v, {"x": 8}, {"d": "x"}), (padded_swapped_sliced, w, {"x": 2, "y": 4}, {"d": "x"}),
+            (padded_swapped_sliced, w, {"x": 2, "y": 4}, {})]
+
+
+@pytest.mark.parametrize("case", range(3), ids=["shift-rename-local_map", "pad-rename-slice", "pad-rename-slice-whole"])
+def test_campaign_pieces_of_a_value_renamed_since_are_not_read_under_new_names(case):
+    """A zero-filled shift, a pad or a concat remembers its pieces (relayout moves them and not
+    the zeros; a slice reads them where they lie). A rename swapping two dims of one size gives
+    the same local array other dims, and the pieces were read under the new names: the gathered
+    value of shift(v, b, -3) swapped c <-> d held 803 of 1024 wrong entries (campaign 43), and a
+    slice along the swapped c of a pad along c came out [b c d] sized as [b d c]. The pieces now
+    count only under the dims the value was made with."""
+    fn, x, mesh, layout = _swapped_pad_cases()[case]
+    assert_same(md.lower(fn, md.Mesh(mesh), md.Layout(layout))(x), fn(x))

@@ -114,6 +114,8 @@ def cast(ctx, x, axes, tensor: str = ""):
     axes = tuple(a for a in axes if a not in varying_axes(x))
     if not axes:
         return x
+    if _differentiable(x):
+        ctx.rec.cast(x, axes)
     return _linear(ctx, x, lambda v: jax.lax.pcast(v, axes, to="varying"),
                    lambda ct: psum(ctx, ct, axes, tensor + " gradient of a value replicated there"))
 
@@ -127,6 +129,7 @@ def cast_gathered(ctx, source, gathered, axes, ungather, tensor: str = ""):
     axes = tuple(a for a in axes if a not in varying_axes(gathered))
     if not axes or not _differentiable(gathered):
         return jax.lax.pcast(gathered, axes, to="varying") if axes else gathered
+    ctx.rec.cast(source, axes)
     return attributed_vjp(
         ctx, lambda s, g: (jax.lax.pcast(g, axes, to="varying"), None),
         lambda _, ct: (psum(ctx, ungather(ct), axes, tensor + " gradient of a value replicated there"), None),

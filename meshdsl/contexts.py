@@ -44,6 +44,14 @@ class GlobalContext:
     def at(self, name: str, line: str):
         return self.rec.at(name, line)
 
+    def apply(self, name: str, rule, args, kwargs):
+        """Run the rule of the outermost op ``name`` (the explicit backend may plan it)."""
+        return rule(self, *args, **kwargs)
+
+    def option(self, count: int) -> int:
+        """Which of ``count`` candidates a rule's decision point takes (0: the rule's own)."""
+        return 0
+
     def whole_placement(self, dims):
         return None
 

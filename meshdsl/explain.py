@@ -21,6 +21,7 @@ import dataclasses
 from . import jaxpr_stats
 from .cost import KINDS
 from .lower import lower
+from .planner.plan import decisions
 from .units import fmt_bytes, fmt_flops
 
 __all__ = ["explain", "Report", "ROW_HEAD", "row_cells"]
@@ -44,6 +45,7 @@ class Report:
     flops: float
     memory: dict
     pipeline: dict | None = None   # stages, microbatches, schedule, ticks, bubble_fraction (if any)
+    plan_decisions: list = dataclasses.field(default_factory=list)   # see decisions()
     compile: object = dataclasses.field(default=None, repr=False, compare=False)  # concrete mesh: -> compiled
 
     def compiled_memory(self) -> dict | None:
@@ -68,6 +70,14 @@ class Report:
             row["bytes"] += r.total_bytes
         return {k: out[k] for k in KINDS if k in out}
 
+    def decisions(self) -> list:
+        """Where the planner weighed candidates (:mod:`meshdsl.planner`): per op, the placement
+        chosen (``chosen``: where its operands enter, which candidate of the rule's own), the bytes
+        of the whole plan, and the next-best candidate with the plan's bytes had that op taken it
+        (``next``, ``next_bytes``); ``followed`` is False where the rules' own choices moved fewer
+        bytes when traced, and ran instead."""
+        return [dict(d) for d in self.plan_decisions]
+
     @property
     def total_bytes(self) -> float:
         return sum(r.total_bytes for r in self.collectives)
@@ -79,7 +89,7 @@ class Report:
         return {"mesh": self.mesh, "layout": self.layout, "flops_per_device": self.flops,
                 "memory_per_device": dict(self.memory), "total_bytes_per_device": self.total_bytes,
                 "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
-                "pipeline": None if self.pipeline is None else dict(self.pipeline),
+                "pipeline": None if self.pipeline is None else dict(self.pipeline), "decisions": self.decisions(),
                 "compiled_memory_per_device": self.compiled_memory()}
 
     def to_markdown(self) -> str:
@@ -105,6 +115,10 @@ class Report:
         if self.collectives:
             lines += ["", "| " + " | ".join(ROW_HEAD) + " |", "|" + " --- |" * len(ROW_HEAD)]
             lines += ["| " + " | ".join(row_cells(r)) + " |" for r in self.collectives]
+        if self.plan_decisions:
+            lines += ["", "| decision | chosen | plan bytes | next best | its plan bytes |", "| --- | --- | ---: | --- | ---: |"]
+            lines += [f"| {d['op']} | {d['chosen']} | {fmt_bytes(d['bytes'])} | {d['next']} | {fmt_bytes(d['next_bytes'])} |"
+                      for d in self.plan_decisions]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -121,11 +135,11 @@ def compiled_note(report) -> str:
 
 
 def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe",
-            repeats: int = 1) -> Report:
+            repeats: int = 1, planner: bool = True) -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
-    ``param_gather``, ``schedule`` and ``repeats`` as in :func:`meshdsl.lower`."""
-    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats)
-    closed, ctx, _ = f.trace(*args)
+    ``param_gather``, ``schedule``, ``repeats`` and ``planner`` as in :func:`meshdsl.lower`."""
+    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats, planner=planner)
+    closed, ctx, prog = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
     kept = []
@@ -138,6 +152,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body),
                   pipeline=_pipeline_entry(ctx.pipelines),
+                  plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
 
 

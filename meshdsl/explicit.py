@@ -55,6 +55,17 @@ class ExplicitContext(LayoutContext):
         self.foresight = Foresight()  # hints from a previous trace, observations of this one
         self._widening = None         # the widening of the op being lowered (see vary)
         self._relaid: dict = {}      # id(local array) -> {target axes per dim} relaid (cached) so far
+        self.planner = None          # the planner's recording or plan for this trace (meshdsl.planner)
+
+    def option(self, count: int) -> int:
+        """Which of ``count`` candidates a rule's decision point takes: the planner's choice, or 0
+        (the rule's own)."""
+        return 0 if self.planner is None else self.planner.option(self, count)
+
+    def apply(self, name, rule, args, kwargs):
+        if self.planner is None:
+            return rule(self, *args, **kwargs)
+        return self.planner.apply(self, name, rule, args, kwargs)
 
     # -- placements ------------------------------------------------------------------------------
 
@@ -240,6 +251,8 @@ class ExplicitContext(LayoutContext):
         """``leaf``'s local block placed by ``axes``, pending sums reduced, and typed invariant
         wherever it is replicated (a value equal on every device that jax types varying - computed
         from parameters cast for a data-parallel op - is typed invariant with one all-reduce)."""
+        if self.planner is not None:
+            self.planner.sink(self, leaf, axes)
         target = dict(zip(leaf.names, axes))
         split = frozenset(a for ax in axes for a in ax)
         arr = self.local(leaf, target, split)
@@ -287,11 +300,15 @@ class ExplicitContext(LayoutContext):
 
     def checkpoint(self):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
-        return len(self.rec.records), len(self._cache_log), self.foresight.checkpoint()
+        planned = self.planner.checkpoint() if self.planner is not None else None
+        return len(self.rec.records), len(self._cache_log), self.foresight.checkpoint(), planned, len(self.rec.casts)
 
     def rollback(self, mark) -> None:
-        n_records, n_cache, seen = mark
+        n_records, n_cache, seen, planned, n_casts = mark
+        del self.rec.casts[n_casts:]
         self.foresight.rollback(seen)
+        if planned is not None:
+            self.planner.rollback(planned)
         del self.rec.records[n_records:]
         for full in self._cache_log[n_cache:]:
             self._cache.pop(full, None)

@@ -51,7 +51,7 @@ class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
-                 schedule: str = "gpipe", repeats: int = 1):
+                 schedule: str = "gpipe", repeats: int = 1, planner: bool = True):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -77,6 +77,7 @@ class LoweredFunction:
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.backend, self.param_gather, self.schedule, self.repeats = backend, param_gather, schedule, repeats
+        self.planner = bool(planner)
         self._programs: dict = {}  # input signature -> Program
 
     def _program(self, args):
@@ -145,7 +146,7 @@ class LoweredFunction:
 
 
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
-          schedule: str = "gpipe", repeats: int = 1) -> LoweredFunction:
+          schedule: str = "gpipe", repeats: int = 1, planner: bool = True) -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -159,8 +160,13 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     (microbatches from ``md.Layout(..., microbatches={"batch": M})``): ``"gpipe"``, ``"1f1b"``
     (:mod:`meshdsl.ops.pipeline_1f1b`), or ``"circular"`` with ``repeats=R`` chunks per stage
     (:mod:`meshdsl.ops.pipeline_circular`).
+
+    ``planner``: choose placements over the whole program by cost (:mod:`meshdsl.planner`: a
+    shape-only trace records every op's candidates, a solver picks the plan of fewest bytes, and
+    the program follows it where it moves fewer bytes than each op's own choice); ``False``
+    lowers op by op (for comparison).
     """
-    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats)
+    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

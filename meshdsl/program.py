@@ -30,6 +30,8 @@ from .foresight import Foresight
 from .jaxcompat import varying_axes
 from .layout import Layout, effective, mesh_spec, to_spec
 from .named import NamedArray, Placement, is_named
+from .planner.plan import choose
+from .planner.record import Recording
 from .tracing import using
 
 __all__ = ["Program"]
@@ -66,6 +68,9 @@ class Program:
         self.out_axes: list = []   # factor axes per dim of each output (() for a plain array)
         self._jitted = None
         self.hints: dict = {}  # from a first trace (meshdsl.foresight), for the traces after it
+        self.plan = None       # the whole-program plan the program follows (meshdsl.planner), if kept
+        self.solved = None     # the plan the solver found (followed or not), for md.explain
+        self._recording = False  # the trace under way is the planning trace
         self._foresight_done = False
         if not mesh.is_abstract:
             self.shardings = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, i.axes)) for i in self.infos]
@@ -86,10 +91,15 @@ class Program:
         """The traced program; traced again with what the first trace learned when that could
         change a decision (:mod:`meshdsl.foresight`), and once more with what that trace learned,
         keeping the trace that moves the fewest bytes."""
+        planning = self.owner.backend == "explicit" and not self._foresight_done
+        self._recording = planning and self.owner.planner
         closed = jax.make_jaxpr(self.run)(*avals)
-        if self.owner.backend != "explicit" or self._foresight_done:
+        self._recording = False
+        if not planning:
             return closed
         self._foresight_done = True
+        recording, self.last_ctx.planner = self.last_ctx.planner, None
+        plan = self.solved = None if recording is None else choose(self.last_ctx, recording)
         seen = self.last_ctx.foresight
         variants = [(seen.next(), True)]
         if seen.reused:   # an op read a copy another op made: is that other op dead?
@@ -114,6 +124,14 @@ class Program:
             # A decision changed by the hints may raise a question the previous trace could not
             # answer (an op now meeting a gathered copy asks whether its result moves later)
             variants = [(best[2].foresight.next(), True)]
+        if plan is not None and plan.gain > 0.5:   # the whole-program plan moves fewer bytes than the rules' own choices
+            self.hints, self.plan = {}, plan
+            planned = jax.make_jaxpr(self.run)(*avals)
+            moved = _moved(planned, self.last_ctx)
+            if moved < best[0]:
+                best = (moved, planned, self.last_ctx, {})
+            else:
+                self.plan = None
         _, closed, self.last_ctx, self.hints = best
         return closed
 
@@ -155,6 +173,10 @@ class Program:
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
                               repeats=owner.repeats)
         ctx.foresight = Foresight(**self.hints)
+        if self.plan is not None:
+            ctx.planner = Recording(self.plan.choice)
+        elif self._recording and not probe:
+            ctx.planner = Recording()
         if not probe:
             self.last_ctx = ctx
         ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)

@@ -56,6 +56,7 @@ class Recorder:
         self.phase = "forward"
         self.tracing = True            # False once the trace is over: late backward rules record nothing
         self._tags = 0
+        self.casts: list = []          # backward bytes of each cast to varying (its psum), for the planner
         self._loops: dict = {}         # id(loop body trace) -> executions
         self._keepalive: list = []     # traces whose ids key _loops
 
@@ -79,6 +80,13 @@ class Recorder:
             op=name, line=line, kind=kind, axes=self.mesh.collapse(axes), shape=tuple(operand.shape),
             dtype=str(operand.dtype), bytes=cost.moved_bytes(kind, op_b, res_b, n),
             count=self.multiplier, phase=self.phase, tensor=tensor, tag=tag))
+
+    def cast(self, x, axes) -> None:
+        """A differentiated value ``x`` was cast to varying over ``axes``: the backward pass sums
+        its cotangent there (an all-reduce the planner prices before it is emitted)."""
+        if self.tracing:
+            b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
+            self.casts.append(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)) * self.multiplier)
 
     @contextlib.contextmanager
     def at(self, name: str, line: str):

@@ -62,6 +62,8 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
         out_names.append(name)
     out_dims = Shape(dims[n] for n in out_names)
     contracted = tuple(d.name for d in dims if d.name not in out_names)
+    if len(xs) >= 3 and (pick := ctx.option(1 + len(_pairs(len(xs))))):
+        return _pair_first(ctx, xs, _pairs(len(xs))[pick - 1], out_names, preferred_element_type)
     xs = [_copy_made_anyway(ctx, x, contracted) for x in xs]
 
     linear = linear_pending(ctx, xs, out_dims)
@@ -103,6 +105,35 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     vary = ctx.vary(target.values(), xs, kept(target), out_size=math.prod(out_dims.sizes))
     local = ctx.local(result, target, vary, keep_pending=pending_of(target))
     return ctx.out(local, out_dims, target, pending_of(target))
+
+
+def _pairs(n: int) -> list:
+    return [(i, j) for i in range(n) for j in range(i + 1, n)]
+
+
+def _options(*operands, out, preferred_element_type=None) -> list:
+    """The candidates of einsum's one decision point (:mod:`meshdsl.planner`): with three or more
+    operands, all at once, or any pair first, its sum reduced, then the rest."""
+    return [1 + len(_pairs(len(operands)))] if len(operands) >= 3 else []
+
+
+def _pair_first(ctx, xs, pair, out_names, preferred_element_type):
+    """Contract ``xs[i]`` and ``xs[j]`` first over the dims no other operand nor ``out`` has,
+    reduce that partial sum where it is (one all-reduce of the smaller value, which the backward
+    pass then reads whole), then contract the rest: gspmd's order for ``einsum(x, w, v)`` whose
+    pair ``x, w`` shares a split dim."""
+    i, j = pair
+    rest = [x for k, x in enumerate(xs) if k not in pair]
+    needed = set(out_names).union(*(x.names for x in rest))
+    inner = [d.name for d in union_dims(ctx, [xs[i], xs[j]]) if d.name in needed]
+    part = einsum(xs[i], xs[j], out=inner, preferred_element_type=preferred_element_type)
+    pl = ctx.placement(part)
+    if pl.pending:
+        part = NamedArray(ctx.local(part, dict(zip(part.names, pl.axes))), part.dims, placement=Placement(pl.axes))
+    return einsum(part, *rest, out=out_names, preferred_element_type=preferred_element_type)
+
+
+einsum.rule.options = _options
 
 
 def _copy_made_anyway(ctx, x, contracted):

@@ -39,7 +39,7 @@ def op(name: str):
             if ctx.op is not None:  # called by another op's rule: part of that op
                 return rule(ctx, *args, **kwargs)
             with ctx.at(name, user_line(2)):
-                result = rule(ctx, *args, **kwargs)
+                result = ctx.apply(name, rule, args, kwargs)
             if ctx.explicit:
                 ctx.derived(_named_leaves((args, kwargs)), _named_leaves(result))
             return result

@@ -58,6 +58,9 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
                               f"remove reverse=True or the rule for {dim!r}")
         with ctx.at("scan", line):
             return pipeline.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head, schedule)
+    def run(ctx, c_leaves, x_leaves):
+        return loop.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
+
     with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
-        carry, ys = loop.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
+        carry, ys = ctx.apply("scan", run, (c_leaves, x_leaves), {})
     return (carry if head is None else pipeline_1f1b.head_value(head, carry, where)), ys

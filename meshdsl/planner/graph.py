@@ -1,0 +1,124 @@
+"""The program as the planner sees it: values, ops, and each op's candidate placements.
+
+A :class:`Graph` is what the shape-only planning trace records (:mod:`meshdsl.planner.record`):
+
+* a **value** is one NamedArray an op made (or an input): it has one producer slot and any
+  number of consumer slots;
+* a **node** is one named op (or an input, an output, an ``x.array`` read) with its operand
+  value ids, its result value ids, and its **strategies**: the placements it may compute in;
+* a :class:`Strategy` says, per operand slot, the placement the operand must be *in* (a
+  placement key, hashable), per result slot the placement the result comes out in, and the
+  op's *own* bytes (what it moves itself beyond bringing its operands there: the statistics of a
+  softmax over a split dim, the candidates of a top_k), forward and backward, times executions.
+
+Moving a value from where its producer leaves it to where a consumer needs it is a **relay**,
+priced by ``Graph.relay(value, src, dst)`` (the relayout's bytes, forward and the backward it
+implies). One relay of a value to one placement is shared by every consumer reading it there
+(the rewriter caches relayouts per value and target), so the cost of a plan is
+
+    sum over nodes of own bytes
+  + sum over values v, over the distinct placements T its chosen consumers need, of
+        relay(v, placement its producer gives, T)
+
+and :func:`meshdsl.planner.solve.solve` minimises it over one strategy per node. Strategy 0 of
+each node is its default (the rule's own choice): a tie keeps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+
+__all__ = ["Strategy", "Node", "Graph"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way an op may compute: operand placements needed, result placements given, own cost."""
+
+    needs: tuple           # per operand slot: the placement key that operand must be in
+    gives: tuple           # per result slot: the placement key the result comes out in
+    cost: float = 0.0      # own bytes per device, forward + backward, times executions
+    label: str = ""        # what it computes, for reports ("[batch:data d_ff:model]")
+    detail: object = dataclasses.field(default=None, compare=False)   # what the emitter needs
+
+
+@dataclasses.dataclass
+class Node:
+    """One op of the program with its candidate strategies (strategies[0]: the default)."""
+
+    name: str
+    operands: list
+    results: list
+    strategies: list
+
+    def __post_init__(self):
+        if not self.strategies:
+            raise ValueError(f"{self.name}: a node needs at least one strategy")
+        for s in self.strategies:
+            if len(s.needs) != len(self.operands) or len(s.gives) != len(self.results):
+                raise ValueError(f"{self.name}: strategy {s.label or s} has {len(s.needs)} needs and "
+                                 f"{len(s.gives)} gives for {len(self.operands)} operands and "
+                                 f"{len(self.results)} results")
+
+
+class Graph:
+    """Nodes in program order; ``relay(value, src, dst)`` prices moving a value between keys."""
+
+    def __init__(self, relay: Callable[[int, Hashable, Hashable], float]):
+        self.nodes: list[Node] = []
+        self.relay_fn = relay
+        self.producer: dict = {}    # value id -> (node index, result slot)
+        self.consumers: dict = {}   # value id -> [(node index, operand slot)]
+        self._relay_cache: dict = {}
+
+    def add(self, node: Node) -> int:
+        """Append ``node`` (its operands must have producers already); its index."""
+        k = len(self.nodes)
+        for slot, v in enumerate(node.operands):
+            if v not in self.producer:
+                raise ValueError(f"{node.name}: operand {slot} (value {v}) has no producer")
+            self.consumers.setdefault(v, []).append((k, slot))
+        for slot, v in enumerate(node.results):
+            if v in self.producer:
+                raise ValueError(f"{node.name}: value {v} is produced twice")
+            self.producer[v] = (k, slot)
+        self.nodes.append(node)
+        return k
+
+    def relay(self, value, src, dst) -> float:
+        """Bytes of bringing ``value`` from placement ``src`` to ``dst`` (0 when equal), cached."""
+        if src == dst:
+            return 0.0
+        key = (value, src, dst)
+        hit = self._relay_cache.get(key)
+        if hit is None:
+            hit = self._relay_cache[key] = float(self.relay_fn(value, src, dst))
+        return hit
+
+    def cost(self, choice) -> float:
+        """Bytes of the plan picking strategy ``choice[k]`` for node ``k``."""
+        total = sum(self.nodes[k].strategies[s].cost for k, s in enumerate(choice))
+        for v, (p, slot) in self.producer.items():
+            src = self.nodes[p].strategies[choice[p]].gives[slot]
+            wanted = {self.nodes[c].strategies[choice[c]].needs[j] for c, j in self.consumers.get(v, ())}
+            total += sum(self.relay(v, src, t) for t in wanted)
+        return total
+
+    def components(self) -> list[list[int]]:
+        """Node indices of each connected part (nodes joined by a value), in program order."""
+        parent = list(range(len(self.nodes)))
+
+        def find(a):
+            while parent[a] != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            return a
+
+        for v, (p, _) in self.producer.items():
+            for c, _ in self.consumers.get(v, ()):
+                parent[find(c)] = find(p)
+        groups: dict = {}
+        for k in range(len(self.nodes)):
+            groups.setdefault(find(k), []).append(k)
+        return list(groups.values())

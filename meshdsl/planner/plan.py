@@ -1,0 +1,121 @@
+"""From a planning trace to a plan: the graph, its relay prices, the solve.
+
+:func:`build` turns a :class:`~meshdsl.planner.record.Recording` into a
+:class:`~meshdsl.planner.graph.Graph`: inputs pinned where they enter, one node per outermost op
+with the strategies its rule showed, sinks (outputs, ``x.array`` reads) needing their placement.
+A relay of a value from one placement to another costs the relayout's bytes
+(:func:`meshdsl.relayout.relayout_bytes`, run as often as the value's trace runs) and, when the
+value is differentiated, the relayout back in the backward pass (a gather's reduce-scatter, an
+all-to-all back; a reduced sum's transpose moves nothing). :func:`choose` solves it and returns
+the entry placements of every op the plan moves off its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..cost import element_bytes
+from ..relayout import relayout_bytes
+from .graph import Graph, Node, Strategy
+from .solve import Solution, solve
+
+__all__ = ["build", "choose", "decisions", "Plan"]
+
+
+
+@dataclasses.dataclass
+class Plan:
+    """The solver's answer for one program: entry placements per moved op, and the numbers."""
+
+    choice: dict            # op number -> the Found strategy it takes (entry placements, options)
+    solution: Solution
+    default_bytes: float    # the plan of every rule's own choice, as the model prices it
+    graph: Graph
+    nodes: dict             # graph node index -> op number
+
+    @property
+    def gain(self) -> float:
+        return self.default_bytes - self.solution.bytes
+
+
+def build(ctx, recording) -> tuple[Graph, dict]:
+    """The graph of ``recording`` (made in ``ctx``'s trace) and graph node -> op number."""
+    graph = Graph(lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst))
+    nodes = {}
+    for v, pl in recording.entered.items():
+        graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered")]))
+    live = _live(recording)
+    for k, op in enumerate(recording.ops):
+        if k not in live:
+            continue   # nothing it makes reaches an output: the compiler drops it
+        for v in op.operands:   # made by an op of an aborted trace (a md.scan body traced again)
+            if v not in graph.producer:
+                graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made")]))
+        strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0), detail=f,
+                               label=_label(ctx, recording, op, f)) for f in op.strategies]
+        nodes[graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))] = k
+    for v, pl in recording.sinks:
+        if v in graph.producer:
+            graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
+    return graph, nodes
+
+
+def choose(ctx, recording, *, time_limit: float = 60.0) -> Plan:
+    """Solve the program ``recording`` holds; the ops the plan moves, with their entries."""
+    graph, nodes = build(ctx, recording)
+    solution = solve(graph, time_limit=time_limit)
+    default = graph.cost([0] * len(graph.nodes))
+    choice = {}
+    for g, k in nodes.items():
+        s = solution.choice[g]
+        if s:
+            choice[k] = graph.nodes[g].strategies[s].detail
+    return Plan(choice, solution, default, graph, nodes)
+
+
+def decisions(plan, followed: bool) -> list:
+    """Per op whose candidates differ in bytes: the placement chosen and the next-best one, each
+    with the bytes of the whole plan (every other op as chosen). ``followed``: the program runs
+    this plan (else the rules' own choices moved fewer bytes when compiled, and ran)."""
+    out = []
+    for g, k in plan.nodes.items():
+        node = plan.graph.nodes[g]
+        others = [(s, b) for s, b in plan.solution.alternatives(plan.graph, g) if b != math.inf]
+        if not others:
+            continue
+        chosen = node.strategies[plan.solution.choice[g]]
+        nxt, nxt_bytes = others[0]
+        out.append({"op": node.name, "chosen": chosen.label, "bytes": plan.solution.bytes,
+                    "next": node.strategies[nxt].label, "next_bytes": nxt_bytes, "followed": followed})
+    return out
+
+
+def _label(ctx, recording, op, found) -> str:
+    """``"operands [b:data] [d:model]; candidate 2"``: where the operands enter, which candidate."""
+    text = "operands " + " ".join(f"[{p.describe(recording.values[v][0], ctx.mesh) or 'whole'}]"
+                                  for v, p in zip(op.operands, found.entry))
+    return text + "".join(f"; candidate {c} at decision {p}" for p, c in found.options)
+
+
+def _live(recording) -> set:
+    """Numbers of the ops some output or read depends on."""
+    wanted = {v for v, _ in recording.sinks}
+    live = set()
+    for k in range(len(recording.ops) - 1, -1, -1):
+        op = recording.ops[k]
+        if k in live or wanted & set(op.results):
+            live.add(k)
+            live.update(op.inner)   # a scan's results come from its body
+            wanted |= set(op.operands)
+    return live
+
+
+def _relay_bytes(ctx, value, src, dst) -> float:
+    dims, dtype, executions, grad = value
+    if not dst.pending <= src.pending:
+        return math.inf   # no collective creates a pending sum
+    itemsize = element_bytes(dtype, ctx.mesh.platform)
+    forward = relayout_bytes(ctx, dims, itemsize, src.axes, src.pending, dst.axes, dst.pending)
+    backward = relayout_bytes(ctx, dims, itemsize, dst.axes, frozenset(), src.axes) if grad else 0.0
+    return (forward + backward) * executions

@@ -1,0 +1,299 @@
+"""The planning trace and the emitting trace, as the rewriter's context sees them.
+
+A :class:`Recording` rides on the explicit context (``ctx.planner``) for one trace:
+
+* **record** (the planning trace): every outermost named op is a node. Its default strategy is
+  what its rule does with its operands where they are (the placement each operand enters in, the
+  results' placements, the bytes the rule itself emitted). Its other strategies come from the
+  same rule: for each other placement its operands could enter in (the layout's placement, their
+  pending sums reduced in place, every operand aligned with one of them, one dim brought to the
+  layout's placement), the rule runs on operands relaid there, in a sandbox the trace rolls back
+  (records, relayout cache, foresight and param-gather state), and what it emitted and where its
+  results came out is that strategy. Values first met as operands (inputs, values made outside
+  the named ops) enter pinned where they are; outputs and ``x.array`` reads need their placement.
+* **emit**: every op the plan moved (``choice``: op number -> entry placements) gets its operands
+  relaid there first and then runs its rule as is: it decides what it decided in the sandbox.
+
+Op numbers are the order of outermost named ops in the trace; both traces run the user's
+function alike, so they agree (a ``md.scan`` body traced twice rolls its numbers back).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+
+from ..errors import MeshDSLError
+from ..jaxcompat import differentiated
+from ..named import NamedArray, Placement, is_named
+
+__all__ = ["Recording", "OpRecord", "Found"]
+
+_PINNED = {"scan", "local_map"}   # ops whose candidates the planner does not explore (yet)
+_MAX_CANDIDATES = 10
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """One outermost named op of the planning trace."""
+
+    name: str
+    line: str
+    operands: list          # value ids
+    results: list           # value ids
+    strategies: list        # Found, the rule's default first
+    grad: bool = False      # an operand is differentiated
+    inner: range = range(0)  # numbers of the ops run inside it (a md.scan body)
+
+
+class Recording:
+    """What the planning trace records (``choice is None``), or the plan an emitting trace follows."""
+
+    def __init__(self, choice=None):
+        self.emit = choice is not None
+        self.choice = dict(choice or {})
+        self.ops: list[OpRecord] = []
+        self.values: dict = {}     # value id -> (dims, dtype, executions, differentiated)
+        self.entered: dict = {}    # value id -> placement where first met (not made by an op)
+        self.placed: dict = {}     # value id -> placement where made or first met
+        self.gives: dict = {}      # value id -> the other placements its op's strategies give it
+        self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
+        self.count = 0             # outermost ops so far
+        self._forced: list = []    # (options, decision points met) of the rules running now
+        self._ids: dict = {}       # id(local array) -> value id
+        self._keep: list = []
+
+    # -- values ----------------------------------------------------------------------------------
+
+    def vid(self, ctx, x: NamedArray, *, made: bool = False) -> int:
+        """``x``'s value id; a value first met here (not made by an op) enters where it is."""
+        key = (id(x.raw), x.dims)
+        v = None if made else self._ids.get(key)
+        if v is None:
+            v = self._ids[key] = len(self.values)
+            self._keep.append(x.raw)
+            self.values[v] = (x.dims, x.dtype, ctx.rec.executions_of(x.raw), differentiated(x.raw))
+            self.placed[v] = ctx.placement(x)
+            if not made:
+                self.entered[v] = self.placed[v]
+        return v
+
+    def sink(self, ctx, x: NamedArray, axes) -> None:
+        """``x`` leaves the named program placed by ``axes`` (an output, an ``x.array`` read)."""
+        if not self.emit and ctx.frame is None:
+            self.sinks.append((self.vid(ctx, x), Placement(tuple(map(tuple, axes)))))
+
+    # -- ops -------------------------------------------------------------------------------------
+
+    def checkpoint(self):
+        return self.count, len(self.ops), len(self.sinks)
+
+    def rollback(self, mark) -> None:
+        self.count, n_ops, n_sinks = mark
+        del self.ops[n_ops:]
+        del self.sinks[n_sinks:]
+
+    def apply(self, ctx, name, rule, args, kwargs):
+        """Run ``rule`` for the outermost op ``name``: recorded (with its other strategies
+        explored), or with its operands first relaid where the plan puts them."""
+        k = self.count
+        self.count += 1
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_named)
+        named = [i for i, leaf in enumerate(leaves) if is_named(leaf)]
+        xs = [leaves[i] for i in named]
+        if self.emit:
+            found = self.choice.get(k) if ctx.frame is None else None
+            if found is None:
+                return rule(ctx, *args, **kwargs)
+            return _run(ctx, rule, leaves, tree, named, xs, found.entry, found.options)[0]
+        explore = xs and name not in _PINNED and ctx.frame is None
+        operands = [self.vid(ctx, x) for x in xs]
+        upstream = [self.gives.get(v, ()) for v in operands]
+        others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else []
+        result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
+        inner = [self.ops[j].strategies[0] for j in range(k, len(self.ops))]   # a scan body's ops, priced apart
+        if inner:
+            default = dataclasses.replace(default, forward=default.forward - sum(f.forward for f in inner),
+                                          backward=default.backward - sum(f.backward for f in inner))
+        strategies = [default] + [s for s in others if len(s.gives) == len(default.gives)]
+        outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
+        results = [self.vid(ctx, y, made=True) for y in outs]
+        for slot, v in enumerate(results):
+            self.gives[v] = tuple(dict.fromkeys(f.gives[slot] for f in strategies[1:] if f.gives[slot] != default.gives[slot]))
+        self.ops.insert(len(self.ops) - (self.count - k - 1), OpRecord(
+            name, ctx.rec.op[1] if ctx.rec.op else "", operands, results, strategies,
+            any(differentiated(x.raw) for x in xs), range(k + 1, self.count)))
+        return result
+
+    def option(self, ctx, count: int) -> int:
+        """The candidate the next decision point of the rule running now takes (0: the rule's
+        default): its decision points are numbered in the order the rule meets them."""
+        if not self._forced:
+            return 0
+        options, met = self._forced[-1]
+        self._forced[-1] = (options, met + 1)
+        return options.get(met, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A strategy the rule showed: entry placements, result placements, own bytes, options."""
+
+    entry: tuple
+    gives: tuple
+    forward: float
+    backward: float
+    options: tuple = ()    # (decision point, candidate) pairs
+
+
+def _run(ctx, rule, leaves, tree, named, xs, entry, options):
+    """``rule`` on the operands relaid to ``entry``, its decision points taking ``options``:
+    ``(result, Found)``."""
+    leaves = list(leaves)
+    for i, x, pl in zip(named, xs, entry):
+        leaves[i] = _relay(ctx, x, pl)
+    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+    start = len(ctx.rec.records), len(ctx.rec.casts)
+    ctx.planner._forced.append((dict(options), 0))
+    try:
+        result = rule(ctx, *args, **kwargs)
+    finally:
+        ctx.planner._forced.pop()
+    outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
+    forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
+    return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
+                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())))
+
+
+def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
+    """The strategies of the other entry placements and of the rule's other candidates at its
+    decision points (``rule.options(*args, **kwargs)``: candidates per point), each in a sandbox.
+    ``upstream``: per operand, the other placements its producer may give it."""
+    here = tuple(ctx.placement(x) for x in xs)
+    entries = _candidates(ctx, xs) if _off_layout(ctx, xs) else [here]
+    if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
+        upstream = ()   # param_gather keep / regather: a stored parameter is gathered where read,
+        entries = [here]  # as ZeRO-3 is written; "auto" lets the plan move the activations instead
+    for j, places in enumerate(upstream):
+        for pl in places:
+            moved = here[:j] + (pl,) + here[j + 1:]
+            by_name = dict(zip(xs[j].names, pl.axes))
+            aligned = tuple(p if i == j else Placement(tuple(by_name.get(n, a) for n, a in zip(x.names, p.axes)))
+                            for i, (x, p) in enumerate(zip(xs, here)))
+            entries += [e for e in (moved, aligned) if e not in entries and all(_valid(q) for q in e)]
+    tries = [(entry, {}) for entry in entries[1:2 * _MAX_CANDIDATES]]
+    counts = getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs)
+    tries += [(here, {p: c}) for p, n in enumerate(counts) for c in range(1, n)]
+    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
+    return [f for f in found if f is not None]
+
+
+def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
+    """``x`` relaid to placement ``pl`` (pending sums outside ``pl.pending`` reduced)."""
+    if ctx.placement(x) == pl:
+        return x
+    arr = ctx.local(x, dict(zip(x.names, pl.axes)), keep_pending=pl.pending)
+    return NamedArray(arr, x.dims, is_param=x.is_param, placement=pl)
+
+
+def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
+    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache, foresight,
+    param-gather decisions): the strategy it shows, or None if the rule refuses it."""
+    mark = ctx.checkpoint()
+    saved = ctx.foresight, ctx.params
+    ctx.foresight = type(saved[0])()
+    ctx.params = _sandboxed(saved[1])
+    try:
+        return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
+    except (MeshDSLError, ValueError, TypeError, KeyError, IndexError, AssertionError):
+        return None   # the rule cannot compute from there: not a candidate
+    finally:
+        ctx.rollback(mark)
+        ctx.foresight, ctx.params = saved
+
+
+def _sandboxed(policy):
+    """A copy of the param-gather policy whose decision lists a sandboxed rule may consume."""
+    policy = copy.copy(policy)
+    for attr in ("decisions", "probe"):
+        if isinstance(getattr(policy, attr, None), list):
+            setattr(policy, attr, list(getattr(policy, attr)))
+    return policy
+
+
+def _backward_guess(ctx, start) -> float:
+    """The backward bytes of what the op emitted since ``start`` (records, casts): a gather's
+    reduce-scatter, an all-to-all and a permute back, a cast's psum; a sum's transpose moves
+    nothing."""
+    records, casts = ctx.rec.records[start[0]:], ctx.rec.casts[start[1]:]
+    return sum(r.total_bytes for r in records if r.phase == "forward" and r.kind != "all-reduce") + sum(casts)
+
+
+def _candidates(ctx, xs) -> list:
+    """Entry placements to explore for an op over ``xs``, the first where they are: the layout's
+    placement, pending sums reduced in place, every operand aligned with one of them, one dim
+    of one operand brought to the layout's placement, one dim of one operand gathered (from where
+    it is or from the layout's placement): every placement one collective reaches."""
+    here = tuple(ctx.placement(x) for x in xs)
+    out = [here]
+
+    def add(entry):
+        if len(out) < _MAX_CANDIDATES and entry not in out and all(_valid(pl) for pl in entry):
+            out.append(entry)
+
+    try:
+        layout = tuple(Placement(tuple(ctx.canonical(x.dims))) for x in xs)
+    except MeshDSLError:
+        layout = None
+    if layout is not None:
+        add(layout)
+    reduced = tuple(Placement(pl.axes) for pl in here)
+    add(reduced)
+    for y, held in zip(xs, here):
+        by_name = dict(zip(y.names, held.axes))
+        add(tuple(Placement(tuple(by_name.get(n, a) for n, a in zip(x.names, pl.axes))) for x, pl in zip(xs, here)))
+    bases = [reduced] + ([layout] if layout is not None else [])
+    for j in range(len(xs)):
+        for base in bases:
+            for i, axes in enumerate(base[j].axes):
+                if axes:
+                    add(_with(base, j, i, ()))
+        if layout is not None:
+            for i, (axes, want) in enumerate(zip(here[j].axes, layout[j].axes)):
+                if axes != want:
+                    add(_with(reduced, j, i, want))
+    return out
+
+
+def _stored(ctx, x) -> bool:
+    """Does ``x`` sit elsewhere than the layout's placement (a parameter stored split)?"""
+    try:
+        return tuple(ctx.placement(x).axes) != tuple(ctx.canonical(x.dims))
+    except MeshDSLError:
+        return True
+
+
+def _off_layout(ctx, xs) -> bool:
+    """Does an operand hold a pending sum or sit off the layout's placement? (Else the op computes
+    where the layout says, as the plan would have every op do: nothing to explore.)"""
+    for x in xs:
+        pl = ctx.placement(x)
+        try:
+            if pl.pending or tuple(pl.axes) != tuple(ctx.canonical(x.dims)):
+                return True
+        except MeshDSLError:
+            return True
+    return False
+
+
+def _with(entry, j, i, axes) -> tuple:
+    """``entry`` with dim ``i`` of operand ``j`` split over ``axes``."""
+    pl = entry[j]
+    return entry[:j] + (Placement(pl.axes[:i] + (tuple(axes),) + pl.axes[i + 1:]),) + entry[j + 1:]
+
+
+def _valid(pl: Placement) -> bool:
+    used = [a for axes in pl.axes for a in axes]
+    return len(used) == len(set(used)) and not set(used) & pl.pending

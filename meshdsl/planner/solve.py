@@ -1,0 +1,172 @@
+"""The solver: one strategy per node minimising the program's bytes, exactly.
+
+An integer linear program over a :class:`~meshdsl.planner.graph.Graph`, solved by HiGHS
+(``scipy.optimize.milp``), as Alpa does at the HLO level; ours works on named ops and shares a
+relay between the consumers that read a value in the same placement:
+
+    x[k, s]  in {0, 1}   node k computes by strategy s          (one per node)
+    z[v, T]  in {0, 1}   value v is relaid to placement T       (z >= x of each consumer needing T)
+    u[v, s, T] >= 0      the relay happens from the producer's strategy s:
+                         u >= x[producer, s] + z[v, T] - 1
+
+    minimise  sum x * own bytes  +  sum u * relay(v, gives(s), T)
+
+Minimising drives ``u`` to ``x * z`` exactly, so the optimum of the program is the optimum of the
+plan. Ties go to the default strategies (index 0: the rule's own choice): each op off its default
+costs a ten-thousandth of a byte, so a program where nothing can be gained lowers as the rules
+alone would. (Memory is not a tie-break yet: the strategies do not price it.)
+
+Parts of the graph no value joins are solved apart; a part whose nodes all have one strategy is
+not solved at all. :func:`solve_exact` enumerates every plan of a small graph (the tests' check
+of the ILP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from .graph import Graph
+
+__all__ = ["Solution", "solve", "solve_exact"]
+
+
+@dataclasses.dataclass
+class Solution:
+    """The strategy index per node, the plan's bytes, and how it was found."""
+
+    choice: list
+    bytes: float
+    seconds: float = 0.0
+    variables: int = 0
+    optimal: bool = True
+
+    def alternatives(self, graph: Graph, k: int) -> list:
+        """``(strategy index, bytes of the plan)`` for node ``k``'s other strategies, every other
+        node as chosen: what the next-best placement of this op alone would have cost."""
+        out = []
+        for s in range(len(graph.nodes[k].strategies)):
+            if s != self.choice[k]:
+                other = list(self.choice)
+                other[k] = s
+                out.append((s, graph.cost(other)))
+        return sorted(out, key=lambda t: t[1])
+
+
+_TIE = 1e-4   # bytes charged per op off its default: a tie keeps the rules' choices; far below
+#               the smallest difference in bytes two plans can have (half a byte)
+
+
+def solve(graph: Graph, *, time_limit: float = 20.0) -> Solution:
+    """The plan of least bytes (then most defaults) for ``graph``; ``optimal`` is False where the
+    solver ran out of ``time_limit`` (seconds per part) and kept the best plan it had, or the
+    defaults."""
+    start = time.perf_counter()
+    choice = [0] * len(graph.nodes)
+    variables, optimal = 0, True
+    for part in graph.components():
+        if all(len(graph.nodes[k].strategies) == 1 for k in part):
+            continue
+        picked, n, exact = _solve_part(graph, part, time_limit)
+        variables += n
+        optimal = optimal and exact
+        for k, s in picked.items():
+            choice[k] = s
+    return Solution(choice, graph.cost(choice), time.perf_counter() - start,
+                    variables, optimal)
+
+
+def solve_exact(graph: Graph) -> Solution:
+    """Every plan enumerated (small graphs only), least bytes then most defaults, as :func:`solve`."""
+    start = time.perf_counter()
+    best = None
+    for choice in itertools.product(*(range(len(n.strategies)) for n in graph.nodes)):
+        key = (round(graph.cost(choice), 6), sum(1 for s in choice if s))
+        if best is None or key < best[0]:
+            best = (key, list(choice))
+    choice = best[1]
+    return Solution(choice, graph.cost(choice), time.perf_counter() - start)
+
+
+class _Program:
+    """The ILP of one part of the graph: variables, objective terms, constraint rows."""
+
+    def __init__(self):
+        self.n = 0
+        self.bytes: list = []      # objective coefficient per variable (bytes)
+        self.integer: list = []
+        self.upper: list = []
+        self.rows: list = []       # (coefficients {var: c}, lower, upper)
+
+    def var(self, cost=0.0, integer=True, upper=1.0) -> int:
+        self.bytes.append(cost)
+        self.integer.append(1 if integer else 0)
+        self.upper.append(upper)
+        self.n += 1
+        return self.n - 1
+
+    def row(self, coefs: dict, lo: float, hi: float) -> None:
+        self.rows.append((coefs, lo, hi))
+
+    def run(self, objective, time_limit=20.0):
+        rows = self.rows
+        r, c, d = [], [], []
+        for i, (coefs, _, _) in enumerate(rows):
+            for j, value in coefs.items():
+                r.append(i)
+                c.append(j)
+                d.append(value)
+        a = coo_array((d, (r, c)), shape=(len(rows), self.n)).tocsr()
+        constraint = LinearConstraint(a, [lo for _, lo, _ in rows], [hi for _, _, hi in rows])
+        res = milp(np.asarray(objective, float), constraints=constraint, integrality=np.asarray(self.integer),
+                   bounds=Bounds(np.zeros(self.n), np.asarray(self.upper, float)),
+                   options={"time_limit": time_limit, "mip_rel_gap": 0.0})
+        return res
+
+
+def _solve_part(graph: Graph, part: list, time_limit: float):
+    """``({node: strategy}, variables, optimal)`` for one connected part; the defaults when the
+    solver finds no plan in ``time_limit`` seconds."""
+    prog = _Program()
+    x = {}
+    for k in part:
+        node = graph.nodes[k]
+        ids = [prog.var(s.cost + (_TIE if i else 0.0)) for i, s in enumerate(node.strategies)]
+        x[k] = ids
+        prog.row({i: 1.0 for i in ids}, 1.0, 1.0)
+    members = set(part)
+    for v, (p, slot) in graph.producer.items():
+        if p in members:
+            _relay_terms(graph, prog, x, v, p, slot)
+    res = prog.run(prog.bytes, time_limit=time_limit)
+    if res.x is None:
+        return {k: 0 for k in part}, prog.n, False
+    picked = {k: int(np.argmax([res.x[i] for i in ids])) for k, ids in x.items()}
+    return picked, prog.n, bool(res.status == 0)
+
+
+def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) -> None:
+    """Variables and rows pricing the relays of value ``v`` (made by node ``p``)."""
+    needed: dict = {}   # placement -> {consumer node: [strategy indices needing it]}
+    for c, j in graph.consumers.get(v, ()):
+        for s, strat in enumerate(graph.nodes[c].strategies):
+            needed.setdefault(strat.needs[j], {}).setdefault(c, []).append(s)
+    gives = [s.gives[slot] for s in graph.nodes[p].strategies]
+    for target, by_consumer in needed.items():
+        costs = [graph.relay(v, src, target) for src in gives]
+        if not any(costs):
+            continue
+        z = prog.var()
+        for c, strategies in by_consumer.items():
+            prog.row({z: 1.0, **{x[c][s]: -1.0 for s in strategies}}, 0.0, np.inf)
+        for s, cost in enumerate(costs):
+            if cost == np.inf:   # no relay reaches the target from there: not both
+                prog.row({x[p][s]: 1.0, z: 1.0}, -np.inf, 1.0)
+            elif cost:
+                u = prog.var(cost, integer=False, upper=1.0)
+                prog.row({u: 1.0, x[p][s]: -1.0, z: -1.0}, -1.0, np.inf)

@@ -1,0 +1,107 @@
+"""The whole-program plan (meshdsl.planner) keeps the promises where deciding op by op did not:
+programs an outside fuzzer found moving more bytes than the compiler, each now at or under
+gspmd's bytes, explained exactly, with the unsharded values. Each test pins the bytes the plan
+moves (explain == the compiled HLO), and ``md.explain(...).decisions()`` shows the choice."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import meshdsl as md
+from helpers import promises_kept
+
+
+def _normal(shape, names, seed=0, param=False):
+    x = md.named(jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32), names)
+    return md.param(x) if param else x
+
+
+def test_a_value_read_by_a_reshape_and_a_cumsum_is_gathered_once_for_both():
+    """rename(x[b f:model s:data]) -> [n2 f n1] moves the data split onto n2 (permutes); the
+    reshape merging f and n1 and the cumsum over f both read it with f gathered: one gather (the
+    rules alone reshaped it split and gathered the merged result, then ran the cumsum's block
+    totals: 2.9x gspmd)."""
+    x = _normal((16, 8, 24), "b f s")
+
+    def fn(x):
+        t = md.rename(x, {"s": "n1", "b": "n2"})
+        return md.cumsum(t, "f"), md.reshape(t, "n2 n3:192")
+    mesh, layout = md.Mesh({"data": 4, "model": 2}), md.Layout({"n2": "data", "f": "model", "s": "data"})
+    promises_kept(fn, mesh, layout, x, moved={"all-gather": 1536, "collective-permute": 1152})
+
+
+def test_a_three_operand_einsum_contracts_its_split_pair_first_under_grad():
+    """einsum(x2[s b h], x0[s h], x1[s b]) with b split over data: contracting x2 and x1 over b
+    first and reducing that [s h] partial sum (one all-reduce) leaves x0's gradient local; all at
+    once, the result and x0's gradient are each all-reduced (2x gspmd)."""
+    x0 = _normal((24, 16), "s h", 0, param=True)
+    x1 = _normal((24, 32), "s b", 1, param=True)
+    x2, w2, w1 = _normal((24, 32, 16), "s b h", 2), _normal((24, 16), "s h", 3), _normal((24, 16), "s h", 4)
+
+    def step(x0, x1, x2, w2, w1):
+        def loss(x0, x1, x2):
+            t1 = md.einsum(x2, x0, x1, out="s h")
+            return (md.sum(md.log1p(md.square(t1)) * w2) + md.sum(t1 * w1)).array
+        return jax.grad(loss, argnums=(0, 1, 2))(x0, x1, x2)
+    mesh, layout = md.Mesh({"data": 4, "model": 2}), md.Layout({"b": "data", "s": "model"})
+    promises_kept(step, mesh, layout, x0, x1, x2, w2, w1, moved={"all-reduce": 1152})
+    decided = md.explain(step, mesh, layout, x0, x1, x2, w2, w1).decisions()
+    einsum = next(d for d in decided if d["op"].startswith("einsum"))
+    assert "candidate" in einsum["chosen"] and einsum["next_bytes"] > einsum["bytes"]
+
+
+def test_a_scan_body_is_planned_with_the_program():
+    """A scan whose step contracts the carry with a stored weight slice: the plan computes the
+    step where its operands already are instead of gathering the carry every step (5828 B where
+    gspmd moves 4676 B; now 452 B)."""
+    x0 = _normal((8,), "d", 0, param=True)
+    x1, x2 = _normal((8, 24, 8), "d f s", 1), _normal((8,), "s", 2)
+    w = _normal((2, 8, 8), "L d n3", 3, param=True)
+
+    def step(carry, w):
+        h, acc = carry
+        z = md.rename(md.einsum(h, w, out="n3 f s"), {"n3": "d"})
+        hn = md.transpose(z * 0.25 + h, "d f s")
+        return (hn, acc + md.sum(z, "d") * 0.1), md.sum(hn)
+
+    def fn(x0, x1, x2, w):
+        t2 = md.reshape(md.einsum(x1, x1, out="s f"), "n1:4 n2:2 f:24")
+        md.einsum(t2, x0, t2, out="f n1 n2")
+        (_, acc), _ = md.scan(step, (x1, md.sum(x1, "d") * 0.0 + 1.0), w, dim="L")
+        return md.einsum(acc, x2, out="")
+    mesh = md.Mesh({"data": 2, "model": 4})
+    layout = md.Layout({"n3": "model", "s": "data", "n1": "model", "n2": "data"}, params={"L": "data"})
+    promises_kept(fn, mesh, layout, x0, x1, x2, w, param_gather="auto")
+
+
+def test_a_pad_of_a_pending_sum_reduces_it_first_and_an_einsum_shares_the_reduction():
+    """concat, pad, where and logsumexp on data:8: the three-operand einsum reduces its pair
+    first, and the pad reads the reduced [f] instead of padding the pending sum and reducing the
+    larger value (192 B where gspmd moves 175 B; now 31 B)."""
+    x0, x2 = _normal((24,), "d", 0, param=True), _normal((24,), "f", 1)
+
+    def fn(x0, x2):
+        t1 = md.concat([x0, md.tanh(x0)], "d")
+        t3 = md.where(md.greater(x0, 0.3), x2, 2.0)
+        t4 = md.einsum(x2, t1, t1, out="f")
+        return md.pad(t4, "f", 0, 8, value=0), t3, md.logsumexp(x2, "f")
+    promises_kept(fn, md.Mesh({"data": 8}), md.Layout({"d": "data"}), x0, x2)
+
+
+def test_explain_counts_what_a_scan_with_cumsum_and_pad_moves():
+    """A scan whose step takes a softmax of a contraction, with a cumsum and a pad of its
+    outputs, on a dim split over both axes: explain counted 224 B where the compiled program
+    moves 210 B."""
+    x0, x1 = _normal((24, 24), "s d", 0), _normal((24,), "b", 1)
+    w = _normal((2, 24, 24), "L b n1", 2, param=True)
+
+    def step(h, w):
+        z = md.rename(md.einsum(h, w, out="n1"), {"n1": "b"})
+        return md.softmax(z, "b") + h * 0.5, md.sum(z, "b")
+
+    def fn(x0, x1, w):
+        _, t2 = md.scan(step, x1, w, dim="L")
+        md.cumsum(x0, "d")
+        return md.maximum(t2, t2), md.pad(t2, "L", 0, 0, value=0)
+    mesh = md.Mesh({"data": 2, "model": 4})
+    promises_kept(fn, mesh, md.Layout({"d": ("data", "model"), "b": ("data", "model")}), x0, x1, w)

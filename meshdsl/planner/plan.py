@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..cost import element_bytes
+from ..cost import element_bytes, moved_bytes
 from ..relayout import relayout_bytes
 from .graph import Graph, Node, Strategy
 from .solve import Solution, solve
@@ -57,8 +57,25 @@ def build(ctx, recording) -> tuple[Graph, dict]:
         nodes[graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))] = k
     for v, pl in recording.sinks:
         if v in graph.producer:
+            _replicate_at(ctx, graph, recording.values[v], v, pl)
             graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
     return graph, nodes
+
+
+def _replicate_at(ctx, graph, value, v, pl) -> None:
+    """A value leaving the program typed varying over axes its placement ``pl`` does not split
+    (computed from a parameter and data, widened to the data axes) is all-reduced there to type
+    it replicated: charged to each strategy of its producer that leaves it so."""
+    dims, dtype, executions, _ = value
+    k, slot = graph.producer[v]
+    node = graph.nodes[k]
+    local = element_bytes(dtype, ctx.mesh.platform) * math.prod(dims.sizes) / ctx.mesh.axes_size(pl.split_axes())
+    for i, s in enumerate(node.strategies):
+        found = s.detail
+        extra = (found.vary[slot] - pl.split_axes()) if found is not None and found.vary else frozenset()
+        if extra:
+            cost = moved_bytes("all-reduce", local, local, ctx.mesh.axes_size(tuple(extra))) * executions
+            node.strategies[i] = dataclasses.replace(s, cost=s.cost + cost)
 
 
 def choose(ctx, recording, *, time_limit: float = 60.0) -> Plan:

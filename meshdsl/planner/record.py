@@ -26,7 +26,7 @@ import dataclasses
 import jax
 
 from ..errors import MeshDSLError
-from ..jaxcompat import differentiated
+from ..jaxcompat import differentiated, varying_axes
 from ..named import NamedArray, Placement, is_named
 
 __all__ = ["Recording", "OpRecord", "Found"]
@@ -146,6 +146,7 @@ class Found:
     forward: float
     backward: float
     options: tuple = ()    # (decision point, candidate) pairs
+    vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -163,8 +164,9 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
         ctx.planner._forced.pop()
     outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
     forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
+    vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
-                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())))
+                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary)
 
 
 def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
@@ -174,8 +176,7 @@ def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list
     here = tuple(ctx.placement(x) for x in xs)
     entries = _candidates(ctx, xs) if _off_layout(ctx, xs) else [here]
     if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
-        upstream = ()   # param_gather keep / regather: a stored parameter is gathered where read,
-        entries = [here]  # as ZeRO-3 is written; "auto" lets the plan move the activations instead
+        return _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs)
     for j, places in enumerate(upstream):
         for pl in places:
             moved = here[:j] + (pl,) + here[j + 1:]
@@ -184,10 +185,7 @@ def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list
                             for i, (x, p) in enumerate(zip(xs, here)))
             entries += [e for e in (moved, aligned) if e not in entries and all(_valid(q) for q in e)]
     tries = [(entry, {}) for entry in entries[1:2 * _MAX_CANDIDATES]]
-    counts = getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs)
-    tries += [(here, {p: c}) for p, n in enumerate(counts) for c in range(1, n)]
-    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
-    return [f for f in found if f is not None]
+    return _try_all(ctx, rule, leaves, tree, named, xs, tries + _declared(rule, here, args, kwargs))
 
 
 def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
@@ -265,6 +263,34 @@ def _candidates(ctx, xs) -> list:
                 if axes != want:
                     add(_with(reduced, j, i, want))
     return out
+
+
+def _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs) -> list:
+    """param_gather keep / regather: an op reading a parameter stored split gathers it, as
+    ZeRO-3 is written (``"auto"`` lets the plan move the activations instead). Its candidates:
+    the parameters entering gathered (the layout's placement) before the rule's own choices, its
+    other operands where they are."""
+    here = tuple(ctx.placement(x) for x in xs)
+    try:
+        gathered = tuple(Placement(tuple(ctx.canonical(x.dims))) if x.is_param and _stored(ctx, x) else pl
+                         for x, pl in zip(xs, here))
+    except MeshDSLError:
+        gathered = here
+    tries = [(gathered, {})] if gathered != here else []
+    return _try_all(ctx, rule, leaves, tree, named, xs, tries + _declared(rule, here, args, kwargs))
+
+
+def _declared(rule, here, args, kwargs) -> list:
+    """Tries of the other candidates of the decision points the rule declares
+    (``rule.options(*args, **kwargs)``: candidates per point), its operands where they are."""
+    counts = getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs)
+    return [(here, {p: c}) for p, n in enumerate(counts) for c in range(1, n)]
+
+
+def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:
+    """The strategies the rule shows for ``tries`` (entry placements, options), each in a sandbox."""
+    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
+    return [f for f in found if f is not None]
 
 
 def _stored(ctx, x) -> bool:

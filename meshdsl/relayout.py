@@ -294,6 +294,8 @@ def _route(ctx, shape, src_axes, src_pending, target, keep_pending):
     if src_pending - keep_pending or src_pending & (used_src | used_tgt):
         return None
     pre = tuple(tuple(s) + tuple(a for a in t if a not in used_src) for s, t in zip(src_axes, target))
+    # a dim the extra slices would not divide evenly is not sliced first
+    pre = tuple(p if n % ctx.axes_size(p) == 0 else tuple(s) for p, s, n in zip(pre, src_axes, shape))
     sizes = {a: ctx.axes_size((a,)) for a in used_src | used_tgt}
     best, best_bytes = None, _steps_bytes(ctx, shape, src_axes, target)
     for mid in _mids(src_axes, target, used_tgt):

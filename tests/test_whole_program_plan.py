@@ -105,3 +105,17 @@ def test_explain_counts_what_a_scan_with_cumsum_and_pad_moves():
         return md.maximum(t2, t2), md.pad(t2, "L", 0, 0, value=0)
     mesh = md.Mesh({"data": 2, "model": 4})
     promises_kept(fn, mesh, md.Layout({"d": ("data", "model"), "b": ("data", "model")}), x0, x1, w)
+
+
+def test_a_relayout_whose_target_blocks_each_lie_on_one_device_is_one_permute():
+    """[f:24] split over data into [n2:12 n3:2] placed n2:model, n3:data: every device's 3
+    elements lie on one device, so one permute of 12 B moves them, forward and backward (slicing
+    first by the target's free axes would cut n2's 12 rows over 8 devices: it moved 12 B more, a
+    permute then a gather; gspmd moves 28 B with the pad beside it)."""
+    x0 = _normal((24,), "f")
+    mesh = md.Mesh({"data": 2, "model": 4})
+    layout = md.Layout({"n2": "model", "h": "model", "f": "data", "n3": "data"})
+    fn = lambda x: (md.reshape(x, "n2:12 n3:2"), md.pad(x, "f", 8, 0, value=0))
+    promises_kept(fn, mesh, layout, x0, moved={"collective-permute": 28})
+    grad = lambda x: jax.grad(lambda x: md.sum(md.tanh(md.reshape(x, "n2:12 n3:2"))).array)(x)
+    promises_kept(grad, mesh, layout, x0)

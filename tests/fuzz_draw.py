@@ -13,6 +13,8 @@ from fuzz_programs import (BASE, BINARY, COMPARE, MESHES, MORE_BINARY, MORE_UNAR
                            size_of)
 
 MAX_ELEMS = 4096
+# dims that steps make (merges, splits, top_k outputs), each placed by the drawn layout too
+DERIVED = ("m64", "m128", "m256", "m512", "p4", "q4", "p2", "k2", "k4")
 
 
 def _elems(names):
@@ -32,7 +34,7 @@ def programs(draw, max_steps=6, ops=OPS, allow_invalid=True, dtypes=("float32",)
     """A random :class:`Program` of ``ops``; its float inputs of one of ``dtypes``."""
     mesh = draw(st.sampled_from(MESHES))
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 31)))
-    all_names = list(BASE) + ["m128", "m64", "m256", "p4", "q4", "p2", "k2", "k4"]
+    all_names = list(BASE) + list(DERIVED)
     layout = {}
     for n in all_names:
         axes = _axes_choice(draw, mesh)
@@ -89,7 +91,30 @@ def programs(draw, max_steps=6, ops=OPS, allow_invalid=True, dtypes=("float32",)
 
 
 def _step(draw, rng, op, floats, values, new_input):
-    pick = lambda: draw(st.sampled_from(floats))  # noqa: E731
+    # half the time the latest value: chains (rename -> reshape -> cumsum) as well as fan-outs
+    pick = lambda: floats[-1] if draw(st.booleans()) else draw(st.sampled_from(floats))  # noqa: E731
+    if op == "einsum3":
+        i, j, k = pick(), pick(), pick()
+        union = list(dict.fromkeys(values[i].names + values[j].names + values[k].names))
+        out = [n for n in union if draw(st.booleans())]
+        if _elems(union) > 8 * MAX_ELEMS:
+            return None
+        return {"out": " ".join(out)}, [i, j, k], out
+    if op == "scan2":
+        i = pick()
+        if len(values[i].names) < 2:
+            return None
+        dim = draw(st.sampled_from(values[i].names))
+        return {"dim": dim}, [i], [n for n in values[i].names if n != dim]
+    if op == "int_minmax":
+        i = pick()
+        names = list(values[i].names)
+        if not names:
+            return None
+        first = draw(st.sampled_from(names))
+        rest = [n for n in names if n != first]
+        second = draw(st.sampled_from(rest)) if rest and draw(st.booleans()) else ""
+        return {"first": first, "second": second}, [i], [n for n in rest if n != second]
     if op == "einsum":
         i, j = pick(), pick()
         union = list(dict.fromkeys(values[i].names + values[j].names))
@@ -163,8 +188,7 @@ def _step(draw, rng, op, floats, values, new_input):
             return None
         mapping = {}
         for n in names:
-            same = [m for m in list(BASE) + ["m128", "m64", "m256", "p4", "q4", "p2", "k2", "k4"]
-                    if size_of(m) == size_of(n) and m != n]
+            same = [m for m in list(BASE) + list(DERIVED) if size_of(m) == size_of(n) and m != n]
             if same and draw(st.booleans()):
                 mapping[n] = draw(st.sampled_from(same))
         new = [mapping.get(n, n) for n in names]
@@ -177,7 +201,7 @@ def _step(draw, rng, op, floats, values, new_input):
         if len(names) >= 2 and draw(st.booleans()):
             k = draw(st.integers(0, len(names) - 2))
             merged = f"m{size_of(names[k]) * size_of(names[k + 1])}"
-            if merged in names or merged not in ("m64", "m128", "m256"):
+            if merged in names or merged not in DERIVED:
                 return None
             new = names[:k] + [merged] + names[k + 2:]
         else:

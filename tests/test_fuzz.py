@@ -26,14 +26,14 @@ import meshdsl as md
 from meshdsl import hlo_comm
 
 from fuzz_draw import programs
-from fuzz_programs import ALL_OPS, NEW_OPS, OPS
+from fuzz_programs import ALL_OPS, FAMILY_OPS, NEW_OPS, OPS
 from helpers import assert_same
 
 LONG = os.environ.get("MESHDSL_FUZZ") == "long"
 # the small profile draws the first ops and the later ones in separate tests (each a fixed sample);
 # the long profile draws from all of them together
 FIRST = ALL_OPS if LONG else OPS
-LATER = ALL_OPS if LONG else NEW_OPS + ["einsum", "binary", "reduce", "rename"]
+LATER = ALL_OPS if LONG else NEW_OPS + FAMILY_OPS + ["einsum", "binary", "reduce", "rename", "reshape", "cumsum"]
 SEED = int(os.environ.get("MESHDSL_FUZZ_SEED", "0"))
 RATIOS: list = []  # explicit / gspmd bytes seen (reported by the long profile)
 

@@ -57,7 +57,7 @@ def _block_offset(ctx, split, block):
     return (C.axis_index(split) * block).astype(jnp.int32) if split else jnp.int32(0)
 
 
-@op("dynamic_slice")
+@op("dynamic_slice", gathers=True)
 def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
     """``size`` entries of ``dim`` from the traced position ``start`` (clamped into the dim);
     ``size=None``: the one entry at ``start``, without ``dim``."""
@@ -93,7 +93,7 @@ def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
     return ctx.out(rows, out, axes, frozenset(split))
 
 
-@op("dynamic_update_slice")
+@op("dynamic_update_slice", gathers=True)
 def dynamic_update_slice(ctx, x, update, dim, start) -> NamedArray:
     """``x`` with ``update`` written along ``dim`` from the traced position ``start`` (clamped).
     ``update`` has the dims of ``x`` (any order), ``dim`` of any size up to ``x``'s, or no ``dim``

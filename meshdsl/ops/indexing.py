@@ -53,7 +53,7 @@ def _signless_zero(v):
 _signless_zero.defjvp(lambda primals, tangents: (_signless_zero(primals[0]), tangents[0]))
 
 
-@op("top_k")
+@op("top_k", gathers=True)
 def top_k(ctx, x, dim, k: int, out: str = "k") -> tuple[NamedArray, NamedArray]:
     """The ``k`` largest entries along ``dim``: ``(values, indices)`` with dim ``out`` (size k)
     in place of ``dim``; indices are global positions along ``dim`` (int32). Ties go to the
@@ -116,7 +116,7 @@ def argmax(x, dim):
     return reshape(idx, [d for d in idx.dims if d.name != "argmax_k_"])
 
 
-@op("cumsum")
+@op("cumsum", gathers=True)
 def cumsum(ctx, x, dim) -> NamedArray:
     """Inclusive cumulative sum along ``dim``."""
     x = as_named(ctx, x)
@@ -163,7 +163,7 @@ def _shift_local(v, pos, offset, wrap):
     return jnp.pad(body, widths)
 
 
-@op("shift")
+@op("shift", gathers=True)
 def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
     """``y[i] = x[i - offset]`` along ``dim``, zero-filled (cyclic with ``wrap=True``)."""
     x = as_named(ctx, x)

@@ -27,11 +27,15 @@ __all__ = ["RULES", "op"]
 RULES: dict = {}
 
 
-def op(name: str):
+def op(name: str, *, gathers: bool = False):
+    """Register a rule. ``gathers``: the planner (:mod:`meshdsl.planner`) also prices the op with
+    its operands entering with one dim gathered where they sit as the layout says (an op moving
+    data along a dim - a reshape, a shift, a lookup - may read a copy other ops share)."""
     def register(rule):
         if name in RULES:
             raise RuntimeError(f"lowering rule {name!r} registered twice")
         RULES[name] = rule
+        rule.gathers = gathers
 
         @functools.wraps(rule)
         def public(*args, **kwargs):

@@ -39,7 +39,7 @@ def _renamed_axes(ctx, x, mapping):
     return {mapping.get(d.name, d.name): a for d, a in zip(x.dims, pl.axes)}, pl.pending
 
 
-@op("rename")
+@op("rename", gathers=True)
 def rename(ctx, x, mapping, new=None) -> NamedArray:
     """Rename dims: ``md.rename(x, {"seq": "kv_seq", ...})`` (or ``md.rename(x, "seq", "kv_seq")``)."""
     x = as_named(ctx, x)
@@ -63,7 +63,7 @@ def rename(ctx, x, mapping, new=None) -> NamedArray:
     return ctx.out(x.raw, dims, axes, pending, is_param=x.is_param)
 
 
-@op("transpose")
+@op("transpose", gathers=True)
 def transpose(ctx, x, dims) -> NamedArray:
     """Reorder the dims of ``x`` (every dim listed once); no data moves between devices."""
     x = as_named(ctx, x)
@@ -110,7 +110,7 @@ def _groups(old, new):
     return groups
 
 
-@op("reshape")
+@op("reshape", gathers=True)
 def reshape(ctx, x, dims) -> NamedArray:
     """Merge/split dims in row-major order: ``md.reshape(x, "batch seq heads:8 d_kv")``.
 

@@ -199,7 +199,7 @@ def _placed_along(ctx, x, name, keep, how, out_size):
     return axes, ctx.vary(axes.values(), [x], keep, out_size=out_size)
 
 
-@op("concat")
+@op("concat", gathers=True)
 def concat(ctx, xs, dim) -> NamedArray:
     """Concatenate along ``dim`` (same name in every operand; other dims must agree)."""
     xs = [as_named(ctx, x, f"operand {i + 1}") for i, x in enumerate(xs)]
@@ -241,7 +241,7 @@ def concat(ctx, xs, dim) -> NamedArray:
                    list(zip(xs, offsets)))
 
 
-@op("slice")
+@op("slice", gathers=True)
 def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the op's name
     """``size`` entries of ``dim`` from ``start``; the dim keeps its name (a new size)."""
     x = as_named(ctx, x)
@@ -293,7 +293,7 @@ def _windows_of(ctx, pieces, name, size, what):
     return functools.reduce(add, results)
 
 
-@op("pad")
+@op("pad", gathers=True)
 def pad(ctx, x, dim, before: int = 0, after: int = 0, value=0) -> NamedArray:
     """Pad ``dim`` with ``before``/``after`` entries of ``value``; the dim keeps its name."""
     x = as_named(ctx, x)

@@ -61,7 +61,7 @@ class Recording:
         self.gives: dict = {}      # value id -> the other placements its op's strategies give it
         self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
         self.count = 0             # outermost ops so far
-        self._forced: list = []    # (options, decision points met) of the rules running now
+        self._forced: list = []    # (options, candidates per decision point met) of the rules running now
         self._ids: dict = {}       # id(local array) -> value id
         self._keep: list = []
 
@@ -113,6 +113,10 @@ class Recording:
         upstream = [self.gives.get(v, ()) for v in operands]
         others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else []
         result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
+        if explore:   # decision points the rule met but does not declare (whether its result moves later)
+            declared = len(getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs))
+            others += _try_all(ctx, rule, leaves, tree, named, xs, [
+                (default.entry, {p: c}) for p, n in enumerate(default.points) if p >= declared for c in range(1, n)])
         inner = [self.ops[j].strategies[0] for j in range(k, len(self.ops))]   # a scan body's ops, priced apart
         if inner:
             default = dataclasses.replace(default, forward=default.forward - sum(f.forward for f in inner),
@@ -133,8 +137,8 @@ class Recording:
         if not self._forced:
             return 0
         options, met = self._forced[-1]
-        self._forced[-1] = (options, met + 1)
-        return options.get(met, 0)
+        met.append(count)
+        return options.get(len(met) - 1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +151,7 @@ class Found:
     backward: float
     options: tuple = ()    # (decision point, candidate) pairs
     vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
+    points: tuple = ()     # candidates of each decision point the rule met, in order
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -157,7 +162,8 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
         leaves[i] = _relay(ctx, x, pl)
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
     start = len(ctx.rec.records), len(ctx.rec.casts)
-    ctx.planner._forced.append((dict(options), 0))
+    met: list = []
+    ctx.planner._forced.append((dict(options), met))
     try:
         result = rule(ctx, *args, **kwargs)
     finally:
@@ -166,7 +172,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
-                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary)
+                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met))
 
 
 def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
@@ -174,7 +180,7 @@ def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list
     decision points (``rule.options(*args, **kwargs)``: candidates per point), each in a sandbox.
     ``upstream``: per operand, the other placements its producer may give it."""
     here = tuple(ctx.placement(x) for x in xs)
-    entries = _candidates(ctx, xs) if _off_layout(ctx, xs) else [here]
+    entries = _candidates(ctx, xs) if getattr(rule, "gathers", False) or _off_layout(ctx, xs) else [here]
     if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
         return _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs)
     for j, places in enumerate(upstream):

@@ -11,6 +11,7 @@ from .dims import Dim, Shape, shape
 from .display import register_treescope, report_html, reports_table
 from .errors import LayoutError, MeshDSLError, MeshError, ShapeError
 from .explain import Report, explain
+from .hardware import Hardware
 from .layout import Layout
 from .lower import LoweredFunction, lower, place
 from .mesh import Mesh
@@ -32,7 +33,7 @@ __all__ = [
     # names and values
     "Dim", "Shape", "shape", "NamedArray", "named", "param",
     # mesh, layout, lowering, cost
-    "Mesh", "Layout", "lower", "LoweredFunction", "place", "explain", "Report",
+    "Mesh", "Layout", "lower", "LoweredFunction", "place", "explain", "Report", "Hardware",
     # errors
     "MeshDSLError", "LayoutError", "ShapeError", "MeshError",
     # ops

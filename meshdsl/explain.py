@@ -22,6 +22,7 @@ from . import jaxpr_stats
 from .cost import KINDS
 from .lower import lower
 from .planner.plan import decisions
+from .step_time import StepTime, predict
 from .units import fmt_bytes, fmt_flops
 
 __all__ = ["explain", "Report", "ROW_HEAD", "row_cells"]
@@ -77,6 +78,13 @@ class Report:
         (``next``, ``next_bytes``); ``followed`` is False where the rules' own choices moved fewer
         bytes when traced, and ran instead."""
         return [dict(d) for d in self.plan_decisions]
+
+    def time(self, hardware, *, overlap: float = 0.0, dtype: str = "bfloat16") -> StepTime:
+        """The step time this report predicts on ``hardware`` (an :class:`meshdsl.Hardware`:
+        a profile such as ``md.Hardware.profile("h100-80gb")`` or ``md.Hardware.measure(mesh)``):
+        compute, communication per collective on the link its axes run on, and their sum less
+        ``overlap`` of the shorter (:mod:`meshdsl.step_time`)."""
+        return predict(self, hardware, overlap=overlap, dtype=dtype)
 
     @property
     def total_bytes(self) -> float:

@@ -26,7 +26,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
-MODULES_WITH_EXAMPLES = ["meshdsl.dims", "meshdsl.mesh", "meshdsl.layout", "meshdsl.errors", "meshdsl.cost"]
+MODULES_WITH_EXAMPLES = ["meshdsl.dims", "meshdsl.mesh", "meshdsl.layout", "meshdsl.errors", "meshdsl.cost",
+                         "meshdsl.hardware", "meshdsl.step_time"]
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 PAGES_WITHOUT_EXAMPLES = {"api.md", "architecture.md"}  # generated from docstrings / a module map
 

@@ -1,0 +1,119 @@
+"""The time model: seconds from a report's flops, memory and collectives, by hand and from md.explain.
+
+    compute       = flops / peak(dtype) + (arguments + outputs + temporaries) / HBM bandwidth
+    communication = sum of latency(link) x count + total_bytes / bandwidth(link)
+    total         = compute + communication - overlap x min(compute, communication)
+"""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshdsl as md
+from meshdsl.hardware import Hardware, Link
+from meshdsl.step_time import StepTime, predict
+
+TOY = Hardware(name="toy", flops={"bfloat16": 1e12, "float32": 2.5e11}, hbm_bandwidth=1e11, memory_bytes=1e9,
+               interconnect={"fast": Link(bandwidth=1e11, latency=1e-6), "slow": Link(bandwidth=1e9, latency=1e-4)},
+               default_link="fast", devices_per_host=8, cross_host_link="slow")
+
+
+def record(kind, axes, total_bytes, count):
+    return SimpleNamespace(kind=kind, axes=axes, total_bytes=total_bytes, count=count, dtype="float32", shape=(8,))
+
+
+def toy_report(collectives):
+    # 32 devices, 8 per host: model's groups stay inside a host (fast), data's span hosts (slow)
+    return SimpleNamespace(mesh="data:4 x model:8", flops=3e9,
+                           memory={"arguments": 2e6, "outputs": 1e6, "temporaries": 5e6, "peak": 8e6},
+                           collectives=collectives)
+
+
+def test_predict_is_the_hand_computed_sum():
+    report = toy_report([record("all-reduce", ("model",), 4e6, 3), record("all-gather", ("data",), 2e6, 2),
+                         record("reduce-scatter", ("data", "model"), 1e6, 1)])
+    t = predict(report, TOY)
+    assert t.matmul_s == pytest.approx(3e9 / 1e12, rel=1e-12)            # bf16 peak
+    assert t.memory_s == pytest.approx(8e6 / 1e11, rel=1e-12)            # arguments + outputs + temporaries
+    assert t.compute_s == pytest.approx(3e-3 + 8e-5, rel=1e-12)
+    seconds = [3 * 1e-6 + 4e6 / 1e11, 2 * 1e-4 + 2e6 / 1e9, 1e-4 + 1e6 / 1e9]   # fast, slow, slowest of both
+    assert [r["link"] for r in t.per_collective] == ["fast", "slow", "slow"]
+    assert [r["seconds"] for r in t.per_collective] == pytest.approx(seconds, rel=1e-12)
+    first = t.per_collective[0]
+    assert first["latency_s"] == pytest.approx(3e-6) and first["transfer_s"] == pytest.approx(4e-5)
+    assert t.communication_s == pytest.approx(sum(seconds), rel=1e-12)
+    assert t.total_s == pytest.approx(t.compute_s + t.communication_s, rel=1e-12)   # overlap 0
+    assert predict(report, TOY, dtype="float32").matmul_s == pytest.approx(3e9 / 2.5e11, rel=1e-12)
+    assert predict(report, TOY, dtype=jnp.float32).matmul_s == pytest.approx(3e9 / 2.5e11, rel=1e-12)
+
+
+def test_overlap_hides_the_shorter_of_compute_and_communication():
+    report = toy_report([record("all-gather", ("data",), 2e6, 1)])   # communication 2.1 ms < compute 3.08 ms
+    none, half, full = (predict(report, TOY, overlap=f) for f in (0.0, 0.5, 1.0))
+    assert none.communication_s < none.compute_s
+    assert none.total_s == pytest.approx(none.compute_s + none.communication_s, rel=1e-12)
+    assert half.total_s == pytest.approx(none.compute_s + 0.5 * none.communication_s, rel=1e-12)
+    assert full.total_s == pytest.approx(max(none.compute_s, none.communication_s), rel=1e-12)
+    assert (half.compute_s, half.communication_s) == (none.compute_s, none.communication_s)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="overlap is a fraction in"):
+            predict(report, TOY, overlap=bad)
+
+
+def test_no_collectives_is_compute_alone():
+    t = predict(toy_report([]), TOY, overlap=1.0)
+    assert t.communication_s == 0 and t.total_s == t.compute_s and t.per_collective == []
+    assert "(none)" in t.to_markdown()
+
+
+def test_views():
+    t = predict(toy_report([record("all-reduce", ("model",), 4e6, 3)]), TOY, overlap=0.25)
+    assert isinstance(t, StepTime)
+    d = t.to_dict()
+    assert d["total_s"] == t.total_s and d["hardware"] == "toy" and d["overlap"] == 0.25
+    assert d["per_collective"][0] == {"kind": "all-reduce", "axes": ("model",), "link": "fast", "count": 3,
+                                      "bytes": 4e6, "latency_s": pytest.approx(3e-6),
+                                      "transfer_s": pytest.approx(4e-5), "seconds": pytest.approx(4.3e-5)}
+    text = str(t)
+    assert text.startswith("**step** ") and "on toy" in text and "overlap 25%" in text
+    assert "| all-reduce | model | fast | 3 | 3.81 MiB | 3.00 us | 40.00 us | 43.00 us |" in text
+
+
+def test_predict_reads_an_explain_report():
+    f32 = jnp.float32
+    x = md.named(jax.ShapeDtypeStruct((16, 256), f32), "batch d_model")
+    w1 = md.param(md.named(jax.ShapeDtypeStruct((256, 1024), f32), "d_model d_ff"))
+    w2 = md.param(md.named(jax.ShapeDtypeStruct((1024, 256), f32), "d_ff d_model"))
+
+    def mlp(x, w1, w2):
+        return md.einsum(md.relu(md.einsum(x, w1, out="batch d_ff")), w2, out="batch d_model")
+
+    layout = md.Layout.parse("batch:data;d_ff:model")
+    report = md.explain(mlp, md.Mesh({"data": 2, "model": 4}), layout, x, w1, w2)
+    h100 = Hardware.profile("h100-80gb")
+    t = predict(report, h100, dtype="float32")
+    assert t.matmul_s == pytest.approx(report.flops / 494.5e12, rel=1e-12)
+    (row,) = t.per_collective
+    assert (row["kind"], row["axes"], row["link"]) == ("all-reduce", ("model",), "nvlink")
+    assert t.communication_s == pytest.approx(1e-5 + report.total_bytes / 450e9, rel=1e-12)
+    # over 32 GPUs, 8 per host: model:16 spans two hosts, unless it is said to run on NVLink
+    big = md.explain(mlp, md.Mesh.abstract({"data": 2, "model": 16}), layout, x, w1, w2)
+    assert predict(big, h100).per_collective[0]["link"] == "network"
+    assert predict(big, h100.with_links(model="nvlink")).per_collective[0]["link"] == "nvlink"
+
+
+def test_unknown_dtype_is_an_error():
+    with pytest.raises(md.MeshDSLError, match="no peak FLOP/s for float16"):
+        predict(toy_report([]), TOY, dtype="float16")
+
+
+def test_a_report_predicts_its_own_time_on_a_profile():
+    x = md.named(jax.ShapeDtypeStruct((16, 256), jnp.float32), "batch d_model")
+    w = md.param(md.named(jax.ShapeDtypeStruct((256, 1024), jnp.float32), "d_model d_ff"))
+    report = md.explain(lambda x, w: md.einsum(x, w, out="batch d_ff"), md.Mesh.abstract({"data": 2, "model": 4}),
+                        md.Layout.parse("batch:data;d_model:model"), x, w)
+    h100 = md.Hardware.profile("h100-80gb")
+    assert report.time(h100, overlap=0.5, dtype="float32") == predict(report, h100, overlap=0.5, dtype="float32")
+    assert report.time(h100).communication_s > 0 and report.time(h100).total_s > report.time(h100).compute_s

@@ -52,7 +52,7 @@ def attributed_vjp(ctx, forward, backward, primal=None):
     differentiating a scan body: same origin) and ``backward(residuals, ct) -> cotangents``
     (recorded in the ``backward`` phase). Every hand-written derivative of the rewriter uses it,
     so what it emits is attributed to the user's op and line."""
-    op, multiplier, phase = ctx.rec.capture()
+    op, multiplier, phase, sandbox = ctx.rec.capture()
 
     @jax.custom_vjp
     def f(*args):
@@ -63,13 +63,13 @@ def attributed_vjp(ctx, forward, backward, primal=None):
     def f_fwd(*args):
         args = custom_vjp_primal_tree_values(args)
         arity[:] = [len(args)]
-        with ctx.rec.origin(op, multiplier, phase):
+        with ctx.rec.origin(op, multiplier, phase, sandbox):
             return forward(*args)
 
     def f_bwd(res, ct):
         if isinstance(ct, SymbolicZero):   # nothing flows back: emit nothing (no collective of zeros)
             return (None,) * arity[0]
-        with ctx.rec.origin(op, multiplier, "backward"):
+        with ctx.rec.origin(op, multiplier, "backward", sandbox):
             return backward(res, ct)
 
     # Symbolic zeros: a result whose cotangent is zero (read only where no gradient flows, as the

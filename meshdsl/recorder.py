@@ -57,6 +57,9 @@ class Recorder:
         self.tracing = True            # False once the trace is over: late backward rules record nothing
         self._tags = 0
         self.casts: list = []          # backward bytes of each cast to varying (its psum), for the planner
+        self.sandbox = None            # the planner's sandbox being traced now (an int), if any
+        self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
+        self._sandboxes = 0
         self._loops: dict = {}         # id(loop body trace) -> executions
         self._keepalive: list = []     # traces whose ids key _loops
 
@@ -67,7 +70,7 @@ class Recorder:
 
     def record(self, kind, axes, operand, result, tensor: str = "", tag: str = "") -> None:
         """Record one collective of ``operand`` -> ``result`` over ``axes`` (no-op on 1 device)."""
-        if not self.tracing:
+        if not self.tracing or self.sandbox in self._closed:
             return
         n = self.mesh.axes_size(axes)
         if n <= 1:
@@ -84,7 +87,7 @@ class Recorder:
     def cast(self, x, axes) -> None:
         """A differentiated value ``x`` was cast to varying over ``axes``: the backward pass sums
         its cotangent there (an all-reduce the planner prices before it is emitted)."""
-        if self.tracing:
+        if self.tracing and self.sandbox not in self._closed:
             b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
             self.casts.append(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)) * self.multiplier)
 
@@ -102,18 +105,32 @@ class Recorder:
             self.op = None
 
     @contextlib.contextmanager
-    def origin(self, op, multiplier, phase):
+    def origin(self, op, multiplier, phase, sandbox=None):
         """Attribute what is emitted inside (e.g. a backward rule jax runs later) to ``op``."""
-        saved = (self.op, self.multiplier, self.phase)
-        self.op, self.multiplier, self.phase = op, multiplier, phase
+        saved = (self.op, self.multiplier, self.phase, self.sandbox)
+        self.op, self.multiplier, self.phase, self.sandbox = op, multiplier, phase, sandbox
         try:
             yield
         finally:
-            self.op, self.multiplier, self.phase = saved
+            self.op, self.multiplier, self.phase, self.sandbox = saved
 
     def capture(self):
         """The origin active now, to re-enter later with ``origin(*captured)``."""
-        return self.op, self.multiplier, self.phase
+        return self.op, self.multiplier, self.phase, self.sandbox
+
+    @contextlib.contextmanager
+    def sandboxed(self):
+        """A trace the planner rolls back (a candidate it prices): what it records counts while
+        it runs; what jax traces for it later (the forward of a collective under ``jax.grad`` in a
+        loop body, run when the loop is differentiated) is dead code and records nothing."""
+        saved = self.sandbox
+        self._sandboxes += 1
+        self.sandbox = self._sandboxes
+        try:
+            yield
+        finally:
+            self._closed.add(self.sandbox)
+            self.sandbox = saved
 
     # -- loops -------------------------------------------------------------------------------------
 

@@ -210,7 +210,8 @@ def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
     ctx.foresight = type(saved[0])()
     ctx.params = _sandboxed(saved[1])
     try:
-        return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
+        with ctx.rec.sandboxed():
+            return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
     except (MeshDSLError, ValueError, TypeError, KeyError, IndexError, AssertionError):
         return None   # the rule cannot compute from there: not a candidate
     finally:

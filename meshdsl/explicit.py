@@ -20,7 +20,7 @@ from . import param_gather
 from .contexts import LayoutContext
 from .errors import LayoutError
 from .foresight import Foresight
-from .jaxcompat import varying_axes
+from .jaxcompat import differentiated, varying_axes
 from .layout import check_axes
 from .named import NamedArray, Placement
 from .placement import plan
@@ -93,7 +93,8 @@ class ExplicitContext(LayoutContext):
         An op reading a parameter also varies over the axes the program's inputs are split over
         (``param_axes``, e.g. ``data``): a parameter's gradient is then summed over them where the
         parameter is read - the smallest place - not on some larger value computed from it (a
-        position bias [heads, seq, kv_seq] from its table [buckets, heads]). Only where that is
+        position bias [heads, seq, kv_seq] from its table [buckets, heads]). Only for a gradient
+        (an operand differentiated, or a loop body, differentiated after it is traced), and only where that is
         smaller: when the op's result (``out_size`` elements, unknown = larger) is no larger than
         the parameter, or when it meets only parameters and scalars (no data: ids, positions), the
         parameter stays invariant, so a value computed from parameters alone
@@ -108,9 +109,11 @@ class ExplicitContext(LayoutContext):
             out |= varying_axes(x.raw) - pl.used_axes()
             widen = widen or x.is_param and (out_size is None or out_size > x.size) and any(
                 not self.weights_only(y) and y.ndim for y in operands if y is not x)
-        if widen and self.param_axes:
-            # Where what the op computes is returned and all-reduced only to type it replicated,
-            # the second trace leaves the widening out (meshdsl.foresight).
+        # Only for a gradient: no operand differentiated (and not in a loop body, which jax
+        # differentiates after tracing it), widening would only type values varying to all-reduce
+        # them again. Where what the op computes is returned and all-reduced only to type it
+        # replicated, the second trace leaves the widening out (meshdsl.foresight).
+        if widen and self.param_axes and (self.rec.multiplier > 1 or any(differentiated(x.raw) for x in operands)):
             self._widening = self.foresight.widening()
             if self._widening is not None:
                 out |= self.param_axes

@@ -119,3 +119,17 @@ def test_a_relayout_whose_target_blocks_each_lie_on_one_device_is_one_permute():
     promises_kept(fn, mesh, layout, x0, moved={"collective-permute": 28})
     grad = lambda x: jax.grad(lambda x: md.sum(md.tanh(md.reshape(x, "n2:12 n3:2"))).array)(x)
     promises_kept(grad, mesh, layout, x0)
+
+
+def test_an_op_on_parameters_next_to_split_data_is_typed_varying_only_for_a_gradient():
+    """einsum(w[b c d], v[a], w[b c d]) -> [c a] with d split over data, next to an input split
+    over model and data: an op reading parameters beside split data is typed varying over the
+    data axes (its gradient then sums where the parameter is read). Pairing w with w first sums d
+    on a [c] vector (32 B); typed varying, that [c a] result was all-reduced again at the return,
+    so the plan took the [c a] sum instead (512 B where gspmd moves 32 B). With no gradient to
+    sum, an op is not widened."""
+    x0, v, w = _normal((16, 32), "b e", 0), _normal((16,), "a", 1, param=True), _normal((16, 8, 8), "b c d", 2, param=True)
+    fn = lambda x0, v, w: md.einsum(w, v, w, out="c a")
+    mesh = md.Mesh({"data": 2, "model": 4})
+    layout = md.Layout({"d": "data", "e": ("model", "data")})
+    promises_kept(fn, mesh, layout, x0, v, w, moved={"all-reduce": 32})

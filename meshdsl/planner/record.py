@@ -113,10 +113,11 @@ class Recording:
         upstream = [self.gives.get(v, ()) for v in operands]
         others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else []
         result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
-        if explore:   # decision points the rule met but does not declare (whether its result moves later)
+        if explore:   # decision points the rule met but does not declare (whether to widen a type), with each strategy
             declared = len(getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs))
             others += _try_all(ctx, rule, leaves, tree, named, xs, [
-                (default.entry, {p: c}) for p, n in enumerate(default.points) if p >= declared for c in range(1, n)])
+                (f.entry, {**dict(f.options), p: c}) for f in [default] + others
+                for p, n in enumerate(f.points) if p >= declared for c in range(1, n)])
         inner = [self.ops[j].strategies[0] for j in range(k, len(self.ops))]   # a scan body's ops, priced apart
         if inner:
             default = dataclasses.replace(default, forward=default.forward - sum(f.forward for f in inner),
@@ -180,7 +181,10 @@ def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list
     decision points (``rule.options(*args, **kwargs)``: candidates per point), each in a sandbox.
     ``upstream``: per operand, the other placements its producer may give it."""
     here = tuple(ctx.placement(x) for x in xs)
-    entries = _candidates(ctx, xs) if getattr(rule, "gathers", False) or _off_layout(ctx, xs) else [here]
+    # an op moving data along a dim may read a copy gathered for others (outside loop bodies:
+    # there the trace would carry every priced candidate as dead code into the loop's derivative)
+    gathers = getattr(rule, "gathers", False) and ctx.rec.multiplier == 1
+    entries = _candidates(ctx, xs) if gathers or _off_layout(ctx, xs) else [here]
     if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
         return _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs)
     for j, places in enumerate(upstream):

@@ -27,10 +27,9 @@ gather done earlier than needed is still correct).
 Reading a copy another op made (``ExplicitContext.relaid``) is free only if that op stays: when
 the compiler drops it (its result is never used), the copy is made for the reader alone. A trace
 in which some collective is dead and some op read a copy is compared with one reading none
-(``no_reuse``); ``Program.make_jaxpr`` keeps whichever moves fewer bytes. So is a trace in which a
-reshape moved a split to make its result split off the layout, hoping it stays so (it is only
-summed into a loss), with one making no such bet (``no_gamble``): the result may yet move, through
-the ops that read it, at the return.
+(``no_reuse``); ``Program.make_jaxpr`` keeps whichever moves fewer bytes. (Whether a reshape
+moves a split to make its result split off the layout, betting it stays so, is no longer a
+retrace: it is a decision point the planner prices over the whole program.)
 
 A pending sum reduced with a dim whole that the layout splits over free axes (``rows[b k]``, a
 lookup's partial rows, ``k`` whole because the small value it came from - a top_k's ``[k]`` -
@@ -48,13 +47,11 @@ __all__ = ["Foresight"]
 class Foresight:
     """Hints from a previous trace (``early``, ``later``) and this trace's observations."""
 
-    def __init__(self, early=None, later=None, narrow=None, no_reuse=False, no_gamble=False, split=()):
+    def __init__(self, early=None, later=None, narrow=None, no_reuse=False, split=()):
         self.no_reuse = no_reuse      # read no copy made by another op (see Program.make_jaxpr)
         self.split = frozenset(split)  # dims to compute split as the layout says, wherever that is free
         self.split_wished: set = set()  # dims a pending sum was reduced whole that the layout splits
         self.reused = False           # an op read a copy made by another op
-        self.no_gamble = no_gamble    # make no result split off the layout in the hope it stays
-        self.gambled = False          # an op did (see Program.make_jaxpr)
         self.early: dict = dict(early or {})   # number -> (dim names, placement to reduce its sum to)
         self.later: dict = dict(later or {})   # number -> placements of copies a later op makes
         self.narrow: set = set(narrow or ())   # widenings (in order) to leave out

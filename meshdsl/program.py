@@ -104,8 +104,6 @@ class Program:
         variants = [(seen.next(), True)]
         if seen.reused:   # an op read a copy another op made: is that other op dead?
             variants.append(({"no_reuse": True}, False))
-        if seen.gambled:  # a result made split off the layout, hoping it stays: does it move later?
-            variants.append(({"no_gamble": True}, False))
         if seen.split_wished:  # a sum reduced with dims whole that the layout splits: split them early?
             variants.append(({**(seen.next() or {}), "split": frozenset(seen.split_wished)}, False))
         best = (_moved(closed, self.last_ctx), closed, self.last_ctx, {})

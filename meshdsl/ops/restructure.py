@@ -154,8 +154,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b) or
     those of a later dim of the group, moved onto the first (``[a, b:x] -> [m]``: m split over x
     where it is made; it moves later only if it must); axes that fit none may move to a whole kept
-    dim (:func:`_parked`). The cheapest by bytes,
-    counting the move of the result to the layout's placement."""
+    dim (:func:`_parked`). The cheapest by bytes, counting the result's move to the layout's."""
     def plan(layout_first, spread=False, current=current, to_first=False):
         return _plan(ctx, groups, current, layout_first, spread, to_first)
 
@@ -188,24 +187,27 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
                                                        pending, before, kept(before))
         return now + relayout_bytes(ctx, new, x.dtype.itemsize, placed, kept(before), later, kept(later))
 
-    options = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
-    bet = None if ctx.foresight.no_gamble else plan(False, to_first=True)   # see _plan
-    options += [bet] if bet is not None and bet not in options else []
-    options += [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
-    whole = dict(zip(x.names, ctx.canonical(x.dims)))   # x as the layout places it: a copy made anyway?
-    if copy_made(whole):
-        options += [o for o in (plan(False, current=whole), plan(False, spread=True, current=whole)) if o is not None]
+    def with_parked(options):
+        options = options + [o for o in (_parked(ctx, x, groups, current, o) for o in options) if o is not None]
+        whole = dict(zip(x.names, ctx.canonical(x.dims)))   # x as the layout places it: a copy made anyway?
+        if copy_made(whole):
+            options += [o for o in (plan(False, current=whole), plan(False, spread=True, current=whole)) if o is not None]
+        return options
+
+    safe = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
+    bet = plan(False, to_first=True)   # see _plan
+    options = with_parked(safe + ([bet] if bet is not None and bet not in safe else []))
     # Ties: hoping, the option that leaves less to move if the result does move (one reading a
     # copy of x made anyway); sure, the one that moves x now: other ops reading x share that copy
     # (a dynamic_slice of x before the reshape reads it, not a masked sum of its own).
-    hopeful = min(options, key=lambda o: (cost(o, False), cost(o, True)))
+    hoping = lambda options: min(options, key=lambda o: (cost(o, False), cost(o, True)))  # noqa: E731
+    hopeful = hoping(options)
     sure = min(options, key=lambda o: (cost(o, True), all(o[0][n] == current[n] for n in x.names)))
     # The result is relaid to the layout's placement later (returned), the previous trace says:
-    # a split the layout does not want is then sure to move. Asked only when the answer matters
-    # (asking makes a second trace).
+    # a split the layout does not want is then sure to move. Betting it stays split off the
+    # layout (only summed into a loss) is a decision point of the planner: it may yet move.
     if hopeful is sure or not ctx.result_relaid([x], wanted):
-        ctx.foresight.gambled |= hopeful is bet   # the trace without the bet is compared
-        return hopeful
+        return hoping(with_parked(safe)) if hopeful is bet and ctx.option(2) else hopeful
     return sure
 
 

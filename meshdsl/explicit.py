@@ -279,7 +279,7 @@ class ExplicitContext(LayoutContext):
         the loop, done once instead of once per step, and its backward collective too."""
         trace = jaxcompat.current_trace()
         owner = jaxcompat.enclosing_trace(source, trace)
-        full = (id(source), key, id(owner))
+        full = (id(source), key, id(jaxcompat.stands_for(owner)))
         hit = self._cache.get(full)
         if hit is None:
             if owner is trace:

@@ -1,8 +1,9 @@
 """Every use of jax internals (``jax._src``) in meshdsl, in one small module.
 
-The rewriter needs four things public jax does not offer: the trace being built now and the
+The rewriter needs five things public jax does not offer: the trace being built now and the
 traces enclosing it (to hoist the relayout of a value a ``md.scan`` step captures out of the
-loop), running code in an enclosing trace, dead-code elimination of a jaxpr (``md.explain``
+loop), running code in an enclosing trace, a trace built apart and thrown away (the planner
+prices a candidate there, undifferentiated), dead-code elimination of a jaxpr (``md.explain``
 drops collectives the compiler drops), and whether a value is being differentiated (an einsum
 weighs its backward collectives too). A jax upgrade that moves them breaks this file only.
 
@@ -18,7 +19,10 @@ from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "dce", "varying_axes", "differentiated"]
+__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "dce", "varying_axes",
+           "differentiated"]
+
+_APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
 
 def varying_axes(array) -> frozenset:
@@ -31,8 +35,30 @@ def varying_axes(array) -> frozenset:
 
 def differentiated(value) -> bool:
     """Is ``value`` being differentiated (a tracer of ``jax.grad``'s forward pass)? Its
-    operations then also run backward, and their backward collectives count."""
-    return isinstance(getattr(value, "_trace", None), (_ad.JVPTrace, _ad.LinearizeTrace))
+    operations then also run backward, and their backward collectives count. In a trace built
+    :func:`apart`, a value computed from one is."""
+    trace = getattr(value, "_trace", None)
+    if isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace)):
+        return True
+    if id(trace) not in _APART:
+        return False
+    stack, seen = [value], set()
+    while stack:   # back through what the apart trace computed it from, to the values it read
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if getattr(t, "_trace", None) is not trace:
+            if differentiated(t):
+                return True
+            continue
+        read = trace.frame.constvar_to_val.get(t.val) if isinstance(t.val, _core.Var) else None
+        if read is not None:
+            if differentiated(read):
+                return True
+        elif t.parent is not None:
+            stack.extend(t.parent.in_tracers)
+    return False
 
 
 def current_trace():
@@ -46,16 +72,39 @@ def parent_trace(trace):
 
 
 def enclosing_trace(value, trace):
-    """The trace owning tracer ``value`` if it strictly encloses ``trace``, else ``trace``."""
+    """The trace owning tracer ``value`` if it strictly encloses ``trace``, else ``trace``. A
+    trace built :func:`apart` stands in for the trace it was opened in: a value of that trace is
+    owned by it."""
     owner = getattr(value, "_trace", None)
     if owner is None or owner is trace:
         return trace
-    t = parent_trace(trace)
+    below, t = trace, parent_trace(trace)
     while t is not None:
         if t is owner:
-            return owner
-        t = parent_trace(t)
+            return below if id(below) in _APART else owner
+        below, t = t, parent_trace(t)
     return trace
+
+
+def stands_for(trace):
+    """The trace ``trace`` stands in for (itself, or the trace one built :func:`apart` was opened in)."""
+    return _APART.get(id(trace), trace)
+
+
+@contextlib.contextmanager
+def apart():
+    """Build what runs inside into a fresh trace thrown away after (a candidate the planner
+    prices): it reads the values of the traces around it as constants and differentiates nothing,
+    so it costs what tracing the forward alone costs, and leaves no dead code behind."""
+    parent = current_trace()
+    trace = _pe.DynamicJaxprTrace(None, parent_trace=parent)
+    _APART[id(trace)] = parent
+    try:
+        with _core.set_current_trace(trace):
+            yield
+    finally:
+        del _APART[id(trace)]
+        trace.invalidate()
 
 
 @contextlib.contextmanager

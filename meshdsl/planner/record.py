@@ -26,7 +26,7 @@ import dataclasses
 import jax
 
 from ..errors import MeshDSLError
-from ..jaxcompat import differentiated, varying_axes
+from ..jaxcompat import apart, differentiated, varying_axes
 from ..named import NamedArray, Placement, is_named
 
 __all__ = ["Recording", "OpRecord", "Found"]
@@ -214,7 +214,7 @@ def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
     ctx.foresight = type(saved[0])()
     ctx.params = _sandboxed(saved[1])
     try:
-        with ctx.rec.sandboxed():
+        with ctx.rec.sandboxed(), apart():
             return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
     except (MeshDSLError, ValueError, TypeError, KeyError, IndexError, AssertionError):
         return None   # the rule cannot compute from there: not a candidate

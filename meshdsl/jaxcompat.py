@@ -13,16 +13,27 @@ Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import jax
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "dce", "varying_axes",
-           "differentiated"]
+__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "fresh", "dce",
+           "varying_axes", "differentiated"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
+
+# Part of jax's trace context: jax caches what it traces (a jax.checkpoint'ed function, a loop
+# body) by function, argument types and this context. The rewriter's rules are not pure (what
+# they emit is recorded; the plan answers their questions), so each of its traces takes a new
+# value: a function traced again by another candidate or trace runs the rules again.
+_EPOCH = _config.string_or_object_state(
+    "meshdsl_trace_epoch", None, help="meshdsl: which of the rewriter's traces is running (see jaxcompat)",
+    include_in_trace_context=True)
+_epochs = itertools.count()
 
 
 def varying_axes(array) -> frozenset:
@@ -91,6 +102,12 @@ def stands_for(trace):
     return _APART.get(id(trace), trace)
 
 
+def fresh():
+    """A context in which jax traces again what it traced before (its caches keyed apart): one of
+    the rewriter's traces, or a candidate's, runs the rules of every function it calls."""
+    return _EPOCH(next(_epochs))
+
+
 @contextlib.contextmanager
 def apart():
     """Build what runs inside into a fresh trace thrown away after (a candidate the planner
@@ -100,7 +117,7 @@ def apart():
     trace = _pe.DynamicJaxprTrace(None, parent_trace=parent)
     _APART[id(trace)] = parent
     try:
-        with _core.set_current_trace(trace):
+        with _core.set_current_trace(trace), fresh():
             yield
     finally:
         del _APART[id(trace)]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import jaxpr_stats, param_gather
+from . import jaxcompat, jaxpr_stats, param_gather
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
@@ -93,7 +93,7 @@ class Program:
         keeping the trace that moves the fewest bytes."""
         planning = self.owner.backend == "explicit" and not self._foresight_done
         self._recording = planning and self.owner.planner
-        closed = jax.make_jaxpr(self.run)(*avals)
+        closed = _traced(self.run, avals)
         self._recording = False
         if not planning:
             return closed
@@ -115,7 +115,7 @@ class Program:
             for hints, wins_a_tie in variants:   # a tie: what a trace learned wins, reading no copy does not
                 tried.append(hints)
                 self.hints = hints
-                closed = jax.make_jaxpr(self.run)(*avals)
+                closed = _traced(self.run, avals)
                 moved = _moved(closed, self.last_ctx)
                 if moved < best[0] or moved == best[0] and wins_a_tie:
                     best = (moved, closed, self.last_ctx, hints)
@@ -124,7 +124,7 @@ class Program:
             variants = [(best[2].foresight.next(), True)]
         if plan is not None and plan.gain > 0.5:   # the whole-program plan moves fewer bytes than the rules' own choices
             self.hints, self.plan = {}, plan
-            planned = jax.make_jaxpr(self.run)(*avals)
+            planned = _traced(self.run, avals)
             moved = _moved(planned, self.last_ctx)
             if moved < best[0]:
                 best = (moved, planned, self.last_ctx, {})
@@ -267,3 +267,10 @@ def _moved(closed, ctx) -> float:
     recorded collectives, as often as the live program runs each (dead ones dropped)."""
     runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
     return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)
+
+
+def _traced(run, avals):
+    """``run`` traced to a jaxpr, as a trace of its own: what jax traced in an earlier trace (a
+    jax.checkpoint'ed function) runs its rules again (:func:`meshdsl.jaxcompat.fresh`)."""
+    with jaxcompat.fresh():
+        return jax.make_jaxpr(run)(*avals)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import collectives as C
+from .. import jaxcompat
 from ..dims import Dim, Shape
 from ..errors import ShapeError
 from ..jaxcompat import varying_axes
@@ -94,7 +95,8 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             y_templates.append(y_tree)
             return out_c, [y.raw if _is_named(y) else y for y in y_leaves]
 
-    c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
+    with jaxcompat.fresh():   # a step traced again (a retry, another candidate) runs its rules again
+        c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
     y_tree = y_templates.pop()
     return _rebuild(c_tree, c_out, c_templates), _stack_ys(dim, length, y_tree, y_arrays, y_templates)
 

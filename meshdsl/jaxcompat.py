@@ -13,10 +13,10 @@ Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`
 from __future__ import annotations
 
 import contextlib
-import itertools
+import weakref
 
 import jax
-from jax._src import config as _config
+from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
@@ -26,14 +26,12 @@ __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apar
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
-# Part of jax's trace context: jax caches what it traces (a jax.checkpoint'ed function, a loop
-# body) by function, argument types and this context. The rewriter's rules are not pure (what
-# they emit is recorded; the plan answers their questions), so each of its traces takes a new
-# value: a function traced again by another candidate or trace runs the rules again.
-_EPOCH = _config.string_or_object_state(
-    "meshdsl_trace_epoch", None, help="meshdsl: which of the rewriter's traces is running (see jaxcompat)",
-    include_in_trace_context=True)
-_epochs = itertools.count()
+# jax caches what it traces by function and argument types (a jax.checkpoint'ed function, a jitted
+# one, a loop body). The rewriter's rules are not pure (what they emit is recorded; the plan
+# answers their questions): a function of the user's traced by one of the rewriter's traces must
+# not be replayed from the cache by another. jax's own functions (jnp's jitted helpers) hold no
+# rule and stay cached.
+_TRACE_CACHES = (_pe.trace_to_jaxpr, _ad_checkpoint._trace_to_jaxpr)
 
 
 def varying_axes(array) -> frozenset:
@@ -102,10 +100,29 @@ def stands_for(trace):
     return _APART.get(id(trace), trace)
 
 
+@contextlib.contextmanager
 def fresh():
-    """A context in which jax traces again what it traced before (its caches keyed apart): one of
-    the rewriter's traces, or a candidate's, runs the rules of every function it calls."""
-    return _EPOCH(next(_epochs))
+    """One of the rewriter's traces, as a trace of its own to jax: a function of the user's that
+    jax traced before (in another trace, another candidate) is traced again, its rules run, and
+    what is traced inside is not replayed by a later trace."""
+    _forget_users_traces()
+    try:
+        yield
+    finally:
+        _forget_users_traces()
+
+
+def _forget_users_traces() -> None:
+    for cache in _TRACE_CACHES:
+        for key in cache.cache_keys():
+            fun = key[0]() if isinstance(key, tuple) and key and isinstance(key[0], weakref.ref) else None
+            if fun is not None and not _jax_own(fun):
+                cache.evict_weakref(fun)
+
+
+def _jax_own(fun) -> bool:
+    module = getattr(fun, "__module__", None) or getattr(getattr(fun, "func", None), "__module__", None) or ""
+    return module == "jax" or module.startswith(("jax.", "jaxlib"))
 
 
 @contextlib.contextmanager

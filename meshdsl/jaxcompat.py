@@ -126,17 +126,15 @@ def _jax_own(fun) -> bool:
 
 
 @contextlib.contextmanager
-def apart(own_context: bool = False):
+def apart():
     """Build what runs inside into a fresh trace thrown away after (a candidate the planner
     prices): it reads the values of the traces around it as constants and differentiates nothing,
-    so it costs what tracing the forward alone costs, and leaves no dead code behind.
-    ``own_context``: a candidate tracing the user's functions (a loop body) traces them as a trace
-    of its own (:func:`fresh`); other candidates share jax's caches with the trace around them."""
+    so it costs what tracing the forward alone costs, and leaves no dead code behind."""
     parent = current_trace()
     trace = _pe.DynamicJaxprTrace(None, parent_trace=parent)
     _APART[id(trace)] = parent
     try:
-        with _core.set_current_trace(trace), (fresh() if own_context else contextlib.nullcontext()):
+        with _core.set_current_trace(trace):
             yield
     finally:
         del _APART[id(trace)]

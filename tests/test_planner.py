@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import meshdsl as md
-from meshdsl import cost, param_gather
+from meshdsl import cost, jaxcompat, param_gather
 from meshdsl.explicit import ExplicitContext
 from meshdsl.named import NamedArray, Placement
 from meshdsl.relayout import needs_gather, relayout_bytes
@@ -138,3 +138,21 @@ def test_policies_by_name():
     auto = param_gather.make("auto", decisions=[True])
     with pytest.raises(AssertionError, match="1 parameter-gather decisions left unused"):
         auto.finish()
+
+
+def test_a_trace_built_apart_knows_which_values_come_from_a_differentiated_one():
+    """The planner prices a candidate in a trace of its own (undifferentiated, thrown away); a rule
+    there still weighs the backward pass of what it computes from a value jax.grad differentiates,
+    and not of what it computes from constants."""
+    seen = {}
+
+    def loss(w, c):
+        with jaxcompat.apart():
+            y = jnp.tanh(w * 2.0)
+            seen.update(y=jaxcompat.differentiated(y), from_c=jaxcompat.differentiated(jnp.sin(c)),
+                        mixed=jaxcompat.differentiated(jnp.sin(c) + y), inner=jaxcompat.current_trace())
+        assert jaxcompat.current_trace() is not seen["inner"]
+        return jnp.sum(w * c)
+
+    jax.grad(loss)(jnp.ones(3), jnp.ones(3))
+    assert seen["y"] and seen["mixed"] and not seen["from_c"]

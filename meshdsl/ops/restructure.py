@@ -200,9 +200,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     # Ties: hoping, the option that leaves less to move if the result does move (one reading a
     # copy of x made anyway); sure, the one that moves x now: other ops reading x share that copy
     # (a dynamic_slice of x before the reshape reads it, not a masked sum of its own).
-    def hoping(options):
-        return min(options, key=lambda o: (cost(o, False), cost(o, True)))
-
+    hoping = lambda options: min(options, key=lambda o: (cost(o, False), cost(o, True)))  # noqa: E731
     hopeful = hoping(options)
     sure = min(options, key=lambda o: (cost(o, True), all(o[0][n] == current[n] for n in x.names)))
     # The result is relaid to the layout's placement later (returned), the previous trace says:

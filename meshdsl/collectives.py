@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from .jaxcompat import varying_axes
+from .jaxcompat import pricing, varying_axes
 
 __all__ = ["psum", "pmax", "pmin", "cast", "cast_gathered", "psum_scatter", "all_gather", "take_block",
            "all_to_all", "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
@@ -51,7 +51,10 @@ def attributed_vjp(ctx, forward, backward, primal=None):
     op being lowered now: ``forward(*args) -> (out, residuals)`` (jax may run it later, e.g.
     differentiating a scan body: same origin) and ``backward(residuals, ct) -> cotangents``
     (recorded in the ``backward`` phase). Every hand-written derivative of the rewriter uses it,
-    so what it emits is attributed to the user's op and line."""
+    so what it emits is attributed to the user's op and line. A candidate only priced
+    (:func:`meshdsl.jaxcompat.pricing`) is never differentiated: it runs the primal alone."""
+    if pricing():
+        return primal if primal is not None else (lambda *args: forward(*args)[0])
     op, multiplier, phase, sandbox = ctx.rec.capture()
 
     @jax.custom_vjp

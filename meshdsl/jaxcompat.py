@@ -21,7 +21,7 @@ from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
-__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "fresh", "dce",
+__all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
            "varying_axes", "differentiated"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
@@ -139,6 +139,18 @@ def apart():
     finally:
         del _APART[id(trace)]
         trace.invalidate()
+
+
+def pricing() -> bool:
+    """Is the code running now only priced (built into a trace :func:`apart`, nothing between it
+    and the code but jaxpr traces)? Nothing built there is ever differentiated or run: a
+    hand-written derivative need not be attached (:func:`meshdsl.collectives.attributed_vjp`)."""
+    trace = current_trace()
+    while isinstance(trace, _pe.DynamicJaxprTrace):
+        if id(trace) in _APART:
+            return True
+        trace = parent_trace(trace)
+    return False
 
 
 @contextlib.contextmanager

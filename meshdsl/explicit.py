@@ -14,12 +14,13 @@ captures from outside is relaid outside the loop (hoisted), once.
 
 from __future__ import annotations
 
+import contextlib
+
 from . import collectives as C
 from . import jaxcompat
 from . import param_gather
 from .contexts import LayoutContext
 from .errors import LayoutError
-from .foresight import Foresight
 from .jaxcompat import differentiated, varying_axes
 from .layout import check_axes
 from .named import NamedArray, Placement
@@ -52,9 +53,10 @@ class ExplicitContext(LayoutContext):
         self._keepalive: list = []   # keeps the ids above unique while the context lives
         self._weights: set = set()   # ids of local arrays computed from parameters/constants alone
         self._pads: dict = {}        # id(local array) -> (dim, [(piece, offset)]) of a pad or concat
-        self.foresight = Foresight()  # hints from a previous trace, observations of this one
-        self._widening = None         # the widening of the op being lowered (see vary)
         self._relaid: dict = {}      # id(local array) -> {target axes per dim} relaid (cached) so far
+        self._narrowed: set = set()  # ids of local arrays computed from an op left unwidened (see vary)
+        self._narrowing = False      # the op being lowered was left unwidened
+        self._copies: dict = {}      # (id(local array), target) -> (planner's op number making it, its bytes)
         self.planner = None          # the planner's recording or plan for this trace (meshdsl.planner)
 
     def option(self, count: int) -> int:
@@ -112,10 +114,13 @@ class ExplicitContext(LayoutContext):
         # Only for a gradient: no operand differentiated (and not in a loop body, which jax
         # differentiates after tracing it), widening would only type values varying to all-reduce
         # them again. Where what the op computes is returned and all-reduced only to type it
-        # replicated, the second trace leaves the widening out (meshdsl.foresight).
+        # replicated, widening costs that all-reduce: whether to widen is a decision point of
+        # the planner (candidate 1: stay invariant). An op reading a value computed from one left
+        # unwidened follows that decision (else it would widen the value in its place).
         if widen and self.param_axes and (self.rec.multiplier > 1 or any(differentiated(x.raw) for x in operands)):
-            self._widening = self.foresight.widening()
-            if self._widening is not None:
+            if any(id(x.raw) in self._narrowed for x in operands) or self.option(2):
+                self._narrowing = True
+            else:
                 out |= self.param_axes
         return frozenset(out)
 
@@ -127,20 +132,28 @@ class ExplicitContext(LayoutContext):
         return x.is_param or id(x.raw) in self._weights
 
     def relaid(self, x: NamedArray, target) -> bool:
-        """Is ``x`` relaid to ``target`` (axes per dim, pending sums reduced) in this trace,
-        already or (the previous trace says) later? Reading that copy moves nothing more."""
-        if self.foresight.no_reuse:
+        """Is ``x`` relaid to ``target`` (axes per dim, pending sums reduced) in this trace
+        already? Reading that copy moves nothing more - if the op that made it stays: one the
+        compiler drops (its result unused) leaves the copy to this reader alone. So reading a
+        copy another op made is a decision point of the planner (candidate 1: as if it were not
+        made), and the reading is priced with the maker's liveness (:mod:`meshdsl.planner.plan`).
+        (A copy another op makes later is an entry placement the planner prices.)"""
+        made = tuple(target) in self._relaid.get(id(x.raw), ())
+        if not made or self.planner is None:
+            return made
+        maker, cost = self._copies.get((id(x.raw), tuple(target)), (None, 0.0))
+        if maker is None or maker == self.planner.current:
+            return True
+        if self.option(2):
             return False
-        made = tuple(target) in self._relaid.get(id(x.raw), ()) or self.foresight.will_make(x.raw, target)
-        self.foresight.reused = self.foresight.reused or made
-        return made
+        self.planner.read(maker, cost)
+        return True
 
     def result_relaid(self, operands, target) -> bool:
-        """Will the result of the op at hand (reading ``operands``) be relaid to ``target`` later,
-        the previous trace says (a returned value gathered at the return)?"""
-        for x in operands:
-            self.foresight.number(x.raw)
-        return self.foresight.next_made(target)
+        """Will the result of the op at hand (reading ``operands``) be relaid to ``target`` later
+        (a returned value gathered at the return)? A decision point of the planner: it prices both
+        answers over the whole program (candidate 0: no)."""
+        return bool(self.option(2))
 
     def pieces(self, y, name, pieces):
         self._pads[id(y.raw)] = (name, list(pieces), tuple(y.dims))
@@ -164,7 +177,10 @@ class ExplicitContext(LayoutContext):
         return None if hit is None or hit[2] != tuple(y.dims) else hit[:2]
 
     def derived(self, operands, result) -> None:
-        self.foresight.derived([x.raw for x in operands], [y.raw for y in result])
+        if self._narrowing or any(id(x.raw) in self._narrowed for x in operands):
+            self._narrowed.update(id(y.raw) for y in result)
+            self._keepalive.extend(y.raw for y in result)
+        self._narrowing = False
         if operands and all(self.weights_only(x) for x in operands):
             for y in result:
                 self._weights.add(id(y.raw))
@@ -187,27 +203,12 @@ class ExplicitContext(LayoutContext):
         if overlap:
             raise LayoutError(f"internal: {what} result both split and pending over {sorted(overlap)}")
         x.placement = Placement(axes, frozenset(pending))
+        if self._narrowing:
+            self._narrowed.add(id(array))
         if self.op:
             self._made_by[id(array)] = what
             self._keepalive.append(array)
-        number = self.foresight.result(array, x.names, bool(pending))
-        if self._widening is not None:
-            self.foresight.widened(array, self._widening)
-            self._widening = None
-        early = self.foresight.early_target(number, x.names) if pending else None
-        if early is not None:
-            return self._resolve_now(x, early)
         return x
-
-    def _resolve_now(self, x: NamedArray, target) -> NamedArray:
-        """``x`` with its pending sum reduced now (the previous trace reduced it and a linear op
-        also carried it on: :mod:`meshdsl.foresight`)."""
-        arr = self.local(x, dict(zip(x.names, target)))
-        y = NamedArray(arr, x.dims, is_param=x.is_param)
-        y.placement = Placement(tuple(target))
-        self._made_by[id(arr)] = self._made_by.get(id(x.raw), self.where())
-        self._keepalive.append(arr)
-        return y
 
     def operand(self, x: NamedArray) -> NamedArray:
         return x if self.frame is None else self.frame.take(self, x)
@@ -262,7 +263,6 @@ class ExplicitContext(LayoutContext):
         manual = frozenset() if self.frame is None else self.frame.stage_axis  # stages differ there
         extra = tuple(a for a in self.mesh.factor_axes if a in varying_axes(arr) - split - manual)
         if extra:
-            self.foresight.replicated(leaf.raw)
             arr = self.cached(arr, ("replicate", extra), lambda: C.replicate(
                 self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {self.mesh.axes_text(extra)}"))
         return arr
@@ -282,6 +282,7 @@ class ExplicitContext(LayoutContext):
         full = (id(source), key, id(jaxcompat.stands_for(owner)))
         hit = self._cache.get(full)
         if hit is None:
+            n_records = len(self.rec.records)
             if owner is trace:
                 hit = make()
             else:
@@ -296,7 +297,11 @@ class ExplicitContext(LayoutContext):
             self._cache_log.append(full)
             if key[0] == "relayout" and not key[4]:
                 self._relaid.setdefault(id(source), set()).add(key[2])
-                self.foresight.made(source, key[2])
+                if self.planner is not None:
+                    made = self.rec.records[n_records:]
+                    cost = sum(r.total_bytes for r in made) + (sum(
+                        r.total_bytes for r in made if r.kind != "all-reduce") if differentiated(source) else 0.0)
+                    self._copies[(id(source), key[2])] = (self.planner.current, cost)
 
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit
@@ -304,12 +309,30 @@ class ExplicitContext(LayoutContext):
     def checkpoint(self):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
         planned = self.planner.checkpoint() if self.planner is not None else None
-        return len(self.rec.records), len(self._cache_log), self.foresight.checkpoint(), planned, len(self.rec.casts)
+        return len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts)
+
+    @contextlib.contextmanager
+    def as_at(self, mark):
+        """The relayout cache as it was at ``mark`` while inside (what was made since is hidden,
+        and back after): a candidate priced after the op ran must not read the copies it made."""
+        n_cache = mark[1]
+        hidden = self._cache_log[n_cache:]
+        saved = {full: self._cache.pop(full) for full in hidden if full in self._cache}
+        relaid = {k: set(v) for k, v in self._relaid.items()}
+        for full in hidden:
+            if full[1][0] == "relayout":
+                self._relaid.get(full[0], set()).discard(full[1][2])
+        del self._cache_log[n_cache:]
+        try:
+            yield
+        finally:
+            self._cache.update(saved)
+            self._cache_log.extend(hidden)
+            self._relaid = relaid
 
     def rollback(self, mark) -> None:
-        n_records, n_cache, seen, planned, n_casts = mark
+        n_records, n_cache, planned, n_casts = mark
         del self.rec.casts[n_casts:]
-        self.foresight.rollback(seen)
         if planned is not None:
             self.planner.rollback(planned)
         del self.rec.records[n_records:]

@@ -67,8 +67,6 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
             proposal[d.name] = canonical[d.name]
         if resolving & set(canonical[d.name]):
             proposal[d.name] = canonical[d.name]
-        elif d.name in ctx.foresight.split and _slices_to(proposal[d.name], canonical[d.name]):
-            proposal[d.name] = canonical[d.name]   # the previous trace reduced a sum with it whole
     # Moving the operands now is cheaper than moving the (larger) result later - if the result
     # does move to the layout's placement later (returned, say), as the previous trace tells. A
     # result only summed (a loss) never moves: it stays where its operands are.
@@ -123,11 +121,6 @@ def settle(proposal, canonical, names, prefer=()) -> dict[str, tuple]:
                 axes = proposal[n]
                 if axis in axes:
                     proposal[n] = axes[:axes.index(axis)]
-
-
-def _slices_to(held, canonical) -> bool:
-    """Does ``canonical`` only split further than ``held`` (a local slice)?"""
-    return len(canonical) > len(held) and tuple(canonical[:len(held)]) == tuple(held)
 
 
 def _free_at(ctx, operands, canonical, keep_pending) -> bool:

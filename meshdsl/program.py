@@ -26,7 +26,6 @@ from . import jaxcompat, jaxpr_stats, param_gather
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
-from .foresight import Foresight
 from .jaxcompat import varying_axes
 from .layout import Layout, effective, mesh_spec, to_spec
 from .named import NamedArray, Placement, is_named
@@ -67,11 +66,10 @@ class Program:
         self.compiled = None
         self.out_axes: list = []   # factor axes per dim of each output (() for a plain array)
         self._jitted = None
-        self.hints: dict = {}  # from a first trace (meshdsl.foresight), for the traces after it
         self.plan = None       # the whole-program plan the program follows (meshdsl.planner), if kept
         self.solved = None     # the plan the solver found (followed or not), for md.explain
         self._recording = False  # the trace under way is the planning trace
-        self._foresight_done = False
+        self._planned = False
         if not mesh.is_abstract:
             self.shardings = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, i.axes)) for i in self.infos]
 
@@ -88,49 +86,27 @@ class Program:
         return self._jitted
 
     def make_jaxpr(self, avals):
-        """The traced program; traced again with what the first trace learned when that could
-        change a decision (:mod:`meshdsl.foresight`), and once more with what that trace learned,
-        keeping the trace that moves the fewest bytes."""
-        planning = self.owner.backend == "explicit" and not self._foresight_done
-        self._recording = planning and self.owner.planner
+        """The traced program: a planning trace (:mod:`meshdsl.planner`: the rules' own choices,
+        each op's candidates priced apart), the solve, and - when the plan moves fewer bytes - an
+        emitting trace following it. At most two traces; the one moving fewer bytes is kept."""
+        planning = self.owner.backend == "explicit" and not self._planned and self.owner.planner
+        self._recording = planning
         closed = _traced(self.run, avals)
         self._recording = False
         if not planning:
             return closed
-        self._foresight_done = True
+        self._planned = True
         recording, self.last_ctx.planner = self.last_ctx.planner, None
-        plan = self.solved = None if recording is None else choose(self.last_ctx, recording)
-        seen = self.last_ctx.foresight
-        variants = [(seen.next(), True)]
-        if seen.reused:   # an op read a copy another op made: is that other op dead?
-            variants.append(({"no_reuse": True}, False))
-        if seen.split_wished:  # a sum reduced with dims whole that the layout splits: split them early?
-            variants.append(({**(seen.next() or {}), "split": frozenset(seen.split_wished)}, False))
-        best = (_moved(closed, self.last_ctx), closed, self.last_ctx, {})
-        tried = []
-        for _ in range(_ROUNDS):
-            variants = [(h, tie) for h, tie in variants if h and h not in tried]
-            if not variants:
-                break
-            for hints, wins_a_tie in variants:   # a tie: what a trace learned wins, reading no copy does not
-                tried.append(hints)
-                self.hints = hints
-                closed = _traced(self.run, avals)
-                moved = _moved(closed, self.last_ctx)
-                if moved < best[0] or moved == best[0] and wins_a_tie:
-                    best = (moved, closed, self.last_ctx, hints)
-            # A decision changed by the hints may raise a question the previous trace could not
-            # answer (an op now meeting a gathered copy asks whether its result moves later)
-            variants = [(best[2].foresight.next(), True)]
-        if plan is not None and plan.gain > 0.5:   # the whole-program plan moves fewer bytes than the rules' own choices
-            self.hints, self.plan = {}, plan
-            planned = _traced(self.run, avals)
-            moved = _moved(planned, self.last_ctx)
-            if moved < best[0]:
-                best = (moved, planned, self.last_ctx, {})
-            else:
-                self.plan = None
-        _, closed, self.last_ctx, self.hints = best
+        plan = self.solved = choose(self.last_ctx, recording)
+        if plan.gain <= 0.5:   # the rules' own choices are the plan
+            return closed
+        first = (_moved(closed, self.last_ctx), closed, self.last_ctx)
+        self.plan = plan
+        planned = _traced(self.run, avals)
+        if _moved(planned, self.last_ctx) < first[0]:
+            return planned
+        self.plan = None
+        _, closed, self.last_ctx = first
         return closed
 
     # -- the traced program ----------------------------------------------------------------------
@@ -170,7 +146,6 @@ class Program:
         owner = self.owner
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
                               repeats=owner.repeats)
-        ctx.foresight = Foresight(**self.hints)
         if self.plan is not None:
             ctx.planner = Recording(self.plan.choice)
         elif self._recording and not probe:
@@ -257,9 +232,6 @@ def _check_unused_rules(layout: Layout, seen: set) -> None:
         if hint:
             raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
                               f"fix the dim name in the layout")
-
-
-_ROUNDS = 2   # traces with hints at most: what the first learned, then what that one learned
 
 
 def _moved(closed, ctx) -> float:

@@ -42,8 +42,6 @@ def relayout(ctx, x, target, vary, keep_pending):
     """Local block of NamedArray ``x`` with dim ``i`` split over ``target[i]``, the pending sums
     outside ``keep_pending`` resolved, and typed varying over ``vary``."""
     src = ctx.placement(x)
-    if src.pending & keep_pending:
-        ctx.foresight.kept(x.raw)
     vary = vary | {a for axes in target for a in axes} | (src.pending & keep_pending)
     if src.axes == tuple(target) and src.pending <= keep_pending and vary <= varying_axes(x.raw):
         return x.raw
@@ -74,21 +72,7 @@ def _ungather(ctx, ct, gathers, tensor):
     return ct
 
 
-def _wish_split(ctx, x, src, target, keep_pending) -> None:
-    """A pending sum reduced with a dim left whole (or less split) where the layout splits it
-    further over axes the target leaves free: tell the foresight (a trace computing the dim split
-    from where it enters may move less)."""
-    if not src.pending - keep_pending:
-        return
-    used = {a for axes in target for a in axes} | set(src.pending)
-    for d, axes in zip(x.dims, target):
-        want = ctx.layout_axes(d.name)
-        if len(want) > len(axes) and tuple(want[:len(axes)]) == tuple(axes) and not set(want[len(axes):]) & used:
-            ctx.foresight.split_wished.add(d.name)
-
-
 def _relayout_value(ctx, x, src, target, vary, keep_pending):
-    _wish_split(ctx, x, src, target, keep_pending)
     pieces = _by_pieces(ctx, x, src, target, vary, keep_pending)
     return _relayout(ctx, x, src, target, vary, keep_pending) if pieces is None else pieces
 
@@ -204,8 +188,6 @@ class _Move:
 
     def reduce_pending(self):
         """Reduce-scatter onto a dim that needs the axis next, else all-reduce."""
-        if self.pend and not self.dry:
-            self.ctx.foresight.resolved(self.source, self.target, self.ctx.rec.multiplier)
         for i in range(len(self.cur)):
             run = []
             k = len(self.cur[i])

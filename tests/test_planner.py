@@ -2,12 +2,14 @@
 formulas, ``relayout.relayout_bytes``, ``placement.plan`` and ``param_gather.decide_gathers``,
 on an abstract mesh with placements written by hand."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import meshdsl as md
-from meshdsl import cost, jaxcompat, param_gather
+from meshdsl import collectives, cost, jaxcompat, param_gather
 from meshdsl.explicit import ExplicitContext
 from meshdsl.named import NamedArray, Placement
 from meshdsl.relayout import needs_gather, relayout_bytes
@@ -156,3 +158,28 @@ def test_a_trace_built_apart_knows_which_values_come_from_a_differentiated_one()
 
     jax.grad(loss)(jnp.ones(3), jnp.ones(3))
     assert seen["y"] and seen["mixed"] and not seen["from_c"]
+
+
+def test_a_candidate_only_priced_attaches_no_derivative():
+    """In a trace built apart (a priced candidate, never differentiated) the collectives run their
+    primal alone: no custom_vjp is traced. Anywhere else, under jax.grad too, the hand-written
+    derivative is attached."""
+    ctx = types.SimpleNamespace(rec=types.SimpleNamespace(capture=lambda: (None, 1, "forward", None)))
+
+    def attached(x):
+        f = collectives.attributed_vjp(ctx, lambda v: (v * 2.0, None), lambda _, ct: (ct * 2.0,))
+        return isinstance(f, jax.custom_vjp)
+
+    seen = {}
+
+    def loss(w):
+        seen["outside"] = jaxcompat.pricing() or attached(w)
+        with jaxcompat.apart():
+            seen["apart"] = (jaxcompat.pricing(), attached(w))
+            with jaxcompat.apart():
+                seen["nested"] = jaxcompat.pricing()
+        return jnp.sum(w)
+
+    jax.grad(loss)(jnp.ones(3))
+    assert seen == {"outside": True, "apart": (True, False), "nested": True}
+    assert not jaxcompat.pricing()

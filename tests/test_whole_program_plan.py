@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
+from meshdsl import program
 from helpers import promises_kept
 
 
@@ -133,3 +134,23 @@ def test_an_op_on_parameters_next_to_split_data_is_typed_varying_only_for_a_grad
     mesh = md.Mesh({"data": 2, "model": 4})
     layout = md.Layout({"d": "data", "e": ("model", "data")})
     promises_kept(fn, mesh, layout, x0, v, w, moved={"all-reduce": 32})
+
+
+def test_a_program_is_traced_once_to_plan_and_at_most_once_more_to_emit(monkeypatch):
+    """Plan, solve, emit: the planning trace (the rules' own choices, every candidate priced
+    apart), and an emitting trace only when the plan moves fewer bytes. No trace compares hints.
+    (A parameter stored split, read by a cache write and a shift both returned: the plan moves
+    it whole first, one gather for both; a plain matmul: the rules' choices are the plan.)"""
+    traced = []
+    real = program._traced
+    monkeypatch.setattr(program, "_traced", lambda run, avals: traced.append(run) or real(run, avals))
+    w = _normal((16, 16, 8), "b a d", param=True)
+    moved = lambda w: (md.dynamic_update_slice(w, md.sum(w, "d") * 0.5, "d", jnp.int32(-1)),
+                       md.shift(w, "d", 0, wrap=True))
+    mesh = md.Mesh({"x": 8})
+    report = md.explain(moved, mesh, md.Layout({"m": "x"}, params={"b": "x"}), w)
+    assert len(traced) == 2 and report.counts() == {"all-gather": 1} and report.total_bytes == 7168
+    traced.clear()
+    x, v = _normal((8, 16), "b d"), _normal((16, 32), "d f", param=True)
+    md.explain(lambda x, v: md.einsum(x, v, out="b f"), mesh, md.Layout({"b": "x"}), x, v)
+    assert len(traced) == 1

@@ -79,9 +79,6 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
     def body(c_arrs, x_arrs):
         carry = _rebuild(c_tree, c_arrs, c_templates)
         xs = _rebuild(x_tree, x_arrs, x_templates)
-        for leaf, piece, t in zip(x_leaves, x_arrs, x_templates):
-            if t[2] is not None and t[2].pending:   # a pending sum reduced per step is the stack's
-                ctx.foresight.sliced(leaf.raw, piece, leaf.names, leaf.names.index(dim))
         with ctx.rec.loop(length):
             new_carry, ys = step(carry, xs)
             new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)

@@ -52,7 +52,9 @@ def build(ctx, recording) -> tuple[Graph, dict]:
         for v in op.operands:   # made by an op of an aborted trace (a md.scan body traced again)
             if v not in graph.producer:
                 graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made")]))
-        strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0), detail=f,
+        # a copy another op made is free to read only if that op stays (else it is made for the reader)
+        strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0)
+                               + sum(cost for maker, cost in f.reads if maker not in live), detail=f,
                                label=_label(ctx, recording, op, f)) for f in op.strategies]
         nodes[graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))] = k
     for v, pl in recording.sinks:

@@ -61,7 +61,7 @@ class Recording:
         self.gives: dict = {}      # value id -> the other placements its op's strategies give it
         self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
         self.count = 0             # outermost ops so far
-        self._forced: list = []    # (options, candidates per decision point met) of the rules running now
+        self._forced: list = []    # (options, candidates per decision point met, copies read) of the rules running now
         self._ids: dict = {}       # id(local array) -> value id
         self._keep: list = []
 
@@ -111,18 +111,22 @@ class Recording:
         explore = xs and name not in _PINNED and ctx.frame is None
         operands = [self.vid(ctx, x) for x in xs]
         upstream = [self.gives.get(v, ()) for v in operands]
-        others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else []
+        others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else \
+            _reduced_first(ctx, rule, leaves, tree, named, xs) if xs and ctx.frame is None else []
+        before = ctx.checkpoint()
         result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
         if explore:   # decision points the rule met but does not declare (whether to widen a type), with each strategy
             declared = len(getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs))
-            others += _try_all(ctx, rule, leaves, tree, named, xs, [
-                (f.entry, {**dict(f.options), p: c}) for f in [default] + others
-                for p, n in enumerate(f.points) if p >= declared for c in range(1, n)])
+            with ctx.as_at(before):   # priced without the copies the default made
+                others += _try_all(ctx, rule, leaves, tree, named, xs, [
+                    (f.entry, {**dict(f.options), p: c}) for f in [default] + others
+                    for p, n in enumerate(f.points) if p >= declared for c in range(1, n)])
         inner = [self.ops[j].strategies[0] for j in range(k, len(self.ops))]   # a scan body's ops, priced apart
         if inner:
-            default = dataclasses.replace(default, forward=default.forward - sum(f.forward for f in inner),
-                                          backward=default.backward - sum(f.backward for f in inner))
-        strategies = [default] + [s for s in others if len(s.gives) == len(default.gives)]
+            fwd, bwd = sum(f.forward for f in inner), sum(f.backward for f in inner)
+            default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd)
+                                for f in [default] + others]
+        strategies = _distinct([default] + [s for s in others if len(s.gives) == len(default.gives)])
         outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
         results = [self.vid(ctx, y, made=True) for y in outs]
         for slot, v in enumerate(results):
@@ -132,12 +136,22 @@ class Recording:
             any(differentiated(x.raw) for x in xs), range(k + 1, self.count)))
         return result
 
+    @property
+    def current(self) -> int:
+        """The number of the op running now (the latest begun)."""
+        return self.count - 1
+
+    def read(self, maker: int, cost: float) -> None:
+        """The rule running now read a copy op ``maker`` made (``cost``: its bytes)."""
+        if self._forced:
+            self._forced[-1][2].append((maker, cost))
+
     def option(self, ctx, count: int) -> int:
         """The candidate the next decision point of the rule running now takes (0: the rule's
         default): its decision points are numbered in the order the rule meets them."""
         if not self._forced:
             return 0
-        options, met = self._forced[-1]
+        options, met, _ = self._forced[-1]
         met.append(count)
         return options.get(len(met) - 1, 0)
 
@@ -153,6 +167,7 @@ class Found:
     options: tuple = ()    # (decision point, candidate) pairs
     vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
     points: tuple = ()     # candidates of each decision point the rule met, in order
+    reads: tuple = ()      # (op number, bytes) of the copies other ops made that the rule read
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -164,7 +179,9 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
     start = len(ctx.rec.records), len(ctx.rec.casts)
     met: list = []
-    ctx.planner._forced.append((dict(options), met))
+    reads: list = []
+    ctx._narrowing = False
+    ctx.planner._forced.append((dict(options), met, reads))
     try:
         result = rule(ctx, *args, **kwargs)
     finally:
@@ -173,7 +190,16 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
-                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met))
+                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
+                         tuple(reads))
+
+
+def _reduced_first(ctx, rule, leaves, tree, named, xs) -> list:
+    """The one candidate of an op whose others are not explored (a loop, traced again per
+    candidate): its operands' pending sums reduced before it (once, not per step), when any."""
+    here = tuple(ctx.placement(x) for x in xs)
+    reduced = tuple(Placement(pl.axes) for pl in here)
+    return _try_all(ctx, rule, leaves, tree, named, xs, [(reduced, {})]) if reduced != here else []
 
 
 def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
@@ -186,7 +212,7 @@ def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list
     gathers = getattr(rule, "gathers", False) and ctx.rec.multiplier == 1
     entries = _candidates(ctx, xs) if gathers or _off_layout(ctx, xs) else [here]
     if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
-        return _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs)
+        return _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream)
     for j, places in enumerate(upstream):
         for pl in places:
             moved = here[:j] + (pl,) + here[j + 1:]
@@ -196,6 +222,18 @@ def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list
             entries += [e for e in (moved, aligned) if e not in entries and all(_valid(q) for q in e)]
     tries = [(entry, {}) for entry in entries[1:2 * _MAX_CANDIDATES]]
     return _try_all(ctx, rule, leaves, tree, named, xs, tries + _declared(rule, here, args, kwargs))
+
+
+def _distinct(strategies) -> list:
+    """``strategies`` less those that compute like an earlier one (entry, results, bytes and
+    types alike: another decision point's candidate that changed nothing)."""
+    seen, out = set(), []
+    for f in strategies:
+        key = (f.entry, f.gives, f.forward, f.backward, f.vary)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
 
 
 def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
@@ -210,9 +248,8 @@ def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
     """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache, foresight,
     param-gather decisions): the strategy it shows, or None if the rule refuses it."""
     mark = ctx.checkpoint()
-    saved = ctx.foresight, ctx.params
-    ctx.foresight = type(saved[0])()
-    ctx.params = _sandboxed(saved[1])
+    saved = ctx.params
+    ctx.params = _sandboxed(saved)
     try:
         with ctx.rec.sandboxed(), apart():
             return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
@@ -220,7 +257,7 @@ def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
         return None   # the rule cannot compute from there: not a candidate
     finally:
         ctx.rollback(mark)
-        ctx.foresight, ctx.params = saved
+        ctx.params = saved
 
 
 def _sandboxed(policy):
@@ -276,11 +313,11 @@ def _candidates(ctx, xs) -> list:
     return out
 
 
-def _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs) -> list:
+def _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
     """param_gather keep / regather: an op reading a parameter stored split gathers it, as
     ZeRO-3 is written (``"auto"`` lets the plan move the activations instead). Its candidates:
     the parameters entering gathered (the layout's placement) before the rule's own choices, its
-    other operands where they are."""
+    other operands where they are or where a candidate of their producer gives them."""
     here = tuple(ctx.placement(x) for x in xs)
     try:
         gathered = tuple(Placement(tuple(ctx.canonical(x.dims))) if x.is_param and _stored(ctx, x) else pl
@@ -288,6 +325,10 @@ def _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs) -> list:
     except MeshDSLError:
         gathered = here
     tries = [(gathered, {})] if gathered != here else []
+    for j, places in enumerate(upstream):
+        if not (xs[j].is_param and _stored(ctx, xs[j])):
+            tries += [(gathered[:j] + (pl,) + gathered[j + 1:], {}) for pl in places
+                      if all(_valid(q) for q in gathered[:j] + (pl,) + gathered[j + 1:])]
     return _try_all(ctx, rule, leaves, tree, named, xs, tries + _declared(rule, here, args, kwargs))
 
 

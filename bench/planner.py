@@ -1,7 +1,7 @@
 """The whole-program planner's cost in time, and what it saves in bytes.
 
 One training step (loss and gradients) traced without compiling, with the planner off
-(``md.lower(..., planner=False)``: op by op, foresight traces) and on (the default: a planning
+(``md.lower(..., planner=False)``: op by op, one trace) and on (the default: a planning
 trace exploring each op's candidates in sandboxes, the ILP, and an emitting trace when the plan
 moves fewer bytes), for
 

@@ -5,7 +5,7 @@ Rule of thumb, applied by every op the same way so that communication is predict
 1. A dim keeps the split its operands already agree on (no data moves) - unless an elementwise
    op's result is larger in bytes than those operands (a broadcast, a cast to a wider type), the
    layout places the dim otherwise and the result moves there later (returned:
-   :mod:`meshdsl.foresight` tells): the operands move there first.
+   a decision point of the planner, ``ctx.result_relaid``): the operands move there first.
    An op over its one operand's dims (a shift, a cache write, a unary elementwise op) does the
    same when its result moves there later and is no smaller: the same bytes, and the moved copy is
    shared by every op reading it.
@@ -81,7 +81,7 @@ def plan(ctx, dims, operands, *, prefer=(), keep_pending=frozenset(), cheapest=F
 
 def propose(ctx, dims, placed, *, prefer=()) -> dict[str, tuple]:
     """Rules 1, 2 and 4 alone, for operands given as ``(dims, axes per dim)`` pairs that need not
-    exist yet: where an op over them would compute, foresight aside. A cost estimate of another
+    exist yet: where an op over them would compute, decision points aside. A cost estimate of another
     plan (an einsum summing an operand first plans its contraction over the sum)."""
     canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
     proposal = {}

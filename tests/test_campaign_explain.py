@@ -1,7 +1,7 @@
 """Findings of fuzz campaigns 28 to 38 and of a bf16 bytes probe (issue 9; tests/fuzz_campaign.py,
 replayed with tests/fuzz_replay.py), each with the promise it broke: which collectives XLA folds
 or merges (explain must predict exactly the compiled ones), a pending sum carried into values
-of other dims or into a loop (:mod:`meshdsl.foresight`), and moves the planner had no cheap route
+of other dims or into a loop (a candidate of the plan: reduced once, where made), and moves the planner had no cheap route
 for (``test_campaign_b_*``: campaigns 34 and 37), and gradients that took the long way
 (``test_campaign_c_*``: campaign 38)."""
 

@@ -59,7 +59,7 @@ def test_campaign_mean_over_no_dims_is_the_value_itself():
 def test_campaign_elementwise_on_a_split_parameter_before_it_is_gathered():
     """erf(v) of a parameter stored split that top_k gathers - before or after - reads the
     gathered copy (it ran where v is stored and its result was gathered again: 48 B where gspmd
-    moves 24 B). After: the second trace knows the copy gets made (meshdsl.foresight)."""
+    moves 24 B). Now: erf's candidate with v entering gathered shares top_k's gather in the plan."""
     v = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "d"))
     top = lambda v: md.top_k(v, "d", k=4, out="k4")[0]
     mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"k4": "y"}, params={"d": "x"})
@@ -123,7 +123,8 @@ def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_
     """where(logical_not(w > v), w, v) of a parameter w [c] and replicated data v [e], in a program
     whose other input is split (so ops reading parameters and data vary over x, for the
     parameters' gradients): the returned [c e] value was all-reduced only to type it replicated
-    (1792 B where gspmd moves 0). The second trace leaves that widening out."""
+    (1792 B where gspmd moves 0). Widening is a decision point: the plan leaves it out, and
+    the ops reading what it computed follow."""
     r = np.random.default_rng(0)
     v = md.named(jnp.asarray(r.standard_normal(32), jnp.float32), "e")
     w = md.param(md.named(jnp.asarray(r.standard_normal(8), jnp.float32), "c"))
@@ -298,8 +299,8 @@ def test_campaign_reshape_spread_needs_whole_axes():
 
 def test_campaign_returned_reshape_is_gathered_once_not_parked_first():
     """[d:x e] -> [p2 q4 e], returned whole: gathering d (896 B, gspmd's move) beats parking x on e
-    with an all-to-all first and gathering e at the return (1008 B). The second trace knows the
-    result is relaid at the return (meshdsl.foresight)."""
+    with an all-to-all first and gathering e at the return (1008 B). The plan prices both answers
+    to whether the result is relaid later (``ctx.result_relaid``)."""
     v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 32)), jnp.float32), "d e")
     _kept(lambda v: md.reshape(v, "p2:2 q4:4 e:32"), md.Mesh({"x": 8}), md.Layout({"d": "x"}), v,
           moved={"all-gather": 896})

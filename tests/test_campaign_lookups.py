@@ -48,7 +48,7 @@ def test_campaign_cache_write_and_shift_of_one_stored_parameter_gather_it_once()
     on b (params=), both returned whole: each result was gathered at the return (14336 B where
     gspmd moves 8064 B). Moving w whole first costs what moving a result does, and both ops share
     that copy: one gather of w (the written column, once one gathered too, is summed from that
-    copy: a third trace knows it is made)."""
+    copy: the plan shares that relay between the three ops)."""
     w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 16, 8)), jnp.float32), "b a d"))
     fn = lambda w: (md.dynamic_update_slice(w, md.sum(w, "d") * 0.5, "d", jnp.int32(-1)),
                     md.shift(w, "d", 0, wrap=True))

@@ -8,7 +8,7 @@
   over (casting per step inside the loop would make jax keep every layer's weights as residuals).
 * Collectives traced in the body are recorded with the trip count as their count. A stacked xs
   entry with a pending sum enters the loop pending; where the steps reduce its slices and other
-  readers reduce it again, the foresight (:mod:`meshdsl.foresight`) has it reduced once, where made.
+  readers reduce it again, the planner prices the loop with it reduced before (once, where made).
 * Values the step captures from outside are relaid and cast outside the loop, once.
 
 :mod:`meshdsl.ops.scan` (a plain scan) and :mod:`meshdsl.ops.pipeline` (a scan over a split dim)

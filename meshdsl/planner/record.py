@@ -8,7 +8,7 @@ A :class:`Recording` rides on the explicit context (``ctx.planner``) for one tra
   same rule: for each other placement its operands could enter in (the layout's placement, their
   pending sums reduced in place, every operand aligned with one of them, one dim brought to the
   layout's placement), the rule runs on operands relaid there, in a sandbox the trace rolls back
-  (records, relayout cache, foresight and param-gather state), and what it emitted and where its
+  (records, relayout cache and param-gather state), and what it emitted and where its
   results came out is that strategy. Values first met as operands (inputs, values made outside
   the named ops) enter pinned where they are; outputs and ``x.array`` reads need their placement.
 * **emit**: every op the plan moved (``choice``: op number -> entry placements) gets its operands
@@ -61,6 +61,7 @@ class Recording:
         self.gives: dict = {}      # value id -> the other placements its op's strategies give it
         self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
         self.count = 0             # outermost ops so far
+        self.ended = 0             # records made when the latest op recorded ended
         self._forced: list = []    # (options, candidates per decision point met, copies read) of the rules running now
         self._ids: dict = {}       # id(local array) -> value id
         self._keep: list = []
@@ -123,6 +124,13 @@ class Recording:
                     for p, n in enumerate(f.points) if p >= declared for c in range(1, n)])
         inner = [self.ops[j].strategies[0] for j in range(k, len(self.ops))]   # a scan body's ops, priced apart
         if inner:
+            # the body's collectives traced again when jax differentiates the loop (after the
+            # body's ops ended, attributed to them): the program runs them once, the sandboxes
+            # (never differentiated) trace them once
+            again = [r for r in ctx.rec.records[self.ended:] if (r.op, r.line) != ctx.rec.op]
+            default = dataclasses.replace(
+                default, forward=default.forward - sum(r.total_bytes for r in again),
+                backward=default.backward - sum(r.total_bytes for r in again if r.kind != "all-reduce"))
             fwd, bwd = sum(f.forward for f in inner), sum(f.backward for f in inner)
             default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd)
                                 for f in [default] + others]
@@ -134,6 +142,7 @@ class Recording:
         self.ops.insert(len(self.ops) - (self.count - k - 1), OpRecord(
             name, ctx.rec.op[1] if ctx.rec.op else "", operands, results, strategies,
             any(differentiated(x.raw) for x in xs), range(k + 1, self.count)))
+        self.ended = len(ctx.rec.records)
         return result
 
     @property
@@ -245,7 +254,7 @@ def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
 
 
 def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
-    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache, foresight,
+    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache,
     param-gather decisions): the strategy it shows, or None if the rule refuses it."""
     mark = ctx.checkpoint()
     saved = ctx.params

@@ -1,7 +1,7 @@
 """Findings of fuzz campaigns 12 to 14 (issue 9; tests/fuzz_campaign.py, replayed with
 tests/fuzz_replay.py), each with the promise it broke: where an op computes depends on what later
 ops do with its result (returned, so wanted in the layout's placement, or only summed into a loss:
-:mod:`meshdsl.foresight`), and window moves of several pieces share their ppermutes."""
+:mod:`meshdsl.planner`), and window moves of several pieces share their ppermutes."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_campaign_a_pending_scalar_times_a_vector_is_reduced_before_the_broadcas
     s * v, shift(v) and sum(shift(v)), all returned: once v is gathered for the shift, s * v kept
     s's sum pending at v's size (a 56 B all-reduce of the product where the scalar's is 7 B; 84 B
     in all, gspmd 60 B). A sum pending on an operand smaller than the result is reduced first; and
-    a third trace, knowing v is gathered, reads s from that copy: the gather alone, 28 B."""
+    the plan reads s from the copy of v gathered for the shift: the gather alone, 28 B."""
     v = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "d"))
 
     def fn(v):

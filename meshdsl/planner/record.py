@@ -26,7 +26,7 @@ import dataclasses
 import jax
 
 from ..errors import MeshDSLError
-from ..jaxcompat import apart, differentiated, varying_axes
+from ..jaxcompat import apart, differentiated, pricing, varying_axes
 from ..named import NamedArray, Placement, is_named
 
 __all__ = ["Recording", "OpRecord", "Found"]
@@ -109,6 +109,12 @@ class Recording:
             if found is None:
                 return rule(ctx, *args, **kwargs)
             return _run(ctx, rule, leaves, tree, named, xs, found.entry, found.options)[0]
+        if pricing():   # an op of a loop body a candidate of the loop traces again: its own choices
+            self._forced.append(({}, [], []))   # (its decision points are its own, not the loop's)
+            try:
+                return rule(ctx, *args, **kwargs)
+            finally:
+                self._forced.pop()
         explore = xs and name not in _PINNED and ctx.frame is None
         operands = [self.vid(ctx, x) for x in xs]
         upstream = [self.gives.get(v, ()) for v in operands]

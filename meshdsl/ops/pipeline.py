@@ -366,7 +366,12 @@ def _chunk(xs, dim, repeat, repeats):
 
 
 def _join(ctx, out, template, micro, axis):
-    """``[M, rows, ...]`` back to the carry's local block, pending over the pipeline axis."""
+    """``[M, rows, ...]`` back to the carry's local block, its sum over the pipeline axis reduced
+    where it leaves the pipeline: only the last stage holds it, and its readers (a norm, a decoder
+    attending to it in every layer, through linear ops that would carry the sum on to each of
+    them) need it whole, so it is reduced once, here."""
     _, is_param, _, dims, axes, pos = template
     arr = jnp.moveaxis(out.reshape((out.shape[0] * out.shape[1],) + out.shape[2:]), 0, pos)
-    return ctx.out(arr, dims, dict(zip(dims.names, axes)), frozenset(axis), is_param=is_param)
+    pending = ctx.out(arr, dims, dict(zip(dims.names, axes)), frozenset(axis), is_param=is_param)
+    whole = ctx.local(pending, dict(zip(dims.names, axes)))
+    return NamedArray(whole, dims, is_param=is_param, placement=Placement(tuple(axes)))

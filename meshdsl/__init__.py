@@ -16,6 +16,7 @@ from .layout import Layout
 from .lower import LoweredFunction, lower, place
 from .mesh import Mesh
 from .named import NamedArray, named, param
+from .search import Candidate, SearchResult, search
 from .ops import (
     abs, add, arange, argmax, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, erf, exp, expm1,
     floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, local_map, log, log1p, logical_and,
@@ -34,6 +35,7 @@ __all__ = [
     "Dim", "Shape", "shape", "NamedArray", "named", "param",
     # mesh, layout, lowering, cost
     "Mesh", "Layout", "lower", "LoweredFunction", "place", "explain", "Report", "Hardware",
+    "search", "SearchResult", "Candidate",
     # errors
     "MeshDSLError", "LayoutError", "ShapeError", "MeshError",
     # ops

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_flops"]
+__all__ = ["fmt_bytes", "fmt_flops", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 
 def fmt_bytes(n: float) -> str:
@@ -11,6 +14,22 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def parse_bytes(value) -> float:
+    """``"12GiB"``, ``"512 MB"``, ``1e9`` -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        if unit not in _UNITS:
+            raise ValueError
+        return float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a size in bytes; write it as 12GiB, 512MB or a number "
+                         "of bytes") from None
 
 
 def fmt_flops(n: float) -> str:

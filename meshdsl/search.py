@@ -1,0 +1,297 @@
+"""``md.search``: which layout - candidates ranked by the cost model, before compiling.
+
+``md.search(fn, mesh_or_device_count, *args)`` enumerates layouts of the program, costs each with
+:func:`meshdsl.explain` (exact bytes per collective, matmul FLOPs, the memory estimate) and the
+time model (:mod:`meshdsl.step_time` on a :class:`~meshdsl.hardware.Hardware`), drops those that
+are invalid or over the memory budget (saying why), and ranks the rest by predicted step time,
+then bytes, then memory.
+
+The space, per mesh (the mesh given, or every factorisation of a device count into ``data`` or
+``data x model``):
+
+* every assignment of the program's dims (those of its arguments, or ``dims=``) to the mesh
+  axes: each axis splits at most one dim, a dim may take several axes (in mesh order), and an
+  axis may split nothing. An assignment whose axes do not divide a dim's size is pruned before
+  costing;
+* with ``zero=True``, each assignment also with its parameters stored split (ZeRO-3): every
+  parameter stored over each mesh axis it is not computed split over, on its largest dim that
+  axis divides (``params=`` rules), gathered where read (``param_gather``, default ``"keep"``).
+
+What it does not search yet: pipelines, remat policies and microbatch counts (give them in
+``**options``/the program), context parallelism. The memory estimate is
+:func:`meshdsl.jaxpr_stats.memory`'s (no buffer reuse: an upper bound of XLA's temporaries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .errors import MeshDSLError
+from .explain import Report, explain
+from .hardware import Hardware
+from .layout import Layout
+from .mesh import Mesh, prime_factors
+from .named import is_named
+from .step_time import StepTime
+from .units import fmt_bytes, parse_bytes
+
+__all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
+
+DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
+_AXIS_NAMES = ("data", "model")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One costed layout: ``layout``, ``mesh``, ``lower_kwargs`` (for :func:`meshdsl.lower`),
+    predicted ``time`` (seconds per step), ``bytes`` (kind -> count and bytes per device),
+    ``total_bytes``, ``memory`` (per device, as :attr:`meshdsl.Report.memory`), ``why`` (what
+    ranks it here, or what rejected it), and the ``report``."""
+
+    layout: Layout
+    mesh: Mesh
+    lower_kwargs: dict
+    time: float = math.inf
+    step_time: StepTime | None = None
+    bytes: dict = dataclasses.field(default_factory=dict)
+    total_bytes: float = math.inf
+    memory: dict = dataclasses.field(default_factory=dict)
+    why: str = ""
+    report: Report | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple:
+        return self.time, self.total_bytes, self.memory.get("peak", math.inf)
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """Ranked candidates (best first; iterate, index, ``len``), ``best``, ``rejected`` (each with
+    its ``why``), how many layouts were ``costed`` and the search's ``seconds``."""
+
+    candidates: list
+    rejected: list
+    costed: int
+    seconds: float
+    hardware: str
+
+    @property
+    def best(self) -> Candidate:
+        if not self.candidates:
+            raise MeshDSLError("md.search found no valid layout within the budget; see .rejected for why "
+                               "each was rejected")
+        return self.candidates[0]
+
+    def __iter__(self):
+        return iter(self.candidates)
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __getitem__(self, i):
+        return self.candidates[i]
+
+    def rows(self) -> list[tuple]:
+        """One tuple of cells per ranked candidate (the table's rows)."""
+        return [(str(i + 1), str(c.mesh), f"`{c.layout}`", _fmt_s(c.time), fmt_bytes(c.total_bytes),
+                 fmt_bytes(c.memory.get("peak", 0)), c.why) for i, c in enumerate(self.candidates)]
+
+    def to_markdown(self) -> str:
+        head = ("rank", "mesh", "layout", "step (predicted)", "bytes/device", "peak memory/device", "why")
+        lines = [f"{len(self.candidates)} ranked, {len(self.rejected)} rejected, {self.costed} costed in "
+                 f"{self.seconds:.1f} s; times on {self.hardware}", "",
+                 "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = ("rank", "mesh", "layout", "step", "bytes/device", "peak memory/device", "why")
+        cells = "".join("<tr>" + "".join(f"<td>{html.escape(x.strip('`'))}</td>" for x in r) + "</tr>"
+                        for r in self.rows())
+        return (f"<p>{len(self.candidates)} ranked, {len(self.rejected)} rejected; times on "
+                f"{html.escape(self.hardware)}</p><table><tr>" + "".join(f"<th>{h}</th>" for h in head)
+                + f"</tr>{cells}</table>")
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_budget: int | float | str | None = None,
+           hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
+           zero: bool = False, dtype: str = "bfloat16", overlap: float = 0.0, **options: Any) -> SearchResult:
+    """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
+
+    Args:
+        fn: the program, as for :func:`meshdsl.explain`.
+        mesh_or_device_count: a mesh, or a device count to factorise (see the module doc).
+        args: its arguments (abstract shapes are fine).
+        memory_budget: bytes per device (a number, or text such as ``"12GiB"``); layouts whose
+            estimated peak is over it are rejected. Default: the hardware's device memory.
+        hardware: an :class:`~meshdsl.Hardware` or a profile name (default ``"h100-80gb"``).
+        top: how many ranked candidates to keep.
+        dims: the dims to place (default: every dim of the arguments).
+        zero: also try each assignment with its parameters stored split (ZeRO-3).
+        dtype: the matmul dtype of the time model, as :meth:`meshdsl.Report.time`.
+        overlap: the overlap of compute and communication, as :meth:`meshdsl.Report.time`.
+        options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
+            returned in each candidate's ``lower_kwargs``.
+    """
+    start = time.perf_counter()
+    hw = Hardware.profile(hardware or DEFAULT_HARDWARE) if hardware is None or isinstance(hardware, str) else hardware
+    try:
+        budget = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget)
+    except ValueError as e:
+        raise MeshDSLError(f"md.search: memory_budget: {e}") from None
+    sizes, params = _dims_of(args, dims)
+    meshes = _meshes(mesh_or_device_count)
+    ranked, rejected, costed, seen = [], [], 0, set()
+    for mesh in meshes:
+        for layout, pruned in _layouts(mesh, sizes, params, zero):
+            same = _devices_grouped(mesh, layout)
+            if same in seen:
+                continue   # the same devices hold the same blocks as a layout costed on another mesh
+            seen.add(same)
+            cand = Candidate(layout, mesh, dict(options))
+            if pruned:
+                cand.why = pruned
+                rejected.append(cand)
+                continue
+            costed += 1
+            try:
+                report = explain(fn, mesh, layout, *args, **options)
+            except MeshDSLError as e:
+                cand.why = f"invalid: {str(e).splitlines()[0]}"
+                rejected.append(cand)
+                continue
+            _cost(cand, report, hw, dtype, overlap)
+            if cand.memory["peak"] > budget:
+                cand.why = (f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device > "
+                            f"{fmt_bytes(budget)}")
+                rejected.append(cand)
+            else:
+                ranked.append(cand)
+    ranked.sort(key=lambda c: c.key)
+    for i, c in enumerate(ranked):
+        c.why = _why(i, c, ranked[0])
+    return SearchResult(ranked[:top], rejected, costed, time.perf_counter() - start, hw.name)
+
+
+def _cost(cand, report, hw, dtype, overlap) -> None:
+    cand.report = report
+    cand.step_time = report.time(hw, dtype=dtype, overlap=overlap)
+    cand.time = cand.step_time.total_s
+    cand.bytes = report.summary()
+    cand.total_bytes = report.total_bytes
+    cand.memory = dict(report.memory)
+
+
+def _why(i, c, best) -> str:
+    t = c.step_time
+    text = (f"{_fmt_s(t.compute_s)} compute + {_fmt_s(t.communication_s)} communication "
+            f"({fmt_bytes(c.total_bytes)}), peak {fmt_bytes(c.memory['peak'])}")
+    if i == 0:
+        return "fastest predicted: " + text
+    return f"{c.time / best.time:.2f}x the best's time: " + text if best.time else text
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _dims_of(args, dims) -> tuple[dict, list]:
+    """dim name -> size over the arguments' NamedArrays (the sizes must agree), and the dims of
+    each parameter; ``dims`` (names) narrows which dims a layout may place."""
+    sizes, params = {}, []
+    for leaf in jax.tree_util.tree_leaves(args, is_leaf=is_named):
+        if not is_named(leaf):
+            continue
+        for d in leaf.dims:
+            sizes.setdefault(d.name, d.size)
+        if leaf.is_param:
+            params.append(tuple((d.name, d.size) for d in leaf.dims))
+    if not sizes:
+        raise MeshDSLError("md.search: the arguments hold no NamedArray, so there is no dim to place; "
+                           "pass the program's inputs and parameters as NamedArrays")
+    if dims is not None:
+        dims = [dims] if isinstance(dims, str) else list(dims)
+        unknown = [d for d in dims if d not in sizes]
+        if unknown:
+            raise MeshDSLError(f"md.search: dims={unknown} are not dims of the arguments "
+                               f"(they have {sorted(sizes)}); name dims the inputs or parameters carry")
+        sizes = {d: sizes[d] for d in dims}
+    return sizes, params
+
+
+def _meshes(mesh_or_count) -> list[Mesh]:
+    """The mesh given, or each factorisation of a device count: ``data:n`` and ``data:a x model:b``
+    (a, b >= 2), concrete when the count is the devices jax has, else abstract."""
+    if isinstance(mesh_or_count, Mesh):
+        return [mesh_or_count]
+    n = mesh_or_count
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise MeshDSLError(f"md.search: {n!r} is neither an md.Mesh nor a device count (a positive int)")
+    shapes = [{"data": n}] + [{"data": a, "model": n // a} for a in range(2, n) if n % a == 0 and n // a >= 2]
+    concrete = n == jax.device_count()
+    return [Mesh(s) if concrete else Mesh.abstract(s) for s in shapes]
+
+
+def _layouts(mesh, sizes, params, zero):
+    """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
+    axes = list(mesh.shape)
+    names = sorted(sizes)
+    seen = set()
+    for choice in itertools.product([None, *names], repeat=len(axes)):
+        rules = {}
+        for axis, dim in zip(axes, choice):
+            if dim is not None:
+                rules[dim] = rules.get(dim, ()) + (axis,)
+        key = tuple(sorted(rules.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        bad = [f"{d}:{sizes[d]} does not divide by {'+'.join(a)} ({math.prod(mesh.shape[x] for x in a)})"
+               for d, a in rules.items() if sizes[d] % math.prod(mesh.shape[x] for x in a)]
+        layout = Layout(rules)
+        yield layout, ("pruned: " + "; ".join(bad)) if bad else ""
+        if zero and not bad:
+            stored = _zero_rules(mesh, rules, params)
+            if stored:
+                yield Layout(rules, params=stored), ""
+
+
+def _devices_grouped(mesh, layout) -> tuple:
+    """What a layout does to the devices, whatever the mesh's axes are called: per dim (compute
+    and storage), the positions of the prime factors of the device index splitting it
+    (``d_ff:data`` on ``data:8`` splits d_ff as ``d_ff:data+model`` on ``data:2 x model:4``)."""
+    factors, start = [], {}
+    for axis, size in mesh.shape.items():
+        start[axis] = len(factors)
+        factors += prime_factors(size)
+    spans = lambda axes: tuple(i for a in axes for i in range(start[a], start[a] + len(prime_factors(mesh.shape[a]))))  # noqa: E731
+    return (tuple(factors), tuple(sorted((d, spans(a)) for d, a in layout.rules.items())),
+            tuple(sorted((d, spans(a)) for d, a in layout.param_rules.items())))
+
+
+def _zero_rules(mesh, rules, params) -> dict:
+    """ZeRO-3 storage: each mesh axis some rule uses stores a parameter not computed split over it
+    split there too, on the parameter's largest dim the axis divides (a dim's rule is shared by
+    every parameter with that dim)."""
+    stored: dict = {}
+    for axis in [a for a in mesh.shape if any(a in ax for ax in rules.values())]:
+        for p in params:
+            if any(axis in rules.get(d, ()) + stored.get(d, ()) for d, _ in p):
+                continue   # computed or already stored split over it
+            split = lambda d: math.prod(mesh.shape[a] for a in rules.get(d, ()) + stored.get(d, ()))  # noqa: E731
+            free = [(size, d) for d, size in p if size % (split(d) * mesh.shape[axis]) == 0]
+            if free:
+                d = max(free)[1]
+                stored[d] = stored.get(d, ()) + (axis,)
+    return stored

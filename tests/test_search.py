@@ -1,0 +1,154 @@
+"""md.search: layouts ranked by the cost model (time, then bytes, then memory), invalid and
+over-budget ones rejected with the reason, equivalent layouts costed once; the chosen layout
+compiles to the predicted bytes within the budget; known regimes find their known answers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdsl as md
+from helpers import explain_vs_hlo, raises
+
+
+def _arg(spec, param=False, concrete=False):
+    s = md.shape(spec)
+    value = (jnp.asarray(np.random.default_rng(len(spec)).standard_normal(s.sizes), jnp.float32) if concrete
+             else jax.ShapeDtypeStruct(s.sizes, jnp.float32))
+    x = md.named(value, s.names)
+    return md.param(x) if param else x
+
+
+def _mlp_grads(x, w1, w2):
+    def loss(w1, w2):
+        h = md.relu(md.einsum(x, w1, out="batch d_ff"))
+        return md.sum(md.square(md.einsum(h, w2, out="batch d_model"))).array
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+def _mlp(batch, d_model, d_ff, concrete=False):
+    return (_arg(f"batch:{batch} d_model:{d_model}", concrete=concrete),
+            _arg(f"d_model:{d_model} d_ff:{d_ff}", True, concrete), _arg(f"d_ff:{d_ff} d_model:{d_model}", True, concrete))
+
+
+def test_the_best_is_the_models_argmin_over_every_layout_of_a_small_space():
+    """Every layout of batch, d_model, d_ff on data:2 x model:4 costed by md.explain and the time
+    model independently: the search's order is theirs."""
+    args = _mlp(16, 64, 256)
+    mesh = md.Mesh.abstract({"data": 2, "model": 4})
+    hw = md.Hardware.profile("h100-80gb")
+    result = md.search(_mlp_grads, mesh, *args, hardware=hw, top=100)
+    by_hand = {}
+    for data in (None, "batch", "d_model", "d_ff"):
+        for model in (None, "batch", "d_model", "d_ff"):
+            rules = {}
+            for axis, dim in (("data", data), ("model", model)):
+                if dim:
+                    rules[dim] = rules.get(dim, ()) + (axis,)
+            r = md.explain(_mlp_grads, mesh, md.Layout(rules), *args)
+            by_hand[str(md.Layout(rules))] = (r.time(hw).total_s, r.total_bytes, r.memory["peak"])
+    assert len(result) + len(result.rejected) == len(by_hand) == 16
+    assert [str(c.layout) for c in result] == sorted(by_hand, key=by_hand.get)[:len(result)]
+    assert result.best.key == min(by_hand.values())
+    assert result.best.why.startswith("fastest predicted")
+
+
+def test_a_layout_that_splits_a_dim_the_axes_do_not_divide_is_pruned_before_costing():
+    result = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *_mlp(4, 64, 256))
+    assert [c.why for c in result.rejected] == ["pruned: batch:4 does not divide by data (8)"]
+    assert result.costed == 3   # nothing, d_model:data, d_ff:data
+
+
+def test_equivalent_layouts_of_a_device_count_are_costed_once():
+    """On 8 devices, d_ff:data of data:8 and d_ff:data+model of data:2 x model:4 put the same
+    blocks on the same devices: only the first is costed and listed."""
+    result = md.search(_mlp_grads, 64, *_mlp(64, 64, 256), top=100)
+    groups = [(str(c.mesh), str(c.layout)) for c in result]
+    assert ("data:64", "d_ff:data") in groups
+    assert not [g for g in groups if g[1] in ("d_ff:data+model", "batch:data+model", "d_model:data+model")]
+    assert {str(c.mesh) for c in result} == {"data:64", "data:2 x model:32", "data:4 x model:16",
+                                             "data:8 x model:8", "data:16 x model:4", "data:32 x model:2"}
+
+
+def test_the_chosen_layout_compiles_to_the_predicted_bytes_within_the_memory_budget():
+    args = _mlp(64, 32, 128, concrete=True)
+    budget = 40 * 2 ** 10
+    result = md.search(_mlp_grads, 8, *args, memory_budget=budget)
+    best = result.best
+    assert best.memory["peak"] <= budget and not best.mesh.is_abstract
+    assert all(c.memory["peak"] > budget for c in result.rejected if c.why.startswith("over the memory budget"))
+    explained, compiled = explain_vs_hlo(_mlp_grads, best.mesh, best.layout, *args, **best.lower_kwargs)
+    assert explained == compiled == {k: v["bytes"] for k, v in best.bytes.items() if v["bytes"]}
+    memory = md.lower(_mlp_grads, best.mesh, best.layout).lower(*args).compile().memory_analysis()
+    assert memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes <= budget
+
+
+def test_a_tiny_batch_with_a_huge_ffn_is_tensor_parallel():
+    """batch 8, d_ff 256k: the weights dominate (memory traffic and their gradient's all-reduce
+    under data parallelism); splitting d_ff over every device is fastest."""
+    best = md.search(_mlp_grads, 8, *_mlp(8, 1024, 262144)).best
+    assert best.layout.rules.get("d_ff") and "batch" not in best.layout.rules, best
+
+
+def test_a_large_batch_with_small_weights_is_data_parallel():
+    """batch 64k, d_model = d_ff = 1024: the matmuls dominate and the gradient sum is small."""
+    best = md.search(_mlp_grads, 8, *_mlp(65536, 1024, 1024)).best
+    assert best.layout.rules == {"batch": ("data",)}, best
+
+
+def test_a_tight_memory_budget_stores_the_parameters_split():
+    """Data parallel holds every weight on each device; under a budget below that, the search
+    keeps data parallelism and stores the weights split (ZeRO-3)."""
+    args = _mlp(65536, 1024, 1024)
+    dp = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True).best
+    assert dp.layout.rules == {"batch": ("data",)} and not dp.layout.param_rules
+    zero = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True,
+                     memory_budget=dp.memory["peak"] - 1).best
+    assert zero.layout.param_rules and zero.memory["peak"] < dp.memory["peak"], zero
+    assert any("over the memory budget" in c.why for c in md.search(
+        _mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True, memory_budget=dp.memory["peak"] - 1).rejected)
+
+
+def test_the_table_lists_rank_layout_time_bytes_memory_and_why():
+    result = md.search(_mlp_grads, md.Mesh.abstract({"data": 2, "model": 4}), *_mlp(16, 64, 256), top=3)
+    text = result.to_markdown()
+    assert "| rank | mesh | layout | step (predicted) | bytes/device | peak memory/device | why |" in text
+    assert text.count("\n| ") == 2 + 3 and "times on h100-80gb" in text
+    assert "<table>" in result._repr_html_()
+
+
+def test_a_budget_written_as_text_is_read_and_an_unreadable_one_is_refused():
+    args = _mlp(16, 64, 256)
+    mesh = md.Mesh.abstract({"data": 8})
+    assert md.search(_mlp_grads, mesh, *args, memory_budget="1GiB").best
+    with raises(md.MeshDSLError, "memory_budget: cannot read '1 GX' as a size in bytes; write it as 12GiB"):
+        md.search(_mlp_grads, mesh, *args, memory_budget="1 GX")
+
+
+def test_dims_the_arguments_do_not_have_are_refused():
+    with raises(md.MeshDSLError, r"dims=\['dff'\] are not dims of the arguments \(they have \['batch', "
+                                 r"'d_ff', 'd_model'\]\)"):
+        md.search(_mlp_grads, 8, *_mlp(16, 64, 256), dims=["batch", "dff"])
+
+
+def test_arguments_without_named_arrays_are_refused():
+    with raises(md.MeshDSLError, "the arguments hold no NamedArray"):
+        md.search(lambda x: x, 8, np.ones(3))
+
+
+def test_a_device_count_that_is_not_a_positive_int_is_refused():
+    with raises(md.MeshDSLError, "is neither an md.Mesh nor a device count"):
+        md.search(_mlp_grads, 0, *_mlp(16, 64, 256))
+
+
+def test_no_layout_within_the_budget_says_where_to_look():
+    result = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *_mlp(16, 64, 256), memory_budget=1)
+    assert not len(result) and all("over the memory budget" in c.why for c in result.rejected)
+    with raises(md.MeshDSLError, "md.search found no valid layout within the budget; see .rejected"):
+        result.best
+
+
+@pytest.mark.parametrize("count", [1, 7])
+def test_a_device_count_with_no_two_axis_factorisation_searches_one_axis(count):
+    result = md.search(_mlp_grads, count, *_mlp(14, 64, 256), top=100)
+    assert {str(c.mesh) for c in result} == {f"data:{count}"}

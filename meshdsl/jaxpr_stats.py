@@ -286,7 +286,7 @@ def _inner_forms(eqn, sub, forms) -> dict:
     return {s: _form(v, forms) for s, v in zip(sub.invars, eqn.invars) if _form(v, forms)}
 
 
-_GATHER_REDUCE = ("all_gather", "all_gather_invariant", "psum", "psum_invariant")
+_GATHER_REDUCE = ("all_gather", "all_gather_invariant", "psum", "psum_invariant", "pmax", "pmin")
 # Ops that keep a broadcast constant a broadcast constant, as XLA's simplifier rewrites them (an
 # elementwise op of broadcasts is a broadcast; so are a reshape, slice or reduction of one).
 _KEEPS_BROADCAST = frozenset((
@@ -309,7 +309,8 @@ def _constant_forms(jaxpr, forms):
     value computed from constants alone is a ``"scalar"`` constant (one element) or, broadcast to
     more than one element and carried through ops that keep it so (:data:`_KEEPS_BROADCAST`), a
     ``"broadcast"`` constant. XLA folds a gather or sum of a broadcast constant (it is the same on
-    every device: a constant cotangent, the gradient of ``sum(x)``, gathered in the backward pass),
+    every device: a constant cotangent, the gradient of ``sum(x)``, gathered in the backward pass;
+    a max or min of one, as a logsumexp of a pad's zeros takes it),
     but not of a one-element constant, an iota, a pad or a matmul of constants (measured on the
     CPU backend: ``psum`` of a zero-filled ``[4, 2]`` folds, of ``0.0``, ``[1]`` or ``arange(4)``
     does not)."""

@@ -195,3 +195,15 @@ def test_campaign_c_dim_entering_whole_is_computed_split_when_its_sum_is_reduced
         return md.sum(md.tanh(rows)).array
     _kept(lambda v0, v1, ids: jax.grad(loss, argnums=(0, 1))(v0, v1, ids), md.Mesh({"x": 4, "y": 2}),
           md.Layout({"a": "x", "k2": "y"}), v0, v1, ids, moved={"all-gather": 112, "all-reduce": 12})
+
+
+def test_a_max_and_a_sum_of_a_constant_that_xla_folds_are_not_counted():
+    """logsumexp over d:y+x of a slice holding only a pad's zeros: the max and the row sums are
+    all-reduces of constants, which XLA folds (the compiled program moves nothing); explain
+    counted 112 B: it folded sums and gathers of constants, not maxima."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32), "c d")
+
+    def fn(v):
+        zeros = md.slice(md.pad(v, "c", 1, 15), "c", 11, 8)
+        return md.logsumexp(zeros, "d")
+    _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("y", "x")}), v, moved={})

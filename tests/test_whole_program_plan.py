@@ -9,6 +9,7 @@ import numpy as np
 
 import meshdsl as md
 from meshdsl import program
+from fuzz_replay import parse
 from helpers import promises_kept
 
 
@@ -154,3 +155,27 @@ def test_a_program_is_traced_once_to_plan_and_at_most_once_more_to_emit(monkeypa
     x, v = _normal((8, 16), "b d"), _normal((16, 32), "d f", param=True)
     md.explain(lambda x, v: md.einsum(x, v, out="b f"), mesh, md.Layout({"b": "x"}), x, v)
     assert len(traced) == 1
+
+
+
+# As the campaign of issue 28 (seed 2611) drew it: m = v5, a parameter's integer max cast back to
+# float, stays where the parameter is stored (b over x); it is returned whole, and a md.scan over c
+# (v6) reads it. The loop's candidate reading m in the layout's placement shares one gather with
+# the return: 448 B, gspmd's; the loop ran split on b instead, its softmax all-reduced and its
+# shift permuted every step (655 B).
+LOOP_READS_THE_RETURNED_COPY = """\
+mesh={'x': 8} layout={'e': ('x',), 'p2': ('x',), 'k2': ('x',)} params={'b': ('x',)} param_gather=auto dtype=bfloat16
+  v0 = input [a c b] float param
+  v1 = input [d a c] float
+  v2 = input [d a e] float
+  v3 = unary(v1; {'f': 'abs'}) -> [d a c]
+  v4 = compare(v3, v3; {'f': 'logical_or'}) -> [d a c]
+  v5 = int_minmax(v0; {'first': 'a', 'second': ''}) -> [c b]
+  v6 = scan2(v5; {'dim': 'c'}) -> [b]
+  return v5, v6"""
+
+
+def test_a_loop_reads_the_copy_of_its_input_that_the_return_gathers():
+    program = parse(LOOP_READS_THE_RETURNED_COPY)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    promises_kept(program.fn, mesh, layout, *program.args(), param_gather="auto", moved={"all-gather": 448})

@@ -119,7 +119,7 @@ class Recording:
         operands = [self.vid(ctx, x) for x in xs]
         upstream = [self.gives.get(v, ()) for v in operands]
         others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else \
-            _reduced_first(ctx, rule, leaves, tree, named, xs) if xs and ctx.frame is None else []
+            _loop_entries(ctx, rule, leaves, tree, named, xs) if xs and ctx.frame is None else []
         before = ctx.checkpoint()
         result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
         if explore:   # decision points the rule met but does not declare (whether to widen a type), with each strategy
@@ -209,12 +209,20 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
                          tuple(reads))
 
 
-def _reduced_first(ctx, rule, leaves, tree, named, xs) -> list:
-    """The one candidate of an op whose others are not explored (a loop, traced again per
-    candidate): its operands' pending sums reduced before it (once, not per step), when any."""
+def _loop_entries(ctx, rule, leaves, tree, named, xs) -> list:
+    """The candidates of an op whose others are not explored (a loop: its body is traced again
+    per candidate): its operands' pending sums reduced before it (once, not per step), and its
+    operands in the layout's placement (a value the loop reads as the return needs it: one move
+    for both). Its body's ops are priced as they run in the loop's default; a candidate's own
+    bytes are what it moves beyond theirs (less, where the body moves less: negative)."""
     here = tuple(ctx.placement(x) for x in xs)
-    reduced = tuple(Placement(pl.axes) for pl in here)
-    return _try_all(ctx, rule, leaves, tree, named, xs, [(reduced, {})]) if reduced != here else []
+    tries = [tuple(Placement(pl.axes) for pl in here)]
+    try:
+        tries.append(tuple(Placement(tuple(ctx.canonical(x.dims))) for x in xs))
+    except MeshDSLError:
+        pass
+    tries = [e for e in dict.fromkeys(tries) if e != here and all(_valid(pl) for pl in e)]
+    return _try_all(ctx, rule, leaves, tree, named, xs, [(e, {}) for e in tries])
 
 
 def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:

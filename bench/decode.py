@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshdsl as md  # noqa: E402
-from bench.common import _fmt_bytes, write  # noqa: E402
+from bench.common import write  # noqa: E402
+from meshdsl.units import fmt_bytes as _fmt_bytes  # noqa: E402
 from meshdsl import hlo_comm  # noqa: E402
 from meshdsl.models.configs import get_config  # noqa: E402
 from meshdsl.models.generation import Generator, cache_length  # noqa: E402

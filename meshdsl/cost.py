@@ -21,10 +21,17 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import DTypeLike
 
-__all__ = ["KINDS", "element_bytes", "moved_bytes"]
+__all__ = ["KINDS", "element_bytes", "moved_bytes", "dual_bytes"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """The collective kinds, in the order reports list them (the names XLA gives them in HLO)."""
+
+
+def dual_bytes(records) -> float:
+    """The backward bytes that forward collective ``records`` imply by duality: a gather's
+    reduce-scatter, a reduce-scatter's gather, an all-to-all and a permute back; an all-reduce's
+    transpose (a cast) moves nothing."""
+    return sum(r.total_bytes for r in records if r.phase == "forward" and r.kind != "all-reduce")
 
 
 def element_bytes(dtype: DTypeLike, platform: str) -> int:

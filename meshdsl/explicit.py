@@ -20,6 +20,7 @@ from . import collectives as C
 from . import jaxcompat
 from . import param_gather
 from .contexts import LayoutContext
+from .cost import dual_bytes
 from .errors import LayoutError
 from .jaxcompat import differentiated, varying_axes
 from .layout import check_axes
@@ -299,8 +300,7 @@ class ExplicitContext(LayoutContext):
                 self._relaid.setdefault(id(source), set()).add(key[2])
                 if self.planner is not None:
                     made = self.rec.records[n_records:]
-                    cost = sum(r.total_bytes for r in made) + (sum(
-                        r.total_bytes for r in made if r.kind != "all-reduce") if differentiated(source) else 0.0)
+                    cost = sum(r.total_bytes for r in made) + (dual_bytes(made) if differentiated(source) else 0.0)
                     self._copies[(id(source), key[2])] = (self.planner.current, cost)
 
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
@@ -315,20 +315,19 @@ class ExplicitContext(LayoutContext):
     def as_at(self, mark):
         """The relayout cache as it was at ``mark`` while inside (what was made since is hidden,
         and back after): a candidate priced after the op ran must not read the copies it made."""
-        n_cache = mark[1]
-        hidden = self._cache_log[n_cache:]
+        hidden = self._cache_log[mark[1]:]
         saved = {full: self._cache.pop(full) for full in hidden if full in self._cache}
-        relaid = {k: set(v) for k, v in self._relaid.items()}
-        for full in hidden:
-            if full[1][0] == "relayout":
-                self._relaid.get(full[0], set()).discard(full[1][2])
-        del self._cache_log[n_cache:]
+        copies = [(full[0], full[1][2]) for full in hidden if full[1][0] == "relayout" and not full[1][4]]
+        for source, target in copies:
+            self._relaid.get(source, set()).discard(target)
+        del self._cache_log[mark[1]:]
         try:
             yield
         finally:
             self._cache.update(saved)
             self._cache_log.extend(hidden)
-            self._relaid = relaid
+            for source, target in copies:
+                self._relaid.setdefault(source, set()).add(target)
 
     def rollback(self, mark) -> None:
         n_records, n_cache, planned, n_casts = mark

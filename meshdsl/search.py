@@ -246,17 +246,11 @@ def _meshes(mesh_or_count) -> list[Mesh]:
 def _layouts(mesh, sizes, params, zero):
     """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
     axes = list(mesh.shape)
-    names = sorted(sizes)
-    seen = set()
-    for choice in itertools.product([None, *names], repeat=len(axes)):
+    for choice in itertools.product([None, *sorted(sizes)], repeat=len(axes)):   # each a distinct layout
         rules = {}
         for axis, dim in zip(axes, choice):
             if dim is not None:
                 rules[dim] = rules.get(dim, ()) + (axis,)
-        key = tuple(sorted(rules.items()))
-        if key in seen:
-            continue
-        seen.add(key)
         bad = [f"{d}:{sizes[d]} does not divide by {'+'.join(a)} ({math.prod(mesh.shape[x] for x in a)})"
                for d, a in rules.items() if sizes[d] % math.prod(mesh.shape[x] for x in a)]
         layout = Layout(rules)

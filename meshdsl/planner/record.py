@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 
+from ..cost import dual_bytes
 from ..errors import MeshDSLError
 from ..jaxcompat import apart, differentiated, pricing, varying_axes
 from ..named import NamedArray, Placement, is_named
@@ -134,9 +135,8 @@ class Recording:
             # body's ops ended, attributed to them): the program runs them once, the sandboxes
             # (never differentiated) trace them once
             again = [r for r in ctx.rec.records[self.ended:] if (r.op, r.line) != ctx.rec.op]
-            default = dataclasses.replace(
-                default, forward=default.forward - sum(r.total_bytes for r in again),
-                backward=default.backward - sum(r.total_bytes for r in again if r.kind != "all-reduce"))
+            default = dataclasses.replace(default, forward=default.forward - sum(r.total_bytes for r in again),
+                                          backward=default.backward - dual_bytes(again))
             fwd, bwd = sum(f.forward for f in inner), sum(f.backward for f in inner)
             default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd)
                                 for f in [default] + others]
@@ -293,11 +293,9 @@ def _sandboxed(policy):
 
 
 def _backward_guess(ctx, start) -> float:
-    """The backward bytes of what the op emitted since ``start`` (records, casts): a gather's
-    reduce-scatter, an all-to-all and a permute back, a cast's psum; a sum's transpose moves
-    nothing."""
-    records, casts = ctx.rec.records[start[0]:], ctx.rec.casts[start[1]:]
-    return sum(r.total_bytes for r in records if r.phase == "forward" and r.kind != "all-reduce") + sum(casts)
+    """The backward bytes of what the op emitted since ``start``: its collectives' duals
+    (:func:`meshdsl.cost.dual_bytes`) and its casts' psums."""
+    return dual_bytes(ctx.rec.records[start[0]:]) + sum(ctx.rec.casts[start[1]:])
 
 
 def _candidates(ctx, xs) -> list:

@@ -6,6 +6,7 @@ moves (explain == the compiled HLO), and ``md.explain(...).decisions()`` shows t
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import meshdsl as md
 from meshdsl import program
@@ -179,3 +180,41 @@ def test_a_loop_reads_the_copy_of_its_input_that_the_return_gathers():
     program = parse(LOOP_READS_THE_RETURNED_COPY)
     mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
     promises_kept(program.fn, mesh, layout, *program.args(), param_gather="auto", moved={"all-gather": 448})
+
+
+# Campaign of issue 28 (seed 2611): v3, a cache write of a parameter stored split on d, returned
+# whole; v4, a concat of v3 with itself, sliced. The concat's candidate reading one v3 gathered and
+# the other where the planning trace had it (d:x) was priced with the second read hitting the
+# first's copy; emitted, v3 whole, the second operand was sliced to d:x and gathered again (8192 B
+# where gspmd moves 5120). An op reads each value in one placement: 4096 B.
+CONCAT_OF_A_WRITTEN_PARAMETER = """\
+mesh={'x': 2, 'y': 4} layout={'a': ('x',), 'b': ('x',), 'm128': ('x', 'y'), 'm256': ('y',), 'p4': ('x',), 'q4': ('x', 'y'), 'k2': ('y', 'x'), 'k4': ('x', 'y')} params={'d': ('x',)} param_gather=regather dtype=bfloat16
+  v0 = input [d e c] float param
+  v1 = input [d b] int
+  v2 = input [d] int
+  v3 = dyn_write(v0; {'dim': 'd', 'start': 12}) -> [d e c]
+  v4 = concat_slice(v3, v3; {'dim': 'c', 'start': 2}) -> [d e c]
+  return v3, v4"""
+
+# Campaign of issue 28 (seed 2612): the same for an einsum of a cumsum with itself, a scalar
+# (455 B where gspmd moves 448): one gather of the reshaped parameter.
+EINSUM_OF_A_CUMSUM_WITH_ITSELF = """\
+mesh={'x': 8, 'y': 1} layout={'a': ('x', 'y'), 'b': ('x',), 'c': ('y',), 'm64': ('y',), 'm512': ('x',), 'q4': ('y',), 'p2': ('y', 'x')} params={} param_gather=auto
+  v0 = input [b d] float param
+  v1 = input [e d b] float
+  v2 = input [b] int
+  v3 = input [b] int
+  v4 = reshape(v0; {'dims': 'm128:128'}) -> [m128]
+  v5 = reduce(v4; {'f': 'max', 'dims': '', 'dtype': 'uint32'}) -> []
+  v6 = cumsum(v4; {'dim': 'm128'}) -> [m128]
+  v7 = einsum(v6, v6; {'out': ''}) -> []
+  return v6, v7"""
+
+
+@pytest.mark.parametrize("text, moved", [(CONCAT_OF_A_WRITTEN_PARAMETER, {"all-gather": 4096}),
+                                         (EINSUM_OF_A_CUMSUM_WITH_ITSELF, {"all-gather": 448})],
+                         ids=["concat", "einsum"])
+def test_an_op_reading_one_value_twice_reads_it_in_one_placement(text, moved):
+    program = parse(text)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    promises_kept(program.fn, mesh, layout, *program.args(), param_gather=program.param_gather, moved=moved)

@@ -260,7 +260,10 @@ def _distinct(strategies) -> list:
 
 
 def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
-    """``x`` relaid to placement ``pl`` (pending sums outside ``pl.pending`` reduced)."""
+    """``x`` relaid to placement ``pl`` (pending sums outside ``pl.pending`` reduced). A sum
+    ``pl`` keeps pending that ``x`` does not hold (its producer took another candidate than the
+    plan's) stays reduced: a placement never claims a sum its block does not carry."""
+    pl = Placement(pl.axes, pl.pending & ctx.pending(x))
     if ctx.placement(x) == pl:
         return x
     arr = ctx.local(x, dict(zip(x.names, pl.axes)), keep_pending=pl.pending)
@@ -362,7 +365,8 @@ def _declared(rule, here, args, kwargs) -> list:
 
 def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:
     """The strategies the rule shows for ``tries`` (entry placements, options), each in a sandbox."""
-    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
+    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries
+             if _one_per_value(xs, entry))
     return [f for f in found if f is not None]
 
 
@@ -391,6 +395,15 @@ def _with(entry, j, i, axes) -> tuple:
     """``entry`` with dim ``i`` of operand ``j`` split over ``axes``."""
     pl = entry[j]
     return entry[:j] + (Placement(pl.axes[:i] + (tuple(axes),) + pl.axes[i + 1:]),) + entry[j + 1:]
+
+
+def _one_per_value(xs, entry) -> bool:
+    """Does ``entry`` read each value in one placement? (An op reading one value twice - a
+    concat of a value with itself - reads one copy of it: its rule shares the relayout. Two
+    placements of one value price a read of one that hits the other's copy, which the emitted
+    op, its operands relaid from where their producers put them, would not find.)"""
+    seen = {}
+    return all(seen.setdefault((id(x.raw), x.dims), pl) == pl for x, pl in zip(xs, entry))
 
 
 def _valid(pl: Placement) -> bool:

@@ -9,7 +9,8 @@ moves fewer bytes), for
 * t5-v1_1-xxl (24 + 24 layers; batch 64, 512 / 128 tokens) under Megatron on an abstract 64-device
   mesh ``data:8 x model:8`` (no device is needed: shapes only).
 
-Columns: trace time off and on and their ratio (the issue's target: at most 2x), the graph's ops
+Each trace is timed with Python's garbage collector off (collected before it): a collection of
+an earlier round's garbage landing in one trace made the times vary by 2x. Columns: trace time off and on and their ratio (the issue's target: at most 2x), the graph's ops
 and candidates, the ILP's variables and solve time, the plan's predicted bytes against the rules'
 own choices, whether the emitted plan was kept, and ``md.explain``'s bytes per device off and on.
 
@@ -19,6 +20,7 @@ Run: ``python -m bench.planner`` (writes bench/results/planner.{json,md}).
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 from bench import common  # noqa: F401 - sets up devices first
@@ -46,9 +48,12 @@ def measure(name: str, config: str, shapes: dict, abstract_mesh) -> dict:
     for _ in range(REPEATS):   # interleaved, the first round a warm-up: the best of the others
         for planner in (False, True):
             f = md.lower(models.train_step, mesh, md.Layout(models.MEGATRON), planner=planner)
+            gc.collect()
+            gc.disable()   # a collection of the previous round's garbage is not this trace's time
             t0 = time.perf_counter()
             _, ctx, prog = f.trace(model, batch)
             seconds[planner].append(time.perf_counter() - t0)
+            gc.enable()
     for planner in (False, True):
         row[f"trace_s_{'on' if planner else 'off'}"] = min(seconds[planner][1:])
     for planner in (False, True):

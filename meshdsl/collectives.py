@@ -112,12 +112,13 @@ def _raw_vary(x, axes):
     return jax.lax.pcast(x, need, to="varying") if need else x
 
 
-def cast(ctx, x, axes, tensor: str = ""):
-    """Invariant -> varying over ``axes`` (no data moves). Its backward is a psum."""
+def cast(ctx, x, axes, tensor: str = "", *, grad: bool = True):
+    """Invariant -> varying over ``axes`` (no data moves). Its backward is a psum; ``grad=False``:
+    ``x`` gets no gradient (a ``stop_gradient``'s result), so there is none to price."""
     axes = tuple(a for a in axes if a not in varying_axes(x))
     if not axes:
         return x
-    if _differentiable(x):
+    if grad and _differentiable(x):
         ctx.rec.cast(x, axes)
     return _linear(ctx, x, lambda v: jax.lax.pcast(v, axes, to="varying"),
                    lambda ct: psum(ctx, ct, axes, tensor + " gradient of a value replicated there"))

@@ -147,7 +147,7 @@ class ExplicitContext(LayoutContext):
             return True
         if self.option(2):
             return False
-        self.planner.read(maker, cost)
+        self.planner.read(maker, cost, (id(x.raw), tuple(target)))
         return True
 
     def result_relaid(self, operands, target) -> bool:
@@ -282,6 +282,8 @@ class ExplicitContext(LayoutContext):
         owner = jaxcompat.enclosing_trace(source, trace)
         full = (id(source), key, id(jaxcompat.stands_for(owner)))
         hit = self._cache.get(full)
+        if hit is not None and key[0] == "relayout" and not key[4] and self.planner is not None:
+            self._read_copy(source, key[2])
         if hit is None:
             n_records = len(self.rec.records)
             if owner is trace:
@@ -305,6 +307,13 @@ class ExplicitContext(LayoutContext):
 
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit
+
+    def _read_copy(self, source, target) -> None:
+        """An op reads the copy of ``source`` at ``target`` another op made: free only while
+        that op stays (the planner charges the copy to this reader where the maker is dead)."""
+        maker, cost = self._copies.get((id(source), target), (None, 0.0))
+        if maker is not None and maker != self.planner.current:
+            self.planner.read(maker, cost, (id(source), target))
 
     def checkpoint(self):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""

@@ -78,6 +78,21 @@ def test_a_write_into_a_split_cache_moves_nothing_and_a_read_moves_only_the_slic
     assert bytes_by_kind(measured) == bytes_by_kind(explain_summary(report))
 
 
+def test_a_read_of_a_pending_sum_reduces_only_the_slice():
+    """A read is linear: an operand carrying a pending sum (an einsum contracting a split dim)
+    is read where it is and the sum reduced on the slice, not on the whole operand first."""
+    r = np.random.default_rng(0)
+    q = md.named(jnp.asarray(r.standard_normal((16, 8)), jnp.float32), "kv_length d")
+    w = md.named(jnp.asarray(r.standard_normal((8, 4)), jnp.float32), "d e")
+    fn = lambda q, w, t: md.dynamic_slice(md.einsum(q, w, out="kv_length e"), "kv_length", t, None)
+    layout = md.Layout({"d": "model"})
+    report = md.explain(fn, MESH, layout, q, w, jnp.int32(5))
+    assert explain_summary(report) == {"all-reduce": (1, 2 * 3 / 4 * (4 * 4))}   # [e:4], not [kv_length e]
+    measured = hlo_summary(md.lower(fn, MESH, layout), q, w, jnp.int32(5))
+    assert bytes_by_kind(measured) == bytes_by_kind(explain_summary(report))
+    assert_same(md.lower(fn, MESH, layout)(q, w, jnp.int32(5)), fn(q, w, 5), rtol=1e-5, atol=1e-5)
+
+
 def test_start_may_be_a_named_scalar():
     cache, new, _ = cache_and_update()
     fn = lambda c, u, t: md.dynamic_update_slice(c, u, "kv_length", t)

@@ -11,7 +11,7 @@ import pytest
 import meshdsl as md
 from meshdsl import program
 from fuzz_replay import parse
-from helpers import promises_kept
+from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
 
 
 def _normal(shape, names, seed=0, param=False):
@@ -218,3 +218,58 @@ def test_an_op_reading_one_value_twice_reads_it_in_one_placement(text, moved):
     program = parse(text)
     mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
     promises_kept(program.fn, mesh, layout, *program.args(), param_gather=program.param_gather, moved=moved)
+
+
+def _gradients(program):
+    """The gradients of a scalar of every output (the fuzzer's ``grad`` check), as a jax function."""
+    def loss(*args):
+        total = 0.0
+        for k, y in enumerate(program.fn(*args)):
+            total = total + md.sum(md.tanh(y) * (0.5 + 0.25 * k))
+        return total.array
+    return lambda *args: jax.grad(loss, argnums=tuple(program.float_inputs()))(*args)
+
+
+# Campaign of issue 28 (seed 2611): v3 = einsum3(v2, v2, v2) is dead (not returned); it reduced the
+# pending scalar v2, and rsqrt(v2) read that copy as free. The compiler drops the dead op, so the
+# reader makes the copy itself; priced as free, the plan kept the scalar's all-reduce (7 B) and the
+# backward one of [c] (56 B) where gspmd moves 56. A copy another op made is charged to its reader
+# when its maker is dead, however the reader reaches it: einsum3's pair-first candidate, 56 B.
+READS_A_COPY_OF_A_DEAD_OP = """\
+mesh={'x': 8, 'y': 1} layout={'a': ('x', 'y'), 'e': ('x',), 'm64': ('x',), 'm128': ('x', 'y'), 'm256': ('y',), 'm512': ('x',), 'k2': ('y',)} params={} param_gather=auto
+  v0 = input [e d c] float
+  v1 = input [c] float param
+  v2 = einsum3(v0, v0, v1; {'out': ''}) -> []
+  v3 = einsum3(v2, v2, v2; {'out': ''}) -> []
+  v4 = unary2(v2; {'f': 'rsqrt'}) -> []
+  return v4"""
+
+# Campaign of issue 28 (seed 2611): a softmax over a split dim casts its row max (a stop_gradient)
+# to varying; that cast gets no gradient, but was priced with a backward all-reduce, so every
+# softmax over a split dim looked 224 B dearer than it is and the plan moved the softmax's operand
+# instead (735 B where gspmd moves 728).
+SOFTMAX_OVER_A_SPLIT_DIM_UNDER_GRAD = """\
+mesh={'x': 8, 'y': 1} layout={'b': ('y',), 'c': ('y',), 'd': ('x',), 'p4': ('y', 'x'), 'q4': ('x', 'y'), 'p2': ('y',), 'k2': ('y',)} params={} param_gather=auto dtype=bfloat16
+  v0 = input [e c d] float
+  v1 = input [d e] float
+  v2 = input [a] float
+  v3 = input [c] int
+  v4 = input [d c] int
+  v5 = concat_slice(v1, v1; {'dim': 'e', 'start': 6}) -> [d e]
+  v6 = softmax(v5; {'f': 'softmax', 'dim': 'd'}) -> [d e]
+  v7 = einsum3(v5, v0, v2; {'out': 'c'}) -> [c]
+  v8 = pad_slice(v7; {'dim': 'c', 'before': 2, 'after': 6, 'start': 8}) -> [c]
+  return v6, v8"""
+
+
+@pytest.mark.parametrize("text, moved", [(READS_A_COPY_OF_A_DEAD_OP, {"all-reduce": 56}),
+                                         (SOFTMAX_OVER_A_SPLIT_DIM_UNDER_GRAD, {"all-reduce": 728})],
+                         ids=["copy-of-a-dead-op", "softmax-row-max"])
+def test_gradients_are_planned_at_their_price(text, moved):
+    program = parse(text)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    fn, args, kw = _gradients(program), program.args(), dict(param_gather=program.param_gather)
+    b = moved_by_backend(fn, mesh, layout, *args, **kw)
+    assert b["explicit"] <= b["gspmd"], b
+    assert explain_vs_hlo(fn, mesh, layout, *args, **kw) == (moved, moved)
+    assert_same(md.lower(fn, mesh, layout, **kw)(*args), jax.jit(fn)(*args), rtol=5e-2, atol=5e-2)   # bf16

@@ -15,7 +15,8 @@ Over a dim whole on every device both are local. Over a dim split on mesh axes:
   result is a *pending* partial sum over the split axes, so only the slice moves (one all-reduce
   of the slice when a whole value is needed, a reduce-scatter if the layout splits the result).
   Booleans cannot be summed: they are read from the gathered dim; so is a value another op
-  gathers along ``dim`` anyway (nothing more moves).
+  gathers along ``dim`` anyway (nothing more moves). A pending sum ``x`` carries stays pending
+  (a read is linear): it is reduced on the slice, not on ``x``.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
     if size is not None and (not isinstance(size, int) or not 0 <= size <= n):
         raise ShapeError(f"{where_(ctx)}: size {size!r} must be a Python int in 0..{n} (the size of "
                          f"{name!r}), or None for one entry without the dim")
-    axes = ctx.plan(x.dims, [x])
+    axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     if jnp.issubdtype(x.dtype, jnp.bool_) or whole_copy_made(ctx, x, axes, name):
         axes[name] = ()  # booleans; or a copy holding the dim whole is made anyway (top_k): read it
-    vary = ctx.vary(axes.values(), [x])
-    local = ctx.local(x, axes, vary)
+    keep = ctx.pending(x) - {a for ax in axes.values() for a in ax}   # a read is linear: sums stay pending
+    vary = ctx.vary(axes.values(), [x], keep)
+    local = ctx.local(x, axes, vary, keep_pending=keep)
     s = _start(ctx, start, n, size or 1, vary)
     pos = x.names.index(name)
     split = axes.pop(name)
@@ -90,7 +92,7 @@ def dynamic_slice(ctx, x, dim, start, size: int | None) -> NamedArray:
     else:
         out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
         axes[name] = ()
-    return ctx.out(rows, out, axes, frozenset(split))
+    return ctx.out(rows, out, axes, keep | frozenset(split))
 
 
 @op("dynamic_update_slice", gathers=True)

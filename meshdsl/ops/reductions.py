@@ -162,7 +162,7 @@ def _row_sum(ctx, e, pos, split, text):
 def softmax(ctx, x, dim) -> NamedArray:
     """``exp(x) / sum(exp(x))`` over ``dim``; a split dim costs two all-reduces of row statistics."""
     x, name, axes, local, pos, split, m = _stats(ctx, x, dim, "softmax dim")
-    e = jnp.exp(local - C.cast(ctx, m, split))
+    e = jnp.exp(local - C.cast(ctx, m, split, grad=False))
     s = _row_sum(ctx, e, pos, split, f"[{x.dims}] row sums over {name}")
     return ctx.out(e / C.cast(ctx, s, split), x.dims, axes)
 
@@ -171,6 +171,6 @@ def softmax(ctx, x, dim) -> NamedArray:
 def logsumexp(ctx, x, dim) -> NamedArray:
     """``log(sum(exp(x)))`` over ``dim``, without gathering a split dim."""
     x, name, axes, local, pos, split, m = _stats(ctx, x, dim, "logsumexp dim")
-    s = _row_sum(ctx, jnp.exp(local - C.cast(ctx, m, split)), pos, split, f"[{x.dims}] row sums over {name}")
+    s = _row_sum(ctx, jnp.exp(local - C.cast(ctx, m, split, grad=False)), pos, split, f"[{x.dims}] row sums over {name}")
     y = jnp.squeeze(jnp.log(s) + m, axis=pos)
     return ctx.out(y, Shape(d for d in x.dims if d.name != name), axes)

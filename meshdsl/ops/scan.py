@@ -61,6 +61,8 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
     def run(ctx, c_leaves, x_leaves):
         return loop.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
 
+    run.relays = sum(map(_is_named, c_leaves))   # the carry enters in its layout placement, relaid by the loop
+
     with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
         carry, ys = ctx.apply("scan", run, (c_leaves, x_leaves), {})
     return (carry if head is None else pipeline_1f1b.head_value(head, carry, where)), ys

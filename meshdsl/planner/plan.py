@@ -54,7 +54,7 @@ def build(ctx, recording) -> tuple[Graph, dict]:
                 graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made")]))
         # a copy another op made is free to read only if that op stays (else it is made for the reader)
         strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0)
-                               + sum(cost for maker, cost in f.reads if maker not in live), detail=f,
+                               + sum(cost for maker, cost, _ in f.reads if maker not in live), detail=f,
                                label=_label(ctx, recording, op, f)) for f in op.strategies]
         nodes[graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))] = k
     for v, pl in recording.sinks:

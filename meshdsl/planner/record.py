@@ -156,10 +156,11 @@ class Recording:
         """The number of the op running now (the latest begun)."""
         return self.count - 1
 
-    def read(self, maker: int, cost: float) -> None:
-        """The rule running now read a copy op ``maker`` made (``cost``: its bytes)."""
-        if self._forced:
-            self._forced[-1][2].append((maker, cost))
+    def read(self, maker: int, cost: float, copy) -> None:
+        """The rule running now read ``copy`` (a key), which op ``maker`` made (``cost``: its
+        bytes); counted once however often the rule reads it."""
+        if self._forced and (maker, cost, copy) not in self._forced[-1][2]:
+            self._forced[-1][2].append((maker, cost, copy))
 
     def option(self, ctx, count: int) -> int:
         """The candidate the next decision point of the rule running now takes (0: the rule's
@@ -182,7 +183,7 @@ class Found:
     options: tuple = ()    # (decision point, candidate) pairs
     vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
     points: tuple = ()     # candidates of each decision point the rule met, in order
-    reads: tuple = ()      # (op number, bytes) of the copies other ops made that the rule read
+    reads: tuple = ()      # (op number, bytes, copy) of the copies other ops made that the rule read
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -221,8 +222,21 @@ def _loop_entries(ctx, rule, leaves, tree, named, xs) -> list:
         tries.append(tuple(Placement(tuple(ctx.canonical(x.dims))) for x in xs))
     except MeshDSLError:
         pass
-    tries = [e for e in dict.fromkeys(tries) if e != here and all(_valid(pl) for pl in e)]
+    tries = [e for e in dict.fromkeys(tries) if e != here and all(_valid(pl) for pl in e)
+             and not _relaid_by_the_rule(ctx, rule, xs, here, e)]
     return _try_all(ctx, rule, leaves, tree, named, xs, [(e, {}) for e in tries])
+
+
+def _relaid_by_the_rule(ctx, rule, xs, here, entry) -> bool:
+    """Does ``entry`` move only operands the rule itself relays to the layout's placement (its
+    first ``rule.relays``: a loop's carry), and only there? The rule then does the same: no
+    candidate (each would trace the loop's body again)."""
+    fixed = getattr(rule, "relays", 0)
+    try:
+        return all(k < fixed and pl == Placement(tuple(ctx.canonical(x.dims)))
+                   for k, (x, h, pl) in enumerate(zip(xs, here, entry)) if pl != h)
+    except MeshDSLError:
+        return False
 
 
 def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:

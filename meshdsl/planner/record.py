@@ -29,11 +29,11 @@ from ..cost import dual_bytes
 from ..errors import MeshDSLError
 from ..jaxcompat import apart, differentiated, pricing, varying_axes
 from ..named import NamedArray, Placement, is_named
+from .candidates import loop_tries, op_tries
 
 __all__ = ["Recording", "OpRecord", "Found"]
 
 _PINNED = {"scan", "local_map"}   # ops whose candidates the planner does not explore (yet)
-_MAX_CANDIDATES = 10
 
 
 @dataclasses.dataclass
@@ -119,8 +119,9 @@ class Recording:
         explore = xs and name not in _PINNED and ctx.frame is None
         operands = [self.vid(ctx, x) for x in xs]
         upstream = [self.gives.get(v, ()) for v in operands]
-        others = _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) if explore else \
-            _loop_entries(ctx, rule, leaves, tree, named, xs) if xs and ctx.frame is None else []
+        tries = op_tries(ctx, rule, xs, args, kwargs, upstream) if explore else \
+            loop_tries(ctx, rule, xs) if xs and ctx.frame is None else []
+        others = _try_all(ctx, rule, leaves, tree, named, xs, tries)
         before = ctx.checkpoint()
         result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
         if explore:   # decision points the rule met but does not declare (whether to widen a type), with each strategy
@@ -210,57 +211,6 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
                          tuple(reads))
 
 
-def _loop_entries(ctx, rule, leaves, tree, named, xs) -> list:
-    """The candidates of an op whose others are not explored (a loop: its body is traced again
-    per candidate): its operands' pending sums reduced before it (once, not per step), and its
-    operands in the layout's placement (a value the loop reads as the return needs it: one move
-    for both). Its body's ops are priced as they run in the loop's default; a candidate's own
-    bytes are what it moves beyond theirs (less, where the body moves less: negative)."""
-    here = tuple(ctx.placement(x) for x in xs)
-    tries = [tuple(Placement(pl.axes) for pl in here)]
-    try:
-        tries.append(tuple(Placement(tuple(ctx.canonical(x.dims))) for x in xs))
-    except MeshDSLError:
-        pass
-    tries = [e for e in dict.fromkeys(tries) if e != here and all(_valid(pl) for pl in e)
-             and not _relaid_by_the_rule(ctx, rule, xs, here, e)]
-    return _try_all(ctx, rule, leaves, tree, named, xs, [(e, {}) for e in tries])
-
-
-def _relaid_by_the_rule(ctx, rule, xs, here, entry) -> bool:
-    """Does ``entry`` move only operands the rule itself relays to the layout's placement (its
-    first ``rule.relays``: a loop's carry), and only there? The rule then does the same: no
-    candidate (each would trace the loop's body again)."""
-    fixed = getattr(rule, "relays", 0)
-    try:
-        return all(k < fixed and pl == Placement(tuple(ctx.canonical(x.dims)))
-                   for k, (x, h, pl) in enumerate(zip(xs, here, entry)) if pl != h)
-    except MeshDSLError:
-        return False
-
-
-def _explore(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
-    """The strategies of the other entry placements and of the rule's other candidates at its
-    decision points (``rule.options(*args, **kwargs)``: candidates per point), each in a sandbox.
-    ``upstream``: per operand, the other placements its producer may give it."""
-    here = tuple(ctx.placement(x) for x in xs)
-    # an op moving data along a dim may read a copy gathered for others (outside loop bodies:
-    # there the trace would carry every priced candidate as dead code into the loop's derivative)
-    gathers = getattr(rule, "gathers", False) and ctx.rec.multiplier == 1
-    entries = _candidates(ctx, xs) if gathers or _off_layout(ctx, xs) else [here]
-    if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
-        return _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream)
-    for j, places in enumerate(upstream):
-        for pl in places:
-            moved = here[:j] + (pl,) + here[j + 1:]
-            by_name = dict(zip(xs[j].names, pl.axes))
-            aligned = tuple(p if i == j else Placement(tuple(by_name.get(n, a) for n, a in zip(x.names, p.axes)))
-                            for i, (x, p) in enumerate(zip(xs, here)))
-            entries += [e for e in (moved, aligned) if e not in entries and all(_valid(q) for q in e)]
-    tries = [(entry, {}) for entry in entries[1:2 * _MAX_CANDIDATES]]
-    return _try_all(ctx, rule, leaves, tree, named, xs, tries + _declared(rule, here, args, kwargs))
-
-
 def _distinct(strategies) -> list:
     """``strategies`` less those that compute like an earlier one (entry, results, bytes and
     types alike: another decision point's candidate that changed nothing)."""
@@ -315,111 +265,9 @@ def _backward_guess(ctx, start) -> float:
     return dual_bytes(ctx.rec.records[start[0]:]) + sum(ctx.rec.casts[start[1]:])
 
 
-def _candidates(ctx, xs) -> list:
-    """Entry placements to explore for an op over ``xs``, the first where they are: the layout's
-    placement, pending sums reduced in place, every operand aligned with one of them, one dim
-    of one operand brought to the layout's placement, one dim of one operand gathered (from where
-    it is or from the layout's placement): every placement one collective reaches."""
-    here = tuple(ctx.placement(x) for x in xs)
-    out = [here]
-
-    def add(entry):
-        if len(out) < _MAX_CANDIDATES and entry not in out and all(_valid(pl) for pl in entry):
-            out.append(entry)
-
-    try:
-        layout = tuple(Placement(tuple(ctx.canonical(x.dims))) for x in xs)
-    except MeshDSLError:
-        layout = None
-    if layout is not None:
-        add(layout)
-    reduced = tuple(Placement(pl.axes) for pl in here)
-    add(reduced)
-    for y, held in zip(xs, here):
-        by_name = dict(zip(y.names, held.axes))
-        add(tuple(Placement(tuple(by_name.get(n, a) for n, a in zip(x.names, pl.axes))) for x, pl in zip(xs, here)))
-    bases = [reduced] + ([layout] if layout is not None else [])
-    for j in range(len(xs)):
-        for base in bases:
-            for i, axes in enumerate(base[j].axes):
-                if axes:
-                    add(_with(base, j, i, ()))
-        if layout is not None:
-            for i, (axes, want) in enumerate(zip(here[j].axes, layout[j].axes)):
-                if axes != want:
-                    add(_with(reduced, j, i, want))
-    return out
-
-
-def _explore_gathered(ctx, rule, leaves, tree, named, xs, args, kwargs, upstream) -> list:
-    """param_gather keep / regather: an op reading a parameter stored split gathers it, as
-    ZeRO-3 is written (``"auto"`` lets the plan move the activations instead). Its candidates:
-    the parameters entering gathered (the layout's placement) before the rule's own choices, its
-    other operands where they are or where a candidate of their producer gives them."""
-    here = tuple(ctx.placement(x) for x in xs)
-    try:
-        gathered = tuple(Placement(tuple(ctx.canonical(x.dims))) if x.is_param and _stored(ctx, x) else pl
-                         for x, pl in zip(xs, here))
-    except MeshDSLError:
-        gathered = here
-    tries = [(gathered, {})] if gathered != here else []
-    for j, places in enumerate(upstream):
-        if not (xs[j].is_param and _stored(ctx, xs[j])):
-            tries += [(gathered[:j] + (pl,) + gathered[j + 1:], {}) for pl in places
-                      if all(_valid(q) for q in gathered[:j] + (pl,) + gathered[j + 1:])]
-    return _try_all(ctx, rule, leaves, tree, named, xs, tries + _declared(rule, here, args, kwargs))
-
-
-def _declared(rule, here, args, kwargs) -> list:
-    """Tries of the other candidates of the decision points the rule declares
-    (``rule.options(*args, **kwargs)``: candidates per point), its operands where they are."""
-    counts = getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs)
-    return [(here, {p: c}) for p, n in enumerate(counts) for c in range(1, n)]
-
-
 def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:
     """The strategies the rule shows for ``tries`` (entry placements, options), each in a sandbox."""
-    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries
-             if _one_per_value(xs, entry))
+    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
     return [f for f in found if f is not None]
 
 
-def _stored(ctx, x) -> bool:
-    """Does ``x`` sit elsewhere than the layout's placement (a parameter stored split)?"""
-    try:
-        return tuple(ctx.placement(x).axes) != tuple(ctx.canonical(x.dims))
-    except MeshDSLError:
-        return True
-
-
-def _off_layout(ctx, xs) -> bool:
-    """Does an operand hold a pending sum or sit off the layout's placement? (Else the op computes
-    where the layout says, as the plan would have every op do: nothing to explore.)"""
-    for x in xs:
-        pl = ctx.placement(x)
-        try:
-            if pl.pending or tuple(pl.axes) != tuple(ctx.canonical(x.dims)):
-                return True
-        except MeshDSLError:
-            return True
-    return False
-
-
-def _with(entry, j, i, axes) -> tuple:
-    """``entry`` with dim ``i`` of operand ``j`` split over ``axes``."""
-    pl = entry[j]
-    return entry[:j] + (Placement(pl.axes[:i] + (tuple(axes),) + pl.axes[i + 1:]),) + entry[j + 1:]
-
-
-def _one_per_value(xs, entry) -> bool:
-    """Does ``entry`` read each value in one placement? (An op reading one value twice - a
-    concat of a value with itself - reads one copy of it: its rule shares the relayout. Two
-    placements of one value price a read of one that hits the other's copy, which the emitted
-    op, its operands relaid from where their producers put them, would not find.)"""
-    seen = {}
-    return all(seen.setdefault((id(x.raw), x.dims), pl) == pl for x, pl in zip(xs, entry))
-
-
-def _valid(pl: Placement) -> bool:
-    used = [a for axes in pl.axes for a in axes]
-    return len(used) == len(set(used)) and not set(used) & pl.pending

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import jaxpr_stats
+from . import jaxpr_stats, liveness
 from .cost import KINDS
 from .lower import lower
 from .planner.plan import decisions
@@ -158,7 +158,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
             note = " (runs again in the backward pass)" if runs[r.tag] > r.count else " (hoisted out of the loop)"
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
-                  flops=jaxpr_stats.matmul_flops(body), memory=jaxpr_stats.memory(body),
+                  flops=jaxpr_stats.matmul_flops(body), memory=liveness.memory(body),
                   pipeline=_pipeline_entry(ctx.pipelines),
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))

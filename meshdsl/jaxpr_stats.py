@@ -1,14 +1,11 @@
-"""Cost figures read off a traced (not compiled) program: matmul FLOPs and a memory estimate.
+"""Cost figures read off a traced (not compiled) program: matmul FLOPs, buffers, collectives.
 
 ``md.explain`` traces the per-device program (the body of ``shard_map``) to a jaxpr. From it:
 
 * **FLOPs**: ``2 * prod(result) * prod(contracted)`` per ``dot_general``, times loop trip counts
   (``scan`` lengths); the backward pass is included when ``fn`` takes gradients.
-* **memory**: bytes of the arguments and outputs of one device, and the peak of temporaries from a
-  liveness walk over the program (values live from definition to last use; elementwise chains that
-  XLA fuses are not counted; a sub-program adds its own peak while it runs). It is an estimate of
-  what XLA will allocate, made before compiling; ``bench/memory.py`` compares it with
-  ``memory_analysis()``.
+* which values XLA keeps in memory (:func:`materialized`; the memory model is
+  :mod:`meshdsl.liveness`).
 """
 
 from __future__ import annotations
@@ -22,12 +19,12 @@ from jax.extend import core as jcore
 
 from .jaxcompat import dce
 
-__all__ = ["matmul_flops", "memory", "inner_body", "live", "name_scopes"]
+__all__ = ["matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
 SCOPES = r"mdc\d+"   # the name scopes of recorded collectives (meshdsl.collectives)
 
 
-def _sub_jaxprs(eqn):
+def sub_jaxprs(eqn):
     for value in eqn.params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, jcore.ClosedJaxpr):
@@ -40,7 +37,7 @@ def _trip_count(eqn) -> int:
     return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
 
 
-def _nbytes(aval) -> int:
+def nbytes(aval) -> int:
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
@@ -62,9 +59,9 @@ def matmul_flops(jaxpr) -> float:
             out = eqn.outvars[0].aval.shape
             total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc)
         elif eqn.primitive.name == "cond":
-            total += max((matmul_flops(j) for j in _sub_jaxprs(eqn)), default=0.0)
+            total += max((matmul_flops(j) for j in sub_jaxprs(eqn)), default=0.0)
         else:
-            total += _trip_count(eqn) * sum(matmul_flops(j) for j in _sub_jaxprs(eqn))
+            total += _trip_count(eqn) * sum(matmul_flops(j) for j in sub_jaxprs(eqn))
     return total
 
 
@@ -76,7 +73,7 @@ _FUSIBLE = frozenset("""
     """.split())
 
 
-def _materialized(jaxpr) -> set:
+def materialized(jaxpr) -> set:
     """Values XLA keeps in memory: everything except the inside of elementwise chains it fuses
     (an elementwise result read once, by another elementwise op)."""
     consumers: dict = {}
@@ -95,51 +92,17 @@ def _materialized(jaxpr) -> set:
     return kept
 
 
-def _peak(jaxpr) -> int:
-    """Peak bytes of the values ``jaxpr`` keeps in memory at once (its inputs and outputs not
-    counted; fused elementwise intermediates not counted; a sub-program adds its own peak)."""
-    kept = _materialized(jaxpr)
-    outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    last_use: dict = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                last_use[v] = k
-    live, peak, size = {}, 0, 0
-    for k, eqn in enumerate(jaxpr.eqns):
-        inner = max((_peak(j) for j in _sub_jaxprs(eqn)), default=0)
-        peak = max(peak, size + inner)
-        for v in eqn.outvars:
-            if isinstance(v, jcore.Var) and v in kept and v not in outs and v in last_use:
-                live[v] = _nbytes(v.aval)
-                size += live[v]
-        peak = max(peak, size)
-        for v in [v for v in live if last_use.get(v, -1) <= k]:
-            size -= live.pop(v)
-    return peak
-
-
 def inner_body(closed):
     """The per-device program: the body of the outermost ``shard_map``, else the jaxpr itself."""
     jaxpr = getattr(closed, "jaxpr", closed)
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
             return eqn.params["jaxpr"]
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             found = inner_body(sub)
             if found is not sub:
                 return found
     return jaxpr
-
-
-def memory(jaxpr) -> dict:
-    """Per-device bytes: arguments, outputs, peak temporaries (as ``memory_analysis`` splits them),
-    and their sum."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    args = sum(_nbytes(v.aval) for v in jaxpr.invars)
-    outs = sum(_nbytes(v.aval) for v in jaxpr.outvars if isinstance(v, jcore.Var))
-    temps = _peak(jaxpr)
-    return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + outs + temps}
 
 
 def live(jaxpr):
@@ -238,7 +201,7 @@ def inline(jaxpr):
         invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
         closed = eqn.params.get("jaxpr") if eqn.primitive.name in ("pjit", "jit") else None
         if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or eqn.effects or \
-                re.search(SCOPES, str(eqn.source_info.name_stack)) or any(next(_sub_jaxprs(e), None) is not None for e in closed.jaxpr.eqns):
+                re.search(SCOPES, str(eqn.source_info.name_stack)) or any(next(sub_jaxprs(e), None) is not None for e in closed.jaxpr.eqns):
             eqns.append(eqn.replace(invars=invars))
             continue
         changed = True
@@ -274,7 +237,7 @@ def name_scopes(jaxpr, pattern: str = SCOPES, multiplier: int = 1, forms=None) -
         if eqn.primitive.name == "scan":
             out.update(_scan_body_scopes(eqn, pattern, multiplier, forms))
             continue
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             out.update(name_scopes(sub, pattern, multiplier, _inner_forms(eqn, sub, forms)))
     return out
 
@@ -327,7 +290,7 @@ def _constant_forms(jaxpr, forms):
                 forms.update((v, "broadcast") for v in eqn.outvars)
             continue
         if name in _CALLS:
-            subs = list(_sub_jaxprs(eqn))
+            subs = list(sub_jaxprs(eqn))
             if len(subs) == 1:
                 inner, _ = _constant_forms(subs[0], _inner_forms(eqn, subs[0], forms))
                 forms.update((o, _form(i, inner)) for o, i in zip(eqn.outvars, subs[0].outvars) if _form(i, inner))
@@ -362,6 +325,6 @@ def _scan_body_scopes(eqn, pattern, multiplier, outer_forms) -> Counter:
         if inner.primitive.name == "scan":
             out.update(_scan_body_scopes(inner, pattern, m, forms))
         else:
-            for sub in _sub_jaxprs(inner):
+            for sub in sub_jaxprs(inner):
                 out.update(name_scopes(sub, pattern, m, _inner_forms(inner, sub, forms)))
     return out

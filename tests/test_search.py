@@ -72,11 +72,12 @@ def test_equivalent_layouts_of_a_device_count_are_costed_once():
 
 def test_the_chosen_layout_compiles_to_the_predicted_bytes_within_the_memory_budget():
     args = _mlp(64, 32, 128, concrete=True)
-    budget = 40 * 2 ** 10
+    budget = 44 * 2 ** 10   # the estimate is within 10% here (of 40 KiB); the search keeps a 10% margin
     result = md.search(_mlp_grads, 8, *args, memory_budget=budget)
     best = result.best
-    assert best.memory["peak"] <= budget and not best.mesh.is_abstract
-    assert all(c.memory["peak"] > budget for c in result.rejected if c.why.startswith("over the memory budget"))
+    assert any(c.why.startswith("over the memory budget") for c in result.rejected)
+    assert best.memory["peak"] * 1.1 <= budget and not best.mesh.is_abstract   # the default margin: 10%
+    assert all(c.memory["peak"] * 1.1 > budget for c in result.rejected if c.why.startswith("over the memory budget"))
     explained, compiled = explain_vs_hlo(_mlp_grads, best.mesh, best.layout, *args, **best.lower_kwargs)
     assert explained == compiled == {k: v["bytes"] for k, v in best.bytes.items() if v["bytes"]}
     memory = md.lower(_mlp_grads, best.mesh, best.layout).lower(*args).compile().memory_analysis()
@@ -102,11 +103,11 @@ def test_a_tight_memory_budget_stores_the_parameters_split():
     args = _mlp(65536, 1024, 1024)
     dp = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True).best
     assert dp.layout.rules == {"batch": ("data",)} and not dp.layout.param_rules
-    zero = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True,
-                     memory_budget=dp.memory["peak"] - 1).best
+    budget = dp.memory["peak"] * 1.1 - 1   # data parallel's peak with the search's 10% margin is over it
+    zero = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True, memory_budget=budget).best
     assert zero.layout.param_rules and zero.memory["peak"] < dp.memory["peak"], zero
     assert any("over the memory budget" in c.why for c in md.search(
-        _mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True, memory_budget=dp.memory["peak"] - 1).rejected)
+        _mlp_grads, md.Mesh.abstract({"data": 8}), *args, zero=True, memory_budget=budget).rejected)
 
 
 def test_the_table_lists_rank_layout_time_bytes_memory_and_why():

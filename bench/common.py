@@ -70,12 +70,12 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}"
 
 
-def write(name: str, rows: list, columns: list, title: str, notes: str = "") -> str:
-    """Write ``<name>.json`` and ``<name>.md``; returns the markdown."""
+def write(name: str, rows: list, columns: list, title: str, notes: str = "", extra: dict | None = None) -> str:
+    """Write ``<name>.json`` (``extra`` merged in) and ``<name>.md``; returns the markdown."""
     os.makedirs(RESULTS, exist_ok=True)
     info = machine()
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as fh:
-        json.dump({"machine": info, "rows": rows}, fh, indent=2)
+        json.dump({"machine": info, "rows": rows, **(extra or {})}, fh, indent=2)
     lines = [f"### {title}", "",
              f"{info['date']}, jax {info['jax']}, {info['devices']} x {info['device_kind']} ({info['platform']}), "
              f"{info['cpu_count']} host cores", ""]

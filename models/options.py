@@ -103,7 +103,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--override", action="append", default=[], metavar="KEY=VALUE",
       help="change the model config, e.g. d_model=32,d_ff=64 (repeatable)")
     a("--mesh", default="data:-1", help="mesh axes, e.g. data:2,model:4 (-1: the remaining devices)")
-    a("--layout", default=None, help="dim:axis rules; default batch:data (+ group:data;experts:data for MoE)")
+    a("--layout", default=None,
+      help="dim:axis rules; default batch:data (+ group:data;experts:data for MoE); auto: md.search ranks the "
+           "layouts of the training step (over the device count, or the --mesh given) and the run takes the best")
+    a("--memory-budget", default=None, metavar="SIZE",
+      help="--layout auto: bytes per device a layout may use, e.g. 12GiB (default: the --hardware's memory)")
+    a("--hardware", default="measure", metavar="NAME",
+      help="--layout auto: the time model's device, a profile (h100-80gb, tpu-v5p, ...) or measure (this "
+           "machine's speeds, fitted in a few seconds)")
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
     a("--microbatches", type=POSITIVE, default=None,
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "

@@ -78,6 +78,33 @@ def _default_layout(config, mesh) -> str:
     return f"batch:{axis}" + (f";group:{axis};experts:{axis}" if config.is_moe else "")
 
 
+def _auto_layout(args, config, enc_len, dec_len, say) -> None:
+    """``--layout auto``: the mesh, layout and param_gather md.search ranks first, written into
+    ``args`` (so run.json records the choice and --resume keeps it)."""
+    from meshdsl.errors import MeshDSLError
+    from meshdsl.models import autolayout
+
+    if args.params_layout:
+        raise UsageError("--layout auto chooses the parameters' storage too: drop --params-layout")
+    try:
+        mesh, layout, kwargs, _ = autolayout.choose(
+            config, mesh=args.mesh, batch=args.batch // args.accum, encoder_length=enc_len, decoder_length=dec_len,
+            remat=args.remat, hardware=args.hardware, memory_budget=args.memory_budget, say=say)
+    except (MeshDSLError, ValueError) as e:
+        raise UsageError(f"--layout auto: {str(e).splitlines()[0]}") from e
+    args.mesh = ",".join(f"{axis}:{size}" for axis, size in mesh.shape.items())
+    args.layout = _rules_text(layout.rules)
+    args.params_layout = _rules_text(layout.param_rules) or None
+    args.param_gather = kwargs.get("param_gather", args.param_gather)
+    say(f"layout     auto: mesh {args.mesh}, layout {args.layout}"
+        + (f", parameters stored {args.params_layout}" if args.params_layout else ""))
+
+
+def _rules_text(rules) -> str:
+    """``dim:axis+axis;...``, as --layout reads it."""
+    return ";".join(f"{d}:{'+'.join(a)}" for d, a in rules.items() if a)
+
+
 def main(argv=None) -> dict:
     """Run the CLI; returns ``{"records", "state", "trainer", "out", "baseline", "wall_s", "stopped"}``.
 
@@ -142,6 +169,9 @@ def _run(args) -> dict:
     except TypeError as e:
         raise UsageError(f"--override: {e}; the model config's keys are "
                          f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
+    enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
+    if args.layout == "auto":
+        _auto_layout(args, config, enc_len, dec_len, say)
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches:
@@ -149,7 +179,6 @@ def _run(args) -> dict:
     layout.check_mesh(mesh)
     for warning in faults.mesh_warnings(mesh, layout):
         say(warning)
-    enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
     try:
         Feed.check_batch(args.batch, args.accum, mesh, layout)
     except ValueError as e:

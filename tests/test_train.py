@@ -157,6 +157,21 @@ def test_options_run(tmp_path):
     assert kernel.dtype == np.dtype("bfloat16")
 
 
+def test_layout_auto_trains_with_the_layout_the_search_ranks_first(tmp_path, capsys):
+    """--layout auto: md.search ranks the training step's layouts on the mesh given (a rich table),
+    the run trains with the first and records it in run.json (so --resume keeps it)."""
+    result = train(tmp_path, "auto", "--steps", "2", "--mesh", "data:8", "--layout", "auto", "--memory-budget", "1GiB",
+                   "--hardware", "h100-80gb")
+    printed = capsys.readouterr().out
+    assert "md.search:" in printed and "rank" in printed and "layout     auto: mesh data:8" in printed
+    layout = result["trainer"].layout
+    recorded = json.loads((tmp_path / "auto" / "run.json").read_text())
+    assert recorded["layout"] == ";".join(f"{d}:{'+'.join(a)}" for d, a in layout.rules.items())
+    assert np.isfinite(losses(result)).all()
+    with pytest.raises(SystemExit, match="--layout auto chooses the parameters' storage too: drop --params-layout"):
+        main([*TINY, "--out", str(tmp_path / "bad"), "--layout", "auto", "--params-layout", "d_model:data"])
+
+
 def test_cli_defaults_and_errors(tmp_path, resumed):
     args = build_parser().parse_args([])
     assert (args.model, args.mesh, args.optimizer, args.task) == ("t5-tiny", "data:-1", "adafactor", "span_corruption")

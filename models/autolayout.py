@@ -1,0 +1,81 @@
+"""``--layout auto``: the training step's mesh and layout chosen by ``md.search``.
+
+The step searched is the one the run trains (T5's loss and gradients, the run's ``--remat``, a
+batch of the run's shapes, abstract: nothing is computed). Over the device count when ``--mesh``
+is left at its default (every factorisation into ``data`` or ``data x model``), else over the mesh
+given; the dims placed are the model's parallel ones (batch, heads, d_ff, vocab, d_model; experts
+and group for MoE), with ZeRO-3 storage tried for each. The time model runs on ``--hardware``
+(``measure``: constants fitted on the devices at hand, a few seconds) and candidates over
+``--memory-budget`` are rejected. The ranking is printed; the run takes the best, and records its
+mesh and layout (``run.json``), so ``--resume`` continues with the same choice.
+"""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+from rich.table import Table
+
+import meshdsl as md
+from meshdsl.models.loss import t5_loss
+from meshdsl.models.t5 import T5
+from meshdsl.units import fmt_bytes
+
+__all__ = ["DEFAULT_MESH", "choose", "step_of"]
+
+DEFAULT_MESH = "data:-1"
+_DIMS = ("batch", "heads", "d_ff", "vocab", "d_model", "experts", "group")
+
+
+def step_of(remat: str):
+    """The training step searched: loss and gradients of ``model`` on ``batch``."""
+    def step(model, batch):
+        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
+    return step
+
+
+def _abstract_batch(batch: int, encoder_length: int, decoder_length: int) -> dict:
+    token = lambda length: jax.ShapeDtypeStruct((batch, length), np.int32)   # noqa: E731
+    return {"encoder_input_tokens": md.named(token(encoder_length), "batch inputs"),
+            "decoder_input_tokens": md.named(token(decoder_length), "batch targets"),
+            "decoder_target_tokens": md.named(token(decoder_length), "batch targets"),
+            "decoder_loss_weights": md.named(jax.ShapeDtypeStruct((batch, decoder_length), np.float32),
+                                             "batch targets")}
+
+
+def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length: int, remat: str,
+           hardware: str, memory_budget: str | None, say=print):
+    """``(mesh, layout, lower_kwargs, result)`` of the best layout ``md.search`` finds."""
+    model = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(0)))
+    args = (model, _abstract_batch(batch, encoder_length, decoder_length))
+    target = jax.device_count() if mesh == DEFAULT_MESH else md.Mesh.parse(mesh)
+    if hardware == "measure":
+        say("layout     measuring this machine's matmul, memory and link speeds (md.Hardware.measure)")
+        hw = md.Hardware.measure(md.Mesh({"data": jax.device_count()}))
+    else:
+        hw = md.Hardware.profile(hardware)
+    dims = [d for d in _DIMS if any(d in leaf.names for leaf in jax.tree_util.tree_leaves(
+        args, is_leaf=lambda x: isinstance(x, md.NamedArray)) if isinstance(leaf, md.NamedArray))]
+    result = md.search(step_of(remat), target, *args, memory_budget=memory_budget, hardware=hw, top=5,
+                       dims=dims, zero=True)
+    _print(result, say)
+    best = result.best
+    return best.mesh, best.layout, best.lower_kwargs, result
+
+
+def _print(result, say) -> None:
+    """The ranking as a rich table, printed as text."""
+    table = Table(title=f"md.search: {result.costed} layouts costed in {result.seconds:.1f} s on {result.hardware}, "
+                        f"{len(result.rejected)} rejected; the run takes the first")
+    for column in ("rank", "mesh", "layout", "step time", "bytes/device", "peak memory"):
+        table.add_column(column)
+    for i, c in enumerate(result):
+        table.add_row(str(i + 1), str(c.mesh), str(c.layout), f"{c.time * 1e3:.3g} ms", fmt_bytes(c.total_bytes),
+                      fmt_bytes(c.memory["peak"]))
+    console = Console(file=io.StringIO(), width=160, record=True)
+    console.print(table)
+    say(console.export_text().rstrip())

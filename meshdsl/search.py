@@ -105,12 +105,13 @@ class SearchResult:
         return [(str(i + 1), str(c.mesh), f"`{c.layout}`", _fmt_s(c.time), fmt_bytes(c.total_bytes),
                  fmt_bytes(c.memory.get("peak", 0)), c.why) for i, c in enumerate(self.candidates)]
 
-    def to_markdown(self) -> str:
+    def to_markdown(self, top: int | None = None) -> str:
+        """The ranking as a markdown table (its first ``top`` rows, default all)."""
         head = ("rank", "mesh", "layout", "step (predicted)", "bytes/device", "peak memory/device", "why")
         lines = [f"{len(self.candidates)} ranked, {len(self.rejected)} rejected, {self.costed} costed in "
                  f"{self.seconds:.1f} s; times on {self.hardware}", "",
                  "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows()]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows()[:top]]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -160,10 +161,10 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     ranked, rejected, costed, seen = [], [], 0, set()
     for mesh in meshes:
         for layout, pruned in _layouts(mesh, sizes, params, zero):
-            same = _devices_grouped(mesh, layout)
-            if same in seen:
-                continue   # the same devices hold the same blocks as a layout costed on another mesh
-            seen.add(same)
+            same, alike = _devices_grouped(mesh, layout), _costs_alike(mesh, layout, hw)
+            if same in seen or alike in seen:
+                continue   # the same blocks on the same devices, or on devices as far apart, as one costed
+            seen.update((same, alike))
             cand = Candidate(layout, mesh, dict(options))
             if pruned:
                 cand.why = pruned
@@ -277,6 +278,18 @@ def _devices_grouped(mesh, layout) -> tuple:
     spans = lambda axes: tuple(i for a in axes for i in range(start[a], start[a] + len(prime_factors(mesh.shape[a]))))  # noqa: E731
     return (tuple(factors), tuple(sorted((d, spans(a)) for d, a in layout.rules.items())),
             tuple(sorted((d, spans(a)) for d, a in layout.param_rules.items())))
+
+
+def _costs_alike(mesh, layout, hw) -> tuple:
+    """What a layout's cost depends on: per dim (compute and storage), the size of each axis
+    splitting it and the link that axis runs on. Two layouts alike here move the same bytes over
+    the same links and hold the same blocks (``batch:data;d_ff:model`` on ``data:4 x model:2`` and
+    ``d_ff:data;batch:model`` on ``data:2 x model:4`` on one NVLink domain): the second is not
+    costed."""
+    def split(rules):
+        return tuple(sorted((d, tuple(sorted((mesh.shape[a], hw.link(a, mesh)) for a in axes)))
+                            for d, axes in rules.items() if axes))
+    return "alike", math.prod(mesh.shape.values()), split(layout.rules), split(layout.param_rules)
 
 
 def _zero_rules(mesh, rules, params) -> dict:

@@ -27,7 +27,7 @@ HANG_GUARD_S = 1800  # per cell: a hung kernel fails the test instead of blockin
 def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_named_dims_and_layouts.ipynb", "02_t5_layouts.ipynb",
                                            "03_moe_expert_parallel.ipynb", "04_decode_layouts.ipynb",
-                                           "05_pipelines.ipynb"]
+                                           "05_pipelines.ipynb", "06_layout_search.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

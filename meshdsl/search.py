@@ -13,9 +13,10 @@ The space, per mesh (the mesh given, or every factorisation of a device count in
   axes: each axis splits at most one dim, a dim may take several axes (in mesh order), and an
   axis may split nothing. An assignment whose axes do not divide a dim's size is pruned before
   costing;
-* with ``zero=True``, each assignment also with its parameters stored split (ZeRO-3): every
-  parameter stored over each mesh axis it is not computed split over, on its largest dim that
-  axis divides (``params=`` rules), gathered where read (``param_gather``, default ``"keep"``).
+* with ``zero=True``, each assignment also with its parameters stored split (ZeRO-3): each mesh
+  axis the assignment uses stores the parameters not computed split over it on one dim, the one
+  holding the most parameter elements that axis divides (``params=`` rules), gathered where read
+  (``param_gather``, default ``"keep"``).
 
 What it does not search yet: pipelines, remat policies and microbatch counts (give them in
 ``**options``/the program), context parallelism. The memory estimate is
@@ -293,17 +294,25 @@ def _costs_alike(mesh, layout, hw) -> tuple:
 
 
 def _zero_rules(mesh, rules, params) -> dict:
-    """ZeRO-3 storage: each mesh axis some rule uses stores a parameter not computed split over it
-    split there too, on the parameter's largest dim the axis divides (a dim's rule is shared by
-    every parameter with that dim)."""
+    """ZeRO-3 storage: each mesh axis some rule uses stores the parameters not computed split over
+    it split there too, on one dim per axis: the dim holding the most parameter elements the axis
+    divides (a dim's rule is shared by every parameter with that dim, so two dims on one axis
+    would put both on it in a parameter holding both). Parameters without that dim stay whole
+    over the axis."""
     stored: dict = {}
     for axis in [a for a in mesh.shape if any(a in ax for ax in rules.values())]:
+        split = lambda d: math.prod(mesh.shape[a] for a in rules.get(d, ()) + stored.get(d, ()))  # noqa: E731
+        elements: dict = {}
         for p in params:
             if any(axis in rules.get(d, ()) + stored.get(d, ()) for d, _ in p):
                 continue   # computed or already stored split over it
-            split = lambda d: math.prod(mesh.shape[a] for a in rules.get(d, ()) + stored.get(d, ()))  # noqa: E731
-            free = [(size, d) for d, size in p if size % (split(d) * mesh.shape[axis]) == 0]
-            if free:
-                d = max(free)[1]
-                stored[d] = stored.get(d, ()) + (axis,)
+            for d, size in p:
+                if size % (split(d) * mesh.shape[axis]) == 0:
+                    elements[d] = elements.get(d, 0) + math.prod(n for _, n in p)
+        clash = {d for p in params for d, _ in p
+                 if any(axis in rules.get(e, ()) + stored.get(e, ()) for e, _ in p)}   # shares a parameter with the axis
+        fits = [(n, d) for d, n in elements.items() if d not in clash]
+        if fits:
+            d = max(fits)[1]
+            stored[d] = stored.get(d, ()) + (axis,)
     return stored

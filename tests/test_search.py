@@ -2,13 +2,21 @@
 over-budget ones rejected with the reason, equivalent layouts costed once; the chosen layout
 compiles to the predicted bytes within the budget; known regimes find their known answers."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import meshdsl as md
 from helpers import explain_vs_hlo, raises
+from meshdsl.models.configs import get_config
+from meshdsl.models.loss import t5_loss
+from meshdsl.models.t5 import T5
+
+SEARCH = importlib.import_module("meshdsl.search")   # the module (md.search is the function)
 
 
 def _arg(spec, param=False, concrete=False):
@@ -153,3 +161,49 @@ def test_no_layout_within_the_budget_says_where_to_look():
 def test_a_device_count_with_no_two_axis_factorisation_searches_one_axis(count):
     result = md.search(_mlp_grads, count, *_mlp(14, 64, 256), top=100)
     assert {str(c.mesh) for c in result} == {f"data:{count}"}
+
+
+def _t5_step(config_name, batch, inputs=512, targets=128, remat="none"):
+    """A T5 training step (loss and gradients), abstract: the model and a batch of shapes."""
+    model = nnx.eval_shape(lambda: T5(get_config(config_name).replace(dropout_rate=0.0), rngs=nnx.Rngs(0)))
+    tokens = lambda n: jax.ShapeDtypeStruct((batch, n), np.int32)   # noqa: E731
+    data = {"encoder_input_tokens": md.named(tokens(inputs), "batch inputs"),
+            "decoder_input_tokens": md.named(tokens(targets), "batch targets"),
+            "decoder_target_tokens": md.named(tokens(targets), "batch targets"),
+            "decoder_loss_weights": md.named(jax.ShapeDtypeStruct((batch, targets), np.float32), "batch targets")}
+
+    def step(model, batch):
+        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
+    return step, model, data
+
+
+def test_t5_xxl_on_256_h100s_fits_where_data_parallel_does_not_and_says_why():
+    """t5-v1_1-xxl (11B parameters, float32, remat full) on 256 H100-80GB as data:32 x model:8,
+    batch 256 x 512 / 128: data parallelism holds every weight and its gradient (88 GB) on each
+    device and is rejected over the budget, with its peak; a layout splitting the weights over
+    model fits."""
+    step, model, batch = _t5_step("t5-v1_1-xxl", 256, remat="full")
+    mesh = md.Mesh.abstract({"data": 32, "model": 8})
+    result = md.search(step, mesh, model, batch, hardware="h100-80gb", dims=["batch", "heads", "d_ff"], top=100)
+    dp = [c for c in result.rejected if c.layout.rules == {"batch": ("data",)}]
+    assert dp and dp[0].why.startswith("over the memory budget: peak") and dp[0].memory["peak"] > 80e9
+    best = result.best
+    assert best.memory["peak"] * 1.1 <= md.Hardware.profile("h100-80gb").memory_bytes
+    assert {"heads", "d_ff"} & set(best.layout.rules) and "batch" in best.layout.rules, best
+
+
+def test_zero3_storage_puts_one_dim_per_axis_in_every_parameter():
+    """The ZeRO-3 storage rules the search tries are valid for every parameter: T5's attention
+    weights [layers d_model heads d_kv] hold d_model and heads, so the two must not be stored over
+    one axis (they were: every ZeRO-3 candidate of a T5 step was invalid)."""
+    _, model, batch = _t5_step("t5-v1_1-xxl", 256)
+    mesh = md.Mesh.abstract({"data": 32, "model": 8})
+    params = [leaf for leaf in jax.tree_util.tree_leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, md.NamedArray))
+              if isinstance(leaf, md.NamedArray)]
+    for rules in ({"batch": ("data",), "heads": ("model",)}, {"batch": ("data",), "d_ff": ("model",)},
+                  {"batch": ("data", "model")}):
+        stored = SEARCH._zero_rules(mesh, rules, [tuple((d.name, d.size) for d in p.dims) for p in params])
+        assert stored, rules
+        layout = md.Layout(rules, params=stored)
+        for p in params:   # raises LayoutError where a parameter would hold one axis twice
+            layout.tensor_axes(p.dims, mesh, storage=True, what=f"{rules} {stored}: [{p.dims}]")

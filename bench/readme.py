@@ -12,7 +12,7 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-ORDER = ("communication", "step_time", "compile_time", "memory", "pipeline", "schedules")
+ORDER = ("communication", "step_time", "compile_time", "memory", "search_rank", "pipeline", "schedules")
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 

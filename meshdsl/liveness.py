@@ -147,6 +147,7 @@ def _owners(jaxpr) -> tuple[dict, set]:
                 readers.setdefault(v, set()).add(eqn.primitive.name)
     ends: dict = {}   # root -> last use of any value in its buffer
     params = set(jaxpr.invars) | set(jaxpr.constvars)
+    kept = materialized(jaxpr)
     scattered = set()
 
     def share(out, v):
@@ -177,10 +178,11 @@ def _owners(jaxpr) -> tuple[dict, set]:
         if _zero_scatter(eqn):
             scattered.add(eqn.outvars[0])
         if name in _IN_PLACE and len(eqn.outvars) == 1:
-            for v in ins:
-                if nbytes(v.aval) == nbytes(eqn.outvars[0].aval) and dies_here(v, k):
-                    share(eqn.outvars[0], v)
-                    break
+            dying = [v for v in ins if nbytes(v.aval) == nbytes(eqn.outvars[0].aval) and dies_here(v, k)]
+            # a buffer first: an operand fused into this op (an elementwise intermediate) is none
+            dying.sort(key=lambda v: root(v) not in kept)
+            if dying:
+                share(eqn.outvars[0], dying[0])
     return owner, zeros
 
 

@@ -11,7 +11,9 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 
 if "jax" not in sys.modules:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -68,6 +70,16 @@ def ratio(a: float, b: float) -> str:
     if b == 0:
         return "1.00" if a == 0 else "inf"
     return f"{a / b:.2f}"
+
+
+def median_time(f, args, reps: int) -> float:
+    """The median wall time of ``reps`` runs of ``f(*args)`` (seconds; warm it up first)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def write(name: str, rows: list, columns: list, title: str, notes: str = "", extra: dict | None = None) -> str:

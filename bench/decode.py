@@ -76,15 +76,6 @@ def decode_param_bytes(model) -> float:
     return float(total)
 
 
-def _median_time(f, args, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def run(quick: bool = False) -> str:
     layers = 1 if quick else 2
     config = get_config("t5-small", encoder_layers=layers, decoder_layers=layers, dropout_rate=0.0)
@@ -112,8 +103,8 @@ def run(quick: bool = False) -> str:
         per_pos = {}
         for p in POSITIONS:
             a = (placed, state, token, jnp.int32(p), done, key)
-            _median_time(g.step, a, 1)                                    # warm-up
-            per_pos[p] = _median_time(g.step, a, reps)
+            common.median_time(g.step, a, 1)                                    # warm-up
+            per_pos[p] = common.median_time(g.step, a, reps)
         step_s = statistics.median(per_pos.values())
         mem = (bytes_per_device(nnx.state(model, nnx.Param), mesh, layout)
                + bytes_per_device(state["cache"], mesh, layout) + bytes_per_device(state["cross"], mesh, layout))

@@ -14,7 +14,6 @@ Run: ``python -m bench.search_rank [--quick]`` (writes bench/results/search_rank
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from bench import common  # noqa: F401 - sets up devices first
@@ -30,12 +29,7 @@ from meshdsl.units import fmt_bytes  # noqa: E402
 
 def _measured(f, args, steps: int) -> float:
     jax.block_until_ready(f(*args))   # compile and warm up
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return common.median_time(f, args, steps)
 
 
 def _spread(ranked, count: int) -> list:

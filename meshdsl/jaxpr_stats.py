@@ -19,7 +19,7 @@ from jax.extend import core as jcore
 
 from .jaxcompat import dce
 
-__all__ = ["matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
+__all__ = ["CALLS", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
 SCOPES = r"mdc\d+"   # the name scopes of recorded collectives (meshdsl.collectives)
 
@@ -258,7 +258,7 @@ _KEEPS_BROADCAST = frozenset((
     "neg", "add", "sub", "mul", "div", "max", "min", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
     "sqrt", "rsqrt", "abs", "sign", "floor", "ceil", "round", "sin", "cos", "erf", "integer_pow", "pow", "square",
     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "stop_gradient"))
-_CALLS = ("pjit", "jit", "closed_call", "custom_vjp_call", "custom_jvp_call", "remat", "checkpoint")
+CALLS = ("pjit", "jit", "closed_call", "custom_vjp_call", "custom_jvp_call", "remat", "checkpoint")
 
 
 def _form(v, forms):
@@ -289,7 +289,7 @@ def _constant_forms(jaxpr, forms):
                 folded.add(id(eqn))
                 forms.update((v, "broadcast") for v in eqn.outvars)
             continue
-        if name in _CALLS:
+        if name in CALLS:
             subs = list(sub_jaxprs(eqn))
             if len(subs) == 1:
                 inner, _ = _constant_forms(subs[0], _inner_forms(eqn, subs[0], forms))

@@ -28,7 +28,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from .jaxpr_stats import materialized, nbytes, sub_jaxprs
+from .jaxpr_stats import CALLS as _CALLS, materialized, nbytes, sub_jaxprs
 
 __all__ = ["memory", "Buffer"]
 
@@ -36,7 +36,6 @@ _ALIASES = frozenset(("pvary", "name", "reshape", "squeeze", "expand_dims", "sto
 _IN_PLACE = frozenset(("scatter-add", "scatter_add", "scatter", "dynamic_update_slice", "add_any", "add", "sub",
                        "mul", "div", "max", "min", "neg", "abs", "exp", "log", "tanh", "logistic", "sqrt",
                        "rsqrt", "square", "integer_pow", "select_n", "convert_element_type"))
-_CALLS = frozenset(("pjit", "jit", "closed_call", "custom_vjp_call", "custom_jvp_call", "remat", "checkpoint"))
 _REDUCES = frozenset(("psum", "psum_invariant", "psum_scatter", "reduce_scatter"))
 _COLLECTIVES = _REDUCES | {"all_gather", "all_gather_invariant", "all_to_all", "ppermute", "pmax", "pmin"}
 

@@ -220,16 +220,6 @@ def test_an_op_reading_one_value_twice_reads_it_in_one_placement(text, moved):
     promises_kept(program.fn, mesh, layout, *program.args(), param_gather=program.param_gather, moved=moved)
 
 
-def _gradients(program):
-    """The gradients of a scalar of every output (the fuzzer's ``grad`` check), as a jax function."""
-    def loss(*args):
-        total = 0.0
-        for k, y in enumerate(program.fn(*args)):
-            total = total + md.sum(md.tanh(y) * (0.5 + 0.25 * k))
-        return total.array
-    return lambda *args: jax.grad(loss, argnums=tuple(program.float_inputs()))(*args)
-
-
 # Campaign of issue 28 (seed 2611): v3 = einsum3(v2, v2, v2) is dead (not returned); it reduced the
 # pending scalar v2, and rsqrt(v2) read that copy as free. The compiler drops the dead op, so the
 # reader makes the copy itself; priced as free, the plan kept the scalar's all-reduce (7 B) and the
@@ -268,7 +258,7 @@ mesh={'x': 8, 'y': 1} layout={'b': ('y',), 'c': ('y',), 'd': ('x',), 'p4': ('y',
 def test_gradients_are_planned_at_their_price(text, moved):
     program = parse(text)
     mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
-    fn, args, kw = _gradients(program), program.args(), dict(param_gather=program.param_gather)
+    fn, args, kw = program.grads_inside(), program.args(), dict(param_gather=program.param_gather)
     b = moved_by_backend(fn, mesh, layout, *args, **kw)
     assert b["explicit"] <= b["gspmd"], b
     assert explain_vs_hlo(fn, mesh, layout, *args, **kw) == (moved, moved)

@@ -25,18 +25,20 @@ come out typed replicated; a ppermute's result varies).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import collectives as C
 from .jaxcompat import varying_axes
 
-__all__ = ["Plan", "plan", "run"]
+__all__ = ["Plan", "plan", "piece_rounds", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,19 +60,63 @@ def plan(shape, src_axes, target, mesh_axes, sizes) -> Plan | None:
                  tuple(sorted(sizes.items())))
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(shape, src_axes, target, mesh_axes, sizes):
-    sizes = dict(sizes)
-    used = {a for axes in src_axes + target for a in axes}
-    axes = tuple(a for a in mesh_axes if a in used)
+def piece_rounds(shape, src_axes, target, mesh_axes, sizes) -> tuple[int, int] | None:
+    """``(elements of a piece, rounds)`` of :func:`plan`'s plan, without building its tables (a
+    device sends ``piece x rounds`` elements): what a relayout weighing routes needs."""
+    return _piece_rounds(tuple(shape), tuple(map(tuple, src_axes)), tuple(map(tuple, target)), tuple(mesh_axes),
+                         tuple(sorted(sizes.items())))
+
+
+def _blocks(shape, src_axes, target, sizes):
+    """Source and target block shapes and the piece's, or None where they do not tile."""
     if any(n % math.prod(sizes[a] for a in p) for placement in (src_axes, target) for n, p in zip(shape, placement)):
         return None   # a placement that cannot divide a dim (a candidate a planner weighs): no rounds
     bs = [n // math.prod(sizes[a] for a in s) for n, s in zip(shape, src_axes)]
     bt = [n // math.prod(sizes[a] for a in t) for n, t in zip(shape, target)]
     if any(max(s, t) % min(s, t) for s, t in zip(bs, bt)):
         return None
-    piece = tuple(min(s, t) for s, t in zip(bs, bt))
+    return bs, bt, tuple(min(s, t) for s, t in zip(bs, bt))
+
+
+@functools.lru_cache(maxsize=4096)
+def _piece_rounds(shape, src_axes, target, mesh_axes, sizes):
+    """The rounds are as many as the most pieces one device sends or receives (a bipartite edge
+    colouring needs no more): counted over every device at once."""
+    sizes = dict(sizes)
+    used = {a for axes in src_axes + target for a in axes}
+    axes = tuple(a for a in mesh_axes if a in used)
+    blocks = _blocks(shape, src_axes, target, sizes)
+    if blocks is None:
+        return None
+    bs, bt, piece = blocks
+    coords = np.indices([sizes[a] for a in axes]).reshape(len(axes), -1) if axes else np.zeros((0, 1), int)
+    at = dict(zip(axes, coords))
+    me = np.arange(coords.shape[1])
+    t0 = [_block(at, t, sizes) * b for t, b in zip(target, bt)]
+    sent, received = np.zeros_like(me), np.zeros_like(me)
+    for chunk in itertools.product(*[range(b // p) for b, p in zip(bt, piece)]):
+        src = dict(at)
+        for s_axes, t, c, p, b in zip(src_axes, t0, chunk, piece, bs):
+            src.update(_coords((t + c * p) // b, s_axes, sizes))
+        source = (np.ravel_multi_index([np.broadcast_to(src[a], me.shape) for a in axes], [sizes[a] for a in axes])
+                  if axes else me)
+        away = source != me
+        received += away
+        sent += np.bincount(source[away], minlength=len(me))
+    return math.prod(piece), int(max(sent.max(initial=0), received.max(initial=0)))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shape, src_axes, target, mesh_axes, sizes):
+    sizes = dict(sizes)
+    used = {a for axes in src_axes + target for a in axes}
+    axes = tuple(a for a in mesh_axes if a in used)
+    blocks = _blocks(shape, src_axes, target, sizes)
+    if blocks is None:
+        return None
+    bs, bt, piece = blocks
     devices = list(itertools.product(*[range(sizes[a]) for a in axes]))
+    index = {coords: d for d, coords in enumerate(devices)}
     local, edges = [None] * len(devices), []
     for d, coords in enumerate(devices):
         at = dict(zip(axes, coords))
@@ -80,7 +126,7 @@ def _plan(shape, src_axes, target, mesh_axes, sizes):
             src = dict(at)
             for s_axes, row, b in zip(src_axes, start, bs):
                 src.update(_coords(row // b, s_axes, sizes))
-            s = devices.index(tuple(src[a] for a in axes))
+            s = index[tuple(src[a] for a in axes)]
             s_off = tuple(row - _block(src, sa, sizes) * b for row, sa, b in zip(start, src_axes, bs))
             t_off = tuple(row - t for row, t in zip(start, t0))
             if s == d:
@@ -116,8 +162,8 @@ def _coords(block, axes, sizes) -> dict:
 def _colour(edges, n):
     """Split the edges (source, target, ...) into rounds where no device sends or receives twice:
     a bipartite edge colouring with as many colours as the largest degree (alternating paths)."""
-    degree = max([sum(1 for e in edges if e[0] == d) for d in range(n)] +
-                 [sum(1 for e in edges if e[1] == d) for d in range(n)] + [0])
+    degree = max([*collections.Counter(e[0] for e in edges).values(),
+                  *collections.Counter(e[1] for e in edges).values(), 0])
     send = [dict() for _ in range(n)]   # device -> colour -> edge index
     recv = [dict() for _ in range(n)]
     colour = [None] * len(edges)

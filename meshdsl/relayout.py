@@ -27,6 +27,8 @@ activation relay it once, and its cotangent is reduced once.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from . import collectives as C
@@ -121,7 +123,8 @@ def _relayout(ctx, x, src, target, vary, keep_pending):
         if move.gathers and not move.others:   # only gathers: relayout may cast the result so
             ctx.cached(move.arr, ("gathers",), lambda: tuple(move.gathers))
         return move.arr
-    p, pre, mid = route
+    sizes, pre, mid = route
+    p = redistribute.plan(shape, pre, mid, ctx.mesh.factor_axes, sizes)
     move = _Move(ctx, x, src, pre, vary, keep_pending | src.pending)
     local = tuple(n // ctx.axes_size(t) for n, t in zip(shape, mid))
     arr = redistribute.run(ctx, move.run().arr, p, local, f"[{x.dims}] redistribute")
@@ -264,7 +267,7 @@ class _Move:
 
 
 def _route(ctx, shape, src_axes, src_pending, target, keep_pending):
-    """``(plan, pre, mid)``: local slices to ``pre`` (the source's splits, then the target's axes
+    """``(axis sizes, pre, mid)``: local slices to ``pre`` (the source's splits, then the target's axes
     the source does not use: less data, and no replicated source whose gradient would need a
     psum), ppermute rounds (:mod:`meshdsl.redistribute`) to ``mid``, then the axis-by-axis steps
     to ``target``, where that moves fewer bytes than the steps alone; else None. ``mid`` is the
@@ -281,11 +284,11 @@ def _route(ctx, shape, src_axes, src_pending, target, keep_pending):
     sizes = {a: ctx.axes_size((a,)) for a in used_src | used_tgt}
     best, best_bytes = None, _steps_bytes(ctx, shape, src_axes, target)
     for mid in _mids(src_axes, target, used_tgt):
-        p = None if mid == pre else redistribute.plan(shape, pre, mid, ctx.mesh.factor_axes, sizes)
-        if p is not None:
-            via = p.bytes(1) + _steps_bytes(ctx, shape, mid, target)
+        rounds = None if mid == pre else redistribute.piece_rounds(shape, pre, mid, ctx.mesh.factor_axes, sizes)
+        if rounds is not None:
+            via = math.prod(rounds) + _steps_bytes(ctx, shape, mid, target)
             if via < best_bytes:
-                best, best_bytes = (p, pre, mid), via
+                best, best_bytes = (sizes, pre, mid), via
     return best
 
 
@@ -318,7 +321,9 @@ def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pend
     shape = tuple(d.size for d in dims)
     route = _route(ctx, shape, src_axes, src_pending, target, keep_pending)
     if route is not None:
-        return itemsize * (route[0].bytes(1) + _steps_bytes(ctx, shape, route[2], target))
+        sizes, pre, mid = route
+        rounds = redistribute.piece_rounds(shape, pre, mid, ctx.mesh.factor_axes, sizes)
+        return itemsize * (math.prod(rounds) + _steps_bytes(ctx, shape, mid, target))
     return _steps_bytes(ctx, shape, src_axes, target, itemsize, src_pending, keep_pending)
 
 

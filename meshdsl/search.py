@@ -36,10 +36,10 @@ from typing import Any
 
 import jax
 
-from .errors import MeshDSLError
+from .errors import LayoutError, MeshDSLError
 from .explain import Report, explain
 from .hardware import Hardware
-from .layout import Layout
+from .layout import Layout, effective
 from .mesh import Mesh, prime_factors
 from .named import is_named
 from .step_time import StepTime
@@ -159,6 +159,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         raise MeshDSLError(f"md.search: memory_budget: {e}") from None
     sizes, params = _dims_of(args, dims)
     meshes = _meshes(mesh_or_device_count)
+    held = _Held(fn, args)
     ranked, rejected, costed, seen = [], [], 0, set()
     for mesh in meshes:
         for layout, pruned in _layouts(mesh, sizes, params, zero):
@@ -169,6 +170,17 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             cand = Candidate(layout, mesh, dict(options))
             if pruned:
                 cand.why = pruned
+                rejected.append(cand)
+                continue
+            try:
+                floor = held.per_device(mesh, layout)
+            except LayoutError as e:
+                cand.why = f"invalid: {str(e).splitlines()[0]}"
+                rejected.append(cand)
+                continue
+            if floor * (1 + memory_margin) > budget:
+                cand.why = (f"over the memory budget before costing: its arguments and outputs alone take "
+                            f"{fmt_bytes(floor)} per device + {memory_margin:.0%} > {fmt_bytes(budget)}")
                 rejected.append(cand)
                 continue
             costed += 1
@@ -189,6 +201,38 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     for i, c in enumerate(ranked):
         c.why = _why(i, c, ranked[0])
     return SearchResult(ranked[:top], rejected, costed, time.perf_counter() - start, hw.name)
+
+
+class _Held:
+    """What every layout of the program holds whatever it computes: its arguments and its outputs
+    (their dims from one shape-only trace of the unsharded program), per device as the layout
+    places them (parameters by the storage rules). A layout whose arguments and outputs alone are
+    over the budget is rejected without tracing it."""
+
+    def __init__(self, fn, args):
+        self.leaves = jax.tree_util.tree_leaves(args, is_leaf=is_named)
+        try:
+            out = jax.eval_shape(fn, *args)
+            self.leaves += jax.tree_util.tree_leaves(out, is_leaf=is_named)
+        except Exception:   # noqa: BLE001 - a program jax cannot trace unsharded: costed as before
+            pass
+
+    def per_device(self, mesh, layout) -> int:
+        """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
+        total = 0
+        for k, leaf in enumerate(self.leaves):
+            if is_named(leaf):
+                axes = effective(layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
+                                                    what=f"{'parameter' if leaf.is_param else 'value'} [{leaf.dims}]"), mesh)
+                split = math.prod(mesh.axis_size(a) for ax in axes for a in ax)
+                total += _nbytes(leaf.raw) // split
+            elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                total += _nbytes(leaf)
+        return total
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
 
 
 def _cost(cand, report, hw, dtype, overlap) -> None:

@@ -71,6 +71,21 @@ def test_blocks_that_do_not_divide_each_other_have_no_plan():
     assert redistribute.plan((48,), (("x",),), (("y",),), ("x", "y"), {"x": 3, "y": 2}) is None
 
 
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.data())
+def test_the_rounds_counted_without_building_the_plan_are_the_plans(data):
+    """``piece_rounds`` (what a relayout weighs: no per-device tables) is the plan's piece and
+    number of rounds, or None exactly where there is no plan."""
+    mesh = data.draw(st.sampled_from(MESHES))
+    shape = tuple(data.draw(st.lists(st.sampled_from([4, 8, 16, 32]), min_size=1, max_size=3)))
+    dims = [f"d{i}" for i in range(len(shape))]
+    src, tgt = _placements(data.draw, mesh, dims), _placements(data.draw, mesh, dims)
+    src, tgt = tuple(src.get(d, ()) for d in dims), tuple(tgt.get(d, ()) for d in dims)
+    p = redistribute.plan(shape, src, tgt, tuple(mesh), mesh)
+    counted = redistribute.piece_rounds(shape, src, tgt, tuple(mesh), mesh)
+    assert counted == (None if p is None else (int(np.prod(p.piece)), len(p.rounds)))
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.integers(2, 6), st.integers(2, 6), st.integers(0, 2 ** 31))
 def test_rounds_are_matchings_and_as_few_as_the_largest_degree(n_src, n_tgt, seed):

@@ -85,11 +85,28 @@ def test_the_chosen_layout_compiles_to_the_predicted_bytes_within_the_memory_bud
     best = result.best
     assert any(c.why.startswith("over the memory budget") for c in result.rejected)
     assert best.memory["peak"] * 1.1 <= budget and not best.mesh.is_abstract   # the default margin: 10%
-    assert all(c.memory["peak"] * 1.1 > budget for c in result.rejected if c.why.startswith("over the memory budget"))
+    assert all(c.memory["peak"] * 1.1 > budget for c in result.rejected if c.why.startswith("over the memory budget:"))
     explained, compiled = explain_vs_hlo(_mlp_grads, best.mesh, best.layout, *args, **best.lower_kwargs)
     assert explained == compiled == {k: v["bytes"] for k, v in best.bytes.items() if v["bytes"]}
     memory = md.lower(_mlp_grads, best.mesh, best.layout).lower(*args).compile().memory_analysis()
     assert memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes <= budget
+
+
+def test_a_layout_whose_arguments_and_outputs_alone_exceed_the_budget_is_rejected_without_tracing():
+    """What every layout holds whatever it computes - its arguments and outputs, placed as the
+    layout places them - is known from shapes: a layout over the budget on those alone is
+    rejected without being costed, saying so; on the others it is exactly what explain counts."""
+    args = _mlp(64, 256, 1024)
+    mesh = md.Mesh.abstract({"data": 8})
+    free = md.search(_mlp_grads, mesh, *args, top=100)
+    held = {str(c.layout): c.memory["arguments"] + c.memory["outputs"] for c in free}
+    assert SEARCH._Held(_mlp_grads, args).per_device(mesh, md.Layout.parse("d_ff:data")) == held["d_ff:data"]
+    budget = (held["d_ff:data"] + held["batch:data"]) / 2 * 1.1   # data parallel's weights do not fit
+    result = md.search(_mlp_grads, mesh, *args, memory_budget=budget, top=100)
+    early = [c for c in result.rejected if c.why.startswith("over the memory budget before costing")]
+    assert {str(c.layout) for c in early} == {k for k, v in held.items() if v * 1.1 > budget} >= {"batch:data"}
+    assert all(not c.memory and "arguments and outputs alone take" in c.why for c in early)
+    assert result.costed == free.costed - len(early)
 
 
 def test_a_tiny_batch_with_a_huge_ffn_is_tensor_parallel():
@@ -180,13 +197,14 @@ def _t5_step(config_name, batch, inputs=512, targets=128, remat="none"):
 def test_t5_xxl_on_256_h100s_fits_where_data_parallel_does_not_and_says_why():
     """t5-v1_1-xxl (11B parameters, float32, remat full) on 256 H100-80GB as data:32 x model:8,
     batch 256 x 512 / 128: data parallelism holds every weight and its gradient (88 GB) on each
-    device and is rejected over the budget, with its peak; a layout splitting the weights over
+    device and is rejected over the budget before costing, saying so; a layout splitting the weights over
     model fits."""
     step, model, batch = _t5_step("t5-v1_1-xxl", 256, remat="full")
     mesh = md.Mesh.abstract({"data": 32, "model": 8})
     result = md.search(step, mesh, model, batch, hardware="h100-80gb", dims=["batch", "heads", "d_ff"], top=100)
     dp = [c for c in result.rejected if c.layout.rules == {"batch": ("data",)}]
-    assert dp and dp[0].why.startswith("over the memory budget: peak") and dp[0].memory["peak"] > 80e9
+    assert dp and dp[0].why.startswith("over the memory budget before costing: its arguments and outputs alone")
+    assert SEARCH._Held(step, (model, batch)).per_device(mesh, dp[0].layout) > 80e9   # weights and gradients
     best = result.best
     assert best.memory["peak"] * 1.1 <= md.Hardware.profile("h100-80gb").memory_bytes
     assert {"heads", "d_ff"} & set(best.layout.rules) and "batch" in best.layout.rules, best

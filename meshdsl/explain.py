@@ -46,6 +46,7 @@ class Report:
     flops: float
     memory: dict
     pipeline: dict | None = None   # stages, microbatches, schedule, ticks, bubble_fraction (if any)
+    bytes_accessed: float | None = None   # HBM bytes read and written per device (jaxpr_stats.bytes_accessed)
     plan_decisions: list = dataclasses.field(default_factory=list)   # see decisions()
     compile: object = dataclasses.field(default=None, repr=False, compare=False)  # concrete mesh: -> compiled
 
@@ -95,6 +96,7 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"mesh": self.mesh, "layout": self.layout, "flops_per_device": self.flops,
+                "bytes_accessed_per_device": self.bytes_accessed,
                 "memory_per_device": dict(self.memory), "total_bytes_per_device": self.total_bytes,
                 "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
                 "pipeline": None if self.pipeline is None else dict(self.pipeline), "decisions": self.decisions(),
@@ -159,6 +161,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=liveness.memory(body),
+                  bytes_accessed=jaxpr_stats.bytes_accessed(body),
                   pipeline=_pipeline_entry(ctx.pipelines),
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))

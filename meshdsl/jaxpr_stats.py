@@ -19,7 +19,7 @@ from jax.extend import core as jcore
 
 from .jaxcompat import dce
 
-__all__ = ["CALLS", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
+__all__ = ["ALIASES", "CALLS", "bytes_accessed", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
 SCOPES = r"mdc\d+"   # the name scopes of recorded collectives (meshdsl.collectives)
 
@@ -62,6 +62,41 @@ def matmul_flops(jaxpr) -> float:
             total += max((matmul_flops(j) for j in sub_jaxprs(eqn)), default=0.0)
         else:
             total += _trip_count(eqn) * sum(matmul_flops(j) for j in sub_jaxprs(eqn))
+    return total
+
+
+# ops whose result is their operand's buffer (no copy)
+ALIASES = frozenset(("pvary", "name", "reshape", "squeeze", "expand_dims", "stop_gradient", "optimization_barrier"))
+
+
+_READS_PART = frozenset(("dynamic_slice", "slice", "gather"))
+_WRITES_PART = frozenset(("dynamic_update_slice", "scatter", "scatter-add", "scatter_add"))
+
+
+def bytes_accessed(jaxpr) -> float:
+    """HBM bytes one execution of ``jaxpr`` reads and writes (per device inside shard_map): every
+    op reads its operands that are buffers (arguments, materialized values: :func:`materialized`)
+    and writes its results that are; the inside of a fused elementwise chain is neither. A loop's
+    body counts once per iteration, a ``cond`` its costliest branch."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    kept = materialized(jaxpr) | {v for v in jaxpr.invars}
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        subs = list(sub_jaxprs(eqn))
+        if subs:
+            inner = [bytes_accessed(j) for j in subs]
+            total += max(inner) if eqn.primitive.name == "cond" else _trip_count(eqn) * sum(inner)
+            continue
+        if eqn.primitive.name in ALIASES:
+            continue
+        if eqn.primitive.name in _READS_PART:   # reads the part it returns
+            total += 2 * sum(nbytes(v.aval) for v in eqn.outvars if v in kept)
+            continue
+        if eqn.primitive.name in _WRITES_PART:   # in place: reads and writes the update's rows
+            total += 2 * nbytes(eqn.invars[-1].aval)
+            continue
+        total += sum(nbytes(v.aval) for v in eqn.invars if isinstance(v, jcore.Var) and v in kept)
+        total += sum(nbytes(v.aval) for v in eqn.outvars if v in kept)
     return total
 
 

@@ -28,11 +28,10 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from .jaxpr_stats import CALLS as _CALLS, materialized, nbytes, sub_jaxprs
+from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, materialized, nbytes, sub_jaxprs
 
 __all__ = ["memory", "Buffer"]
 
-_ALIASES = frozenset(("pvary", "name", "reshape", "squeeze", "expand_dims", "stop_gradient", "optimization_barrier"))
 _IN_PLACE = frozenset(("scatter-add", "scatter_add", "scatter", "dynamic_update_slice", "add_any", "add", "sub",
                        "mul", "div", "max", "min", "neg", "abs", "exp", "log", "tanh", "logistic", "sqrt",
                        "rsqrt", "square", "integer_pow", "select_n", "convert_element_type"))

@@ -27,11 +27,12 @@ the measured training steps, ``docs/cost_model.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -49,18 +50,20 @@ __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
 
 DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
 _AXIS_NAMES = ("data", "model")
+_DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True}
 
 
 @dataclasses.dataclass
 class Candidate:
     """One costed layout: ``layout``, ``mesh``, ``lower_kwargs`` (for :func:`meshdsl.lower`),
-    predicted ``time`` (seconds per step), ``bytes`` (kind -> count and bytes per device),
+    ``choices`` (the keyword arguments of the program it was costed with, from ``choices=``), predicted ``time`` (seconds per step), ``bytes`` (kind -> count and bytes per device),
     ``total_bytes``, ``memory`` (per device, as :attr:`meshdsl.Report.memory`), ``why`` (what
     ranks it here, or what rejected it), and the ``report``."""
 
     layout: Layout
     mesh: Mesh
     lower_kwargs: dict
+    choices: dict = dataclasses.field(default_factory=dict)
     time: float = math.inf
     step_time: StepTime | None = None
     bytes: dict = dataclasses.field(default_factory=dict)
@@ -72,6 +75,13 @@ class Candidate:
     @property
     def key(self) -> tuple:
         return self.time, self.total_bytes, self.memory.get("peak", math.inf)
+
+    def describe(self) -> str:
+        """The layout, with the program choices and the non-default lowering options (the
+        schedule of a pipeline) it was costed with."""
+        extra = [f"{k}={v}" for k, v in self.choices.items()]
+        extra += [f"{k}={v}" for k, v in self.lower_kwargs.items() if _DEFAULTS.get(k, object()) != v]
+        return " · ".join([str(self.layout), *extra])
 
 
 @dataclasses.dataclass
@@ -103,7 +113,7 @@ class SearchResult:
 
     def rows(self) -> list[tuple]:
         """One tuple of cells per ranked candidate (the table's rows)."""
-        return [(str(i + 1), str(c.mesh), f"`{c.layout}`", _fmt_s(c.time), fmt_bytes(c.total_bytes),
+        return [(str(i + 1), str(c.mesh), f"`{c.describe()}`", _fmt_s(c.time), fmt_bytes(c.total_bytes),
                  fmt_bytes(c.memory.get("peak", 0)), c.why) for i, c in enumerate(self.candidates)]
 
     def to_markdown(self, top: int | None = None) -> str:
@@ -129,8 +139,9 @@ class SearchResult:
 
 def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_budget: int | float | str | None = None,
            hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
-           zero: bool = False, dtype: str = "bfloat16", overlap: float = 0.0, memory_margin: float = 0.1,
-           **options: Any) -> SearchResult:
+           zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
+           microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), dtype: str = "bfloat16",
+           overlap: float = 0.0, memory_margin: float = 0.1, **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
     Args:
@@ -144,6 +155,12 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         top: how many ranked candidates to keep.
         dims: the dims to place (default: every dim of the arguments).
         zero: also try each assignment with its parameters stored split (ZeRO-3).
+        choices: keyword arguments of ``fn`` to try, each with its values (``{"remat": ["none",
+            "full"]}``): every layout is costed with every combination; a candidate's ``choices``
+            say which.
+        microbatches: for a layout under which the program is a pipeline (an ``md.scan`` over a
+            dim the layout splits), also each of these microbatch counts over ``microbatch_dim``
+            (skipping counts that do not divide it), with each of ``schedules``.
         dtype: the matmul dtype of the time model, as :meth:`meshdsl.Report.time`.
         overlap: the overlap of compute and communication, as :meth:`meshdsl.Report.time`.
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
@@ -159,48 +176,81 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         raise MeshDSLError(f"md.search: memory_budget: {e}") from None
     sizes, params = _dims_of(args, dims)
     meshes = _meshes(mesh_or_device_count)
-    held = _Held(fn, args)
-    ranked, rejected, costed, seen = [], [], 0, set()
+    programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in _combinations(choices)]
+    held = {id(p): _Held(p, args) for _, p in programs}
+    run = _Costing(args, budget, hw, dtype, overlap, memory_margin)
+    seen = set()
     for mesh in meshes:
         for layout, pruned in _layouts(mesh, sizes, params, zero):
             same, alike = _devices_grouped(mesh, layout), _costs_alike(mesh, layout, hw)
             if same in seen or alike in seen:
                 continue   # the same blocks on the same devices, or on devices as far apart, as one costed
             seen.update((same, alike))
-            cand = Candidate(layout, mesh, dict(options))
-            if pruned:
-                cand.why = pruned
-                rejected.append(cand)
-                continue
-            try:
-                floor = held.per_device(mesh, layout)
-            except LayoutError as e:
-                cand.why = f"invalid: {str(e).splitlines()[0]}"
-                rejected.append(cand)
-                continue
-            if floor * (1 + memory_margin) > budget:
-                cand.why = (f"over the memory budget before costing: its arguments and outputs alone take "
-                            f"{fmt_bytes(floor)} per device + {memory_margin:.0%} > {fmt_bytes(budget)}")
-                rejected.append(cand)
-                continue
-            costed += 1
-            try:
-                report = explain(fn, mesh, layout, *args, **options)
-            except MeshDSLError as e:
-                cand.why = f"invalid: {str(e).splitlines()[0]}"
-                rejected.append(cand)
-                continue
-            _cost(cand, report, hw, dtype, overlap)
-            if cand.memory["peak"] * (1 + memory_margin) > budget:
-                cand.why = (f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
-                            f"+ {memory_margin:.0%} > {fmt_bytes(budget)}")
-                rejected.append(cand)
-            else:
-                ranked.append(cand)
-    ranked.sort(key=lambda c: c.key)
+            for chosen, program in programs:
+                cand = Candidate(layout, mesh, dict(options), chosen)
+                if pruned:
+                    run.reject(cand, pruned)
+                    continue
+                report = run.cost(cand, program, held[id(program)])
+                if report is None or report.pipeline is None:
+                    continue
+                for m in microbatches:   # the program pipelines under this layout: its microbatch counts
+                    if sizes.get(microbatch_dim, 0) % m:
+                        continue
+                    for schedule in schedules:
+                        piped = Layout(layout.rules, params=layout.param_rules, microbatches={microbatch_dim: m})
+                        run.cost(Candidate(piped, mesh, {**options, "schedule": schedule}, chosen), program,
+                                 held[id(program)])
+    ranked = sorted(run.ranked, key=lambda c: c.key)
     for i, c in enumerate(ranked):
         c.why = _why(i, c, ranked[0])
-    return SearchResult(ranked[:top], rejected, costed, time.perf_counter() - start, hw.name)
+    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name)
+
+
+def _combinations(choices) -> list[dict]:
+    """Every combination of the ``choices`` (name -> values), ``[{}]`` when there are none."""
+    if not choices:
+        return [{}]
+    bad = [k for k, v in choices.items() if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v]
+    if bad:
+        raise MeshDSLError(f"md.search: choices {bad} must each be a non-empty list of values to try, e.g. "
+                           "choices={'remat': ['none', 'full']}")
+    names = list(choices)
+    return [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
+
+
+class _Costing:
+    """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
+
+    def __init__(self, args, budget, hw, dtype, overlap, margin):
+        self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
+        self.ranked, self.rejected, self.costed = [], [], 0
+
+    def reject(self, cand, why: str) -> None:
+        cand.why = why
+        self.rejected.append(cand)
+
+    def cost(self, cand, program, held) -> Report | None:
+        """Cost ``cand`` (ranked or rejected); its report, or None when it was not traced."""
+        try:
+            floor = held.per_device(cand.mesh, cand.layout)
+        except LayoutError as e:
+            return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+        if floor * (1 + self.margin) > self.budget:
+            return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
+                                     f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
+        self.costed += 1
+        try:
+            report = explain(program, cand.mesh, cand.layout, *self.args, **cand.lower_kwargs)
+        except MeshDSLError as e:
+            return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+        _cost(cand, report, self.hw, self.dtype, self.overlap)
+        if cand.memory["peak"] * (1 + self.margin) > self.budget:
+            self.reject(cand, f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
+                              f"+ {self.margin:.0%} > {fmt_bytes(self.budget)}")
+        else:
+            self.ranked.append(cand)
+        return report
 
 
 class _Held:

@@ -4,13 +4,16 @@ Per device, with the report's numbers (``docs/cost_model.md`` has the whole mode
 leaves out)::
 
     matmul_s        = report.flops / peak FLOP/s of dtype
-    memory_s        = (arguments + outputs + temporaries) / HBM bandwidth
+    memory_s        = bytes accessed / HBM bandwidth
     compute_s       = matmul_s + memory_s
     communication_s = sum over collectives of  latency(link) x count + total_bytes / bandwidth(link)
     total_s         = compute_s + communication_s - overlap x min(compute_s, communication_s)
 
-``memory_s`` is a proxy: the report estimates memory held, not memory traffic, so every argument,
-output and (peak) temporary byte is taken as moved once. A collective's link is the slowest of its
+``memory_s`` counts the HBM bytes the per-device program reads and writes
+(:func:`meshdsl.jaxpr_stats.bytes_accessed`: every op's buffer operands and results, a fused
+elementwise chain's inside neither, loop bodies per iteration): recomputing activations (remat)
+costs their traffic again. A report without that count (a hand-made one) falls back to the bytes
+it holds (arguments + outputs + temporaries), each taken as moved once. A collective's link is the slowest of its
 axes' links (:meth:`Hardware.link`); its bytes already follow the ring formulas of
 :mod:`meshdsl.cost`, so bytes / per-device link bandwidth is its transfer time.
 
@@ -79,7 +82,8 @@ def predict(report: object, hardware: Hardware, *, overlap: float = 0.0, dtype: 
 
     Args:
         report: anything with ``mesh`` (a Mesh, its text, or a dict of axis sizes), ``flops``,
-            ``memory`` (``arguments``, ``outputs``, ``temporaries`` bytes) and ``collectives``
+            ``bytes_accessed`` (or else ``memory``: ``arguments``, ``outputs``, ``temporaries``
+            bytes) and ``collectives``
             (records with ``kind``, ``axes``, ``count``, ``total_bytes``).
         hardware: a :class:`~meshdsl.hardware.Hardware` (a profile, or measured).
         overlap: the fraction of the shorter of compute and communication hidden under the
@@ -92,7 +96,10 @@ def predict(report: object, hardware: Hardware, *, overlap: float = 0.0, dtype: 
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap is a fraction in [0, 1], got {overlap!r}")
     matmul = report.flops / hardware.peak_flops(dtype)
-    memory = sum(report.memory.get(k, 0) for k in ("arguments", "outputs", "temporaries")) / hardware.hbm_bandwidth
+    accessed = getattr(report, "bytes_accessed", None)
+    if accessed is None:
+        accessed = sum(report.memory.get(k, 0) for k in ("arguments", "outputs", "temporaries"))
+    memory = accessed / hardware.hbm_bandwidth
     rows = [_collective(r, hardware, report.mesh) for r in report.collectives]
     compute, communication = matmul + memory, sum(r["seconds"] for r in rows)
     return StepTime(hardware=hardware.name, dtype=str(dtype), matmul_s=matmul, memory_s=memory,

@@ -3,6 +3,7 @@ over-budget ones rejected with the reason, equivalent layouts costed once; the c
 compiles to the predicted bytes within the budget; known regimes find their known answers."""
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -225,3 +226,49 @@ def test_zero3_storage_puts_one_dim_per_axis_in_every_parameter():
         layout = md.Layout(rules, params=stored)
         for p in params:   # raises LayoutError where a parameter would hold one axis twice
             layout.tensor_axes(p.dims, mesh, storage=True, what=f"{rules} {stored}: [{p.dims}]")
+
+
+def test_a_tight_memory_budget_chooses_remat_among_the_programs_choices():
+    """``choices={"remat": [...]}`` costs every layout with each; with room for the activations
+    no remat is fastest, and under a budget below that layout's peak the search keeps it and
+    recomputes (remat full) rather than moving to a slower layout."""
+    step, model, batch = _t5_step("t5-small", 64, inputs=256, targets=64)
+
+    def train_step(model, batch, remat="none"):
+        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
+    mesh = md.Mesh.abstract({"data": 8})
+    free = md.search(train_step, mesh, model, batch, dims=["batch"], choices={"remat": ["none", "full"]}, top=100)
+    assert {(str(c.layout), c.choices["remat"]) for c in free} == {("batch:data", "none"), ("batch:data", "full"),
+                                                                    ("", "none"), ("", "full")}
+    fastest = free.best
+    assert fastest.choices == {"remat": "none"} and "remat=none" in free.to_markdown()
+    full = next(c for c in free if c.choices == {"remat": "full"} and c.layout == fastest.layout)
+    assert full.memory["peak"] < fastest.memory["peak"] and full.time > fastest.time   # recomputing costs time
+    budget = (full.memory["peak"] + fastest.memory["peak"]) / 2 * 1.1
+    tight = md.search(train_step, mesh, model, batch, dims=["batch"], choices={"remat": ["none", "full"]},
+                      memory_budget=budget)
+    assert (tight.best.layout, tight.best.choices) == (fastest.layout, {"remat": "full"})
+    assert tight.best.key == full.key
+    with raises(md.MeshDSLError, re.escape("md.search: choices ['remat'] must each be a non-empty list of values to try")):
+        md.search(train_step, mesh, model, batch, dims=["batch"], choices={"remat": "full"})
+
+
+def test_a_pipelined_program_is_searched_with_its_microbatch_counts_and_schedules():
+    """A layout splitting the layers a ``md.scan`` runs over makes the program a pipeline: the
+    search also costs it with each microbatch count (those dividing the batch) and schedule,
+    each explained as its own pipeline (more microbatches, a smaller bubble)."""
+    stack = importlib.import_module("test_pipeline")
+    args = (_arg("batch:64 d_model:256"), _arg("layers:8 d_model:256 d_ff:1024", True),
+            _arg("layers:8 d_ff:1024 d_model:256", True))
+    mesh = md.Mesh.abstract({"pipe": 4, "data": 2})
+    result = md.search(stack.loss_and_grads, mesh, *args, dims=["layers", "batch"], microbatches=(2, 4, 128),
+                       schedules=("gpipe", "1f1b"), top=1000)
+    piped = {(str(c.layout), c.lower_kwargs.get("schedule")): c for c in result}
+    bubbles = [piped[(f"layers:pipe;batch:data | microbatches batch:{m}", "gpipe")].report.pipeline["bubble_fraction"]
+               for m in (2, 4)]
+    assert bubbles[1] < bubbles[0]
+    assert piped[("layers:pipe;batch:data", None)].report.pipeline["microbatches"] == 1
+    assert not [k for k in piped if "batch:128" in k[0]]   # 128 does not divide a batch of 64
+    rejected = [c for c in result.rejected if c.lower_kwargs.get("schedule") == "1f1b"]
+    assert rejected and all("schedule '1f1b' runs each microbatch's backward pass inside" in c.why for c in rejected)
+    assert "schedule=1f1b" in rejected[0].describe()

@@ -1,6 +1,6 @@
 """The time model: seconds from a report's flops, memory and collectives, by hand and from md.explain.
 
-    compute       = flops / peak(dtype) + (arguments + outputs + temporaries) / HBM bandwidth
+    compute       = flops / peak(dtype) + bytes accessed / HBM bandwidth
     communication = sum of latency(link) x count + total_bytes / bandwidth(link)
     total         = compute + communication - overlap x min(compute, communication)
 """
@@ -117,3 +117,39 @@ def test_a_report_predicts_its_own_time_on_a_profile():
     h100 = md.Hardware.profile("h100-80gb")
     assert report.time(h100, overlap=0.5, dtype="float32") == predict(report, h100, overlap=0.5, dtype="float32")
     assert report.time(h100).communication_s > 0 and report.time(h100).total_s > report.time(h100).compute_s
+
+
+def test_memory_time_is_the_bytes_the_program_reads_and_writes():
+    """A fused elementwise chain reads its input and writes its result once (its inside is never
+    in memory); a matmul reads both operands and writes its result; a slice reads only its part."""
+    x = md.named(jax.ShapeDtypeStruct((64, 256), jnp.float32), "batch d_model")
+    w = md.param(md.named(jax.ShapeDtypeStruct((256, 512), jnp.float32), "d_model d_ff"))
+    mesh, layout = md.Mesh.abstract({"data": 2}), md.Layout.parse("batch:data")
+    block = 32 * 256 * 4   # x per device
+    chain = md.explain(lambda x: md.exp(md.tanh(md.exp(x))), mesh, layout, x)
+    assert chain.bytes_accessed == 2 * block
+    matmul = md.explain(lambda x, w: md.einsum(x, w, out="batch d_ff"), mesh, layout, x, w)
+    assert matmul.bytes_accessed == block + 256 * 512 * 4 + 32 * 512 * 4
+    part = md.explain(lambda x: md.slice(x, "d_model", 0, 64), mesh, layout, x)
+    assert part.bytes_accessed == 2 * 32 * 64 * 4
+    assert predict(matmul, TOY).memory_s == pytest.approx(matmul.bytes_accessed / TOY.hbm_bandwidth, rel=1e-12)
+
+
+def test_recomputing_activations_costs_their_traffic_again():
+    """remat trades time for memory: the step recomputing its layers reads and writes more and
+    is predicted slower, while holding less at its peak."""
+    x = md.named(jax.ShapeDtypeStruct((64, 256), jnp.float32), "batch d_model")
+    w = md.param(md.named(jax.ShapeDtypeStruct((8, 256, 256), jnp.float32), "layers d_model d_ff"))
+
+    def grads(x, w, remat):
+        def loss(w):
+            def step(h, w):
+                return md.tanh(md.rename(md.einsum(h, w, out="batch d_ff"), {"d_ff": "d_model"})), None
+            body = jax.checkpoint(step) if remat else step
+            h, _ = md.scan(body, x, w, dim="layers")
+            return md.sum(md.square(h)).array
+        return jax.grad(loss)(w)
+    mesh, layout = md.Mesh.abstract({"data": 2}), md.Layout.parse("batch:data")
+    kept, again = (md.explain(lambda x, w: grads(x, w, r), mesh, layout, x, w) for r in (False, True))
+    assert again.bytes_accessed > kept.bytes_accessed and again.memory["peak"] < kept.memory["peak"]
+    assert predict(again, TOY).memory_s > predict(kept, TOY).memory_s

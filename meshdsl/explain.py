@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.extend
+
 from . import jaxpr_stats, liveness
 from .cost import KINDS
 from .lower import lower
+from .named import is_named
 from .planner.plan import decisions
 from .step_time import StepTime, predict
 from .units import fmt_bytes, fmt_flops
@@ -159,12 +163,53 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
         elif runs[r.tag]:
             note = " (runs again in the backward pass)" if runs[r.tag] > r.count else " (hoisted out of the loop)"
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
+    memory = liveness.memory(body)
+    memory["kinds"] = _kinds(args, prog, jaxpr_stats.inner_body(closed), body, memory)
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
-                  flops=jaxpr_stats.matmul_flops(body), memory=liveness.memory(body),
+                  flops=jaxpr_stats.matmul_flops(body), memory=memory,
                   bytes_accessed=jaxpr_stats.bytes_accessed(body),
                   pipeline=_pipeline_entry(ctx.pipelines),
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
+
+
+_OPTIMIZER_KEYS = ("opt_state", "mu", "nu")   # nnx.Optimizer's and optax's Adam state's names
+
+
+def _kinds(args, prog, whole, body, memory) -> dict:
+    """The peak's bytes per device by what holds them: arguments (``parameters`` - marked
+    ``md.param`` -, ``optimizer state`` - under a key named ``opt_state``, ``mu`` or ``nu`` -,
+    other ``inputs``), outputs (``parameter outputs``: gradients or updated parameters, marked
+    ``md.param``; ``other outputs``) and the temporaries live at the peak by what made them
+    (``memory["breakdown"]``: activations kept for the backward pass, collective buffers,
+    matmul results, other temporaries). They add up to ``memory["peak"]`` (an argument the
+    program never reads is in neither)."""
+    kinds: dict = {}
+
+    def add(kind, nbytes):
+        if nbytes:
+            kinds[kind] = kinds.get(kind, 0) + nbytes
+    leaves = jax.tree_util.tree_flatten_with_path(args, is_leaf=is_named)[0]
+    read = set(body.invars)   # the program's live arguments (``whole``: all of them, in order)
+    if len(leaves) == len(whole.invars) and read <= set(whole.invars):
+        for (path, leaf), var in zip(leaves, whole.invars):
+            if var not in read:
+                continue
+            keys = {str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path}
+            kind = ("optimizer state" if keys & set(_OPTIMIZER_KEYS) else
+                    "parameters" if is_named(leaf) and leaf.is_param else "inputs")
+            add(kind, jaxpr_stats.nbytes(var.aval))
+    else:
+        add("arguments", memory["arguments"])
+    if len(prog.out_templates) == len(body.outvars):
+        for template, var in zip(prog.out_templates, body.outvars):
+            if isinstance(var, jax.extend.core.Var):
+                add("parameter outputs" if template and template[1] else "other outputs", jaxpr_stats.nbytes(var.aval))
+    else:
+        add("outputs", memory["outputs"])
+    for kind, nbytes in memory["breakdown"].items():
+        add(kind, nbytes)
+    return kinds
 
 
 def _pipeline_entry(pipelines) -> dict | None:

@@ -87,3 +87,34 @@ def test_explain_memory_is_within_10_percent_of_the_compiled_peak(t5, layout, re
     assert abs(predicted["peak"] / peak - 1) <= 0.10, (predicted, compiled)
     assert abs(predicted["temporaries"] / compiled["temporaries"] - 1) <= 0.25, (predicted, compiled)
     assert sum(predicted["breakdown"].values()) == predicted["temporaries"]
+
+
+def test_the_peak_is_broken_down_by_what_holds_it():
+    """``memory["kinds"]``: parameters (``md.param``), optimizer state (under ``opt_state``), other
+    inputs, parameter outputs (gradients, updated parameters), other outputs, and the
+    temporaries at the peak by what made them; they add up to the peak."""
+    def arg(spec, param=False):
+        s = md.shape(spec)
+        x = md.named(jax.ShapeDtypeStruct(s.sizes, jnp.float32), s.names)
+        return md.param(x) if param else x
+    params = {"w1": arg("d_model:256 d_ff:1024", True), "w2": arg("d_ff:1024 d_model:256", True)}
+    state = {"opt_state": {"mu": {k: arg(str(v.dims)) for k, v in params.items()}}}
+    x = arg("batch:64 d_model:256")
+
+    def step(params, state, x):
+        def loss(p):
+            h = md.relu(md.einsum(x, p["w1"], out="batch d_ff"))
+            return md.sum(md.square(md.einsum(h, p["w2"], out="batch d_model"))).array
+        value, grads = jax.value_and_grad(loss)(params)
+        mu = {k: 0.9 * m + 0.1 * grads[k] for k, m in state["opt_state"]["mu"].items()}
+        return md.named(value, ""), grads, mu
+    r = md.explain(step, md.Mesh.abstract({"data": 2, "model": 4}), md.Layout.parse("batch:data;d_ff:model"),
+                   params, state, x)
+    kinds = r.memory["kinds"]
+    weights = 2 * 256 * 1024 * 4 // 4   # split over model
+    assert kinds["parameters"] == weights and kinds["parameter outputs"] == weights
+    assert kinds["optimizer state"] == 2 * 256 * 1024 * 4 // 4   # the moments are placed as the layout says
+    assert kinds["inputs"] == 32 * 256 * 4 and kinds["other outputs"] == 4 + weights   # the loss, the new moments
+    assert sum(kinds.values()) == r.memory["peak"]
+    assert set(kinds) - {"parameters", "optimizer state", "inputs", "parameter outputs", "other outputs"} \
+        == set(r.memory["breakdown"])

@@ -87,13 +87,16 @@ class Candidate:
 @dataclasses.dataclass
 class SearchResult:
     """Ranked candidates (best first; iterate, index, ``len``), ``best``, ``rejected`` (each with
-    its ``why``), how many layouts were ``costed`` and the search's ``seconds``."""
+    its ``why``), how many layouts were ``costed`` (traced and explained), how many were
+    ``retimed`` (the program of a costed layout under other axis names: timed on their links)
+    and the search's ``seconds``."""
 
     candidates: list
     rejected: list
     costed: int
     seconds: float
     hardware: str
+    retimed: int = 0
 
     @property
     def best(self) -> Candidate:
@@ -119,7 +122,8 @@ class SearchResult:
     def to_markdown(self, top: int | None = None) -> str:
         """The ranking as a markdown table (its first ``top`` rows, default all)."""
         head = ("rank", "mesh", "layout", "step (predicted)", "bytes/device", "peak memory/device", "why")
-        lines = [f"{len(self.candidates)} ranked, {len(self.rejected)} rejected, {self.costed} costed in "
+        retimed = f" (+{self.retimed} retimed)" if self.retimed else ""
+        lines = [f"{len(self.candidates)} ranked, {len(self.rejected)} rejected, {self.costed} costed{retimed} in "
                  f"{self.seconds:.1f} s; times on {self.hardware}", "",
                  "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in self.rows()[:top]]
@@ -204,7 +208,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     ranked = sorted(run.ranked, key=lambda c: c.key)
     for i, c in enumerate(ranked):
         c.why = _why(i, c, ranked[0])
-    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name)
+    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
 
 
 def _combinations(choices) -> list[dict]:
@@ -224,7 +228,8 @@ class _Costing:
 
     def __init__(self, args, budget, hw, dtype, overlap, margin):
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
-        self.ranked, self.rejected, self.costed = [], [], 0
+        self.ranked, self.rejected, self.costed, self.retimed = [], [], 0, 0
+        self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
 
     def reject(self, cand, why: str) -> None:
         cand.why = why
@@ -239,11 +244,22 @@ class _Costing:
         if floor * (1 + self.margin) > self.budget:
             return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
                                      f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
-        self.costed += 1
-        try:
-            report = explain(program, cand.mesh, cand.layout, *self.args, **cand.lower_kwargs)
-        except MeshDSLError as e:
-            return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+        shape, rename = _shape_of(cand, program)
+        known = self.traced.get(shape) if cand.mesh.is_abstract else None
+        report = None if known is None else _renamed(known, rename, cand)
+        if report is None:
+            self.costed += 1
+            try:
+                report = explain(program, cand.mesh, cand.layout, *self.args, **cand.lower_kwargs)
+            except MeshDSLError as e:
+                self.traced[shape] = (rename, e)
+                return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+            self.traced.setdefault(shape, (rename, report))
+        elif isinstance(report, MeshDSLError):
+            self.retimed += 1
+            return self.reject(cand, f"invalid: {str(report).splitlines()[0]}")
+        else:
+            self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
         if cand.memory["peak"] * (1 + self.margin) > self.budget:
             self.reject(cand, f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
@@ -283,6 +299,46 @@ class _Held:
 
 def _nbytes(x) -> int:
     return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
+
+
+def _shape_of(cand, program) -> tuple:
+    """What a layout's per-device program is, whatever its axes are called: per dim (compute and
+    storage) the sizes of the axes splitting it, with the program and options; and the axes in
+    the same order. Two layouts of one shape (``batch:data;d_ff:model`` on ``data:64 x model:8``,
+    ``batch:model;d_ff:data`` on ``data:8 x model:64``) trace to one program up to the axes'
+    names: its collectives, FLOPs and memory are the same, its times differ by the links."""
+    def split(rules):
+        return tuple(sorted((d, tuple(cand.mesh.shape[a] for a in axes)) for d, axes in rules.items() if axes))
+
+    def axes(rules):
+        return [a for d, ax in sorted(rules.items()) for a in ax]
+    layout = cand.layout
+    shape = (id(program), tuple(sorted(cand.lower_kwargs.items())), tuple(sorted(layout.microbatches.items())),
+             split(layout.rules), split(layout.param_rules))
+    return shape, axes(layout.rules) + axes(layout.param_rules)
+
+
+def _renamed(known, rename, cand):
+    """The known report (or error) of a layout of the same shape, with its axes called as
+    ``cand``'s (``rename``: the axes in :func:`_shape_of`'s order); None where a collective runs
+    over an axis the names do not map (a part of an axis)."""
+    old_names, report = known
+    if isinstance(report, MeshDSLError):
+        return report
+    names: dict = {}
+    for old, new in zip(old_names, rename):
+        if names.setdefault(old, new) != new:
+            return None
+    if len(set(names.values())) != len(names) or any(a not in names for r in report.collectives for a in r.axes):
+        return None
+    collectives = [dataclasses.replace(r, axes=tuple(names[a] for a in r.axes)) for r in report.collectives]
+    pipeline = report.pipeline
+    if pipeline is not None and "axis" in pipeline:
+        if pipeline["axis"] not in names:
+            return None
+        pipeline = {**pipeline, "axis": names[pipeline["axis"]]}
+    return dataclasses.replace(report, mesh=str(cand.mesh), layout=str(cand.layout), collectives=collectives,
+                               pipeline=pipeline, compile=None)
 
 
 def _cost(cand, report, hw, dtype, overlap) -> None:

@@ -79,6 +79,29 @@ def test_equivalent_layouts_of_a_device_count_are_costed_once():
                                              "data:8 x model:8", "data:16 x model:4", "data:32 x model:2"}
 
 
+def test_a_layout_of_the_shape_of_one_costed_is_retimed_not_traced_and_costs_what_explain_says():
+    """``batch:data;d_ff:model`` on ``data:16 x model:4`` and ``batch:model;d_ff:data`` on
+    ``data:4 x model:16`` are one per-device program under two names for the axes: the second is
+    not traced again, and its costs (collectives with their axes, FLOPs, memory, time on its own
+    links) are what explaining it afresh gives."""
+    args = _mlp(256, 64, 512)
+    hw = md.Hardware.profile("h100-80gb")
+    result = md.search(_mlp_grads, 64, *args, top=1000, zero=True)
+    assert result.retimed > 0 and f"(+{result.retimed} retimed)" in result.to_markdown()
+    everything = list(result) + [c for c in result.rejected if c.report is not None]
+    assert len({id(c.report) for c in everything}) == len(everything)
+    checked = 0
+    for cand in everything:
+        fresh = md.explain(_mlp_grads, cand.mesh, cand.layout, *args, **cand.lower_kwargs)
+        assert [(r.kind, r.axes, r.total_bytes, r.count) for r in cand.report.collectives] == \
+               [(r.kind, r.axes, r.total_bytes, r.count) for r in fresh.collectives], cand.describe()
+        assert (cand.report.flops, cand.report.memory, cand.report.bytes_accessed) == \
+               (fresh.flops, fresh.memory, fresh.bytes_accessed)
+        assert cand.time == pytest.approx(fresh.time(hw).total_s, rel=1e-12)
+        checked += 1
+    assert checked == result.costed + result.retimed - len([c for c in result.rejected if c.why.startswith("invalid")])
+
+
 def test_the_chosen_layout_compiles_to_the_predicted_bytes_within_the_memory_budget():
     args = _mlp(64, 32, 128, concrete=True)
     budget = 44 * 2 ** 10   # the estimate is within 10% here (of 40 KiB); the search keeps a 10% margin

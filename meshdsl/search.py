@@ -6,8 +6,8 @@ time model (:mod:`meshdsl.step_time` on a :class:`~meshdsl.hardware.Hardware`), 
 are invalid or over the memory budget (saying why), and ranks the rest by predicted step time,
 then bytes, then memory.
 
-The space, per mesh (the mesh given, or every factorisation of a device count into ``data`` or
-``data x model``):
+The space, per mesh (the mesh given, or every factorisation of a device count into ``data``,
+``data x model`` or, with ``mesh_axes=3``, ``data x model x pipe``):
 
 * every assignment of the program's dims (those of its arguments, or ``dims=``) to the mesh
   axes: each axis splits at most one dim, a dim may take several axes (in mesh order), and an
@@ -16,10 +16,17 @@ The space, per mesh (the mesh given, or every factorisation of a device count in
 * with ``zero=True``, each assignment also with its parameters stored split (ZeRO-3): each mesh
   axis the assignment uses stores the parameters not computed split over it on one dim, the one
   holding the most parameter elements that axis divides (``params=`` rules), gathered where read
-  (``param_gather``, default ``"keep"``).
+  (``param_gather``, default ``"keep"``);
+* with ``choices={"remat": ["none", "full"], ...}``, each layout with each combination of the
+  program's keyword arguments;
+* where a layout makes the program a pipeline (an ``md.scan`` over a dim it splits), also each
+  of ``microbatches=`` over ``microbatch_dim`` with each of ``schedules=``.
 
-What it does not search yet: pipelines, remat policies and microbatch counts (give them in
-``**options``/the program), context parallelism. The memory estimate is
+Before tracing, a layout is rejected when its arguments and outputs alone (known from shapes)
+are over the budget. A layout whose per-device program is one already costed under other names
+for the axes is retimed on its own links rather than traced again.
+
+What it does not search yet: context parallelism. The memory estimate is
 :func:`meshdsl.liveness.memory`'s (XLA's buffer reuse modelled: within 10% of the compiled peak on
 the measured training steps, ``docs/cost_model.md``).
 """
@@ -49,7 +56,7 @@ from .units import fmt_bytes, parse_bytes
 __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
 
 DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
-_AXIS_NAMES = ("data", "model")
+_AXIS_NAMES = ("data", "model", "pipe")   # the axes a device count is factorised into (names only)
 _DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True}
 
 
@@ -145,7 +152,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
            hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
            microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), dtype: str = "bfloat16",
-           overlap: float = 0.0, memory_margin: float = 0.1, **options: Any) -> SearchResult:
+           overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
     Args:
@@ -169,6 +176,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         overlap: the overlap of compute and communication, as :meth:`meshdsl.Report.time`.
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
             memory model is within 10% of the compiled peak where measured, ``docs/cost_model.md``).
+        mesh_axes: for a device count, the most axes a factorisation has (1 to 3; default 2:
+            ``data`` and ``model``; 3 adds ``pipe``, a name only: any dim may go on any axis).
         options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
             returned in each candidate's ``lower_kwargs``.
     """
@@ -179,7 +188,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     except ValueError as e:
         raise MeshDSLError(f"md.search: memory_budget: {e}") from None
     sizes, params = _dims_of(args, dims)
-    meshes = _meshes(mesh_or_device_count)
+    meshes = _meshes(mesh_or_device_count, mesh_axes)
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in _combinations(choices)]
     held = {id(p): _Held(p, args) for _, p in programs}
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin)
@@ -387,17 +396,29 @@ def _dims_of(args, dims) -> tuple[dict, list]:
     return sizes, params
 
 
-def _meshes(mesh_or_count) -> list[Mesh]:
-    """The mesh given, or each factorisation of a device count: ``data:n`` and ``data:a x model:b``
-    (a, b >= 2), concrete when the count is the devices jax has, else abstract."""
+def _meshes(mesh_or_count, mesh_axes: int = 2) -> list[Mesh]:
+    """The mesh given, or each factorisation of a device count into at most ``mesh_axes`` axes
+    (``data:n``, ``data:a x model:b``, ``data:a x model:b x pipe:c``; every size >= 2), concrete
+    when the count is the devices jax has, else abstract."""
     if isinstance(mesh_or_count, Mesh):
         return [mesh_or_count]
     n = mesh_or_count
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise MeshDSLError(f"md.search: {n!r} is neither an md.Mesh nor a device count (a positive int)")
-    shapes = [{"data": n}] + [{"data": a, "model": n // a} for a in range(2, n) if n % a == 0 and n // a >= 2]
+    if mesh_axes not in range(1, len(_AXIS_NAMES) + 1):
+        raise MeshDSLError(f"md.search: mesh_axes={mesh_axes!r}; a device count is factorised into 1 to "
+                           f"{len(_AXIS_NAMES)} axes ({', '.join(_AXIS_NAMES)})")
+    shapes = [dict(zip(_AXIS_NAMES, sizes)) for k in range(1, mesh_axes + 1) for sizes in _factorisations(n, k)]
     concrete = n == jax.device_count()
     return [Mesh(s) if concrete else Mesh.abstract(s) for s in shapes]
+
+
+def _factorisations(n: int, k: int) -> list[tuple]:
+    """Ordered ``k``-tuples of sizes >= 2 multiplying to ``n`` (``(n,)`` for one axis, even n = 1)."""
+    if k == 1:
+        return [(n,)]
+    return [(a, *rest) for a in range(2, n) if n % a == 0 for rest in _factorisations(n // a, k - 1)
+            if all(r >= 2 for r in rest)]
 
 
 def _layouts(mesh, sizes, params, zero):

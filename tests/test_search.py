@@ -204,6 +204,22 @@ def test_a_device_count_with_no_two_axis_factorisation_searches_one_axis(count):
     assert {str(c.mesh) for c in result} == {f"data:{count}"}
 
 
+def test_a_device_count_is_factorised_into_up_to_three_axes_when_asked():
+    """``mesh_axes=3`` adds ``data x model x pipe`` factorisations: a stacked pipeline over one
+    axis with data and tensor parallelism over the others is in the space."""
+    stack = importlib.import_module("test_pipeline")
+    args = (_arg("batch:32 d_model:64"), _arg("layers:4 d_model:64 d_ff:256", True), _arg("layers:4 d_ff:256 d_model:64", True))
+    dims = ["batch", "d_ff", "layers"]
+    result = md.search(stack.loss_and_grads, 8, *args, mesh_axes=3, microbatches=(4,), top=1000, dims=dims)
+    three = [c for c in list(result) + result.rejected if str(c.mesh) == "data:2 x model:2 x pipe:2"]
+    assert three and {str(c.mesh) for c in result} >= {"data:8", "data:2 x model:4"}
+    assert any(set(c.layout.rules) == {"batch", "d_ff", "layers"} and c.layout.microbatches for c in three)
+    assert "data:2 x model:2 x pipe:2" not in {str(c.mesh) for c in md.search(stack.loss_and_grads, 8, *args, top=1000,
+                                                                               dims=dims)}
+    with raises(md.MeshDSLError, "md.search: mesh_axes=4; a device count is factorised into 1 to 3 axes"):
+        md.search(stack.loss_and_grads, 8, *args, mesh_axes=4)
+
+
 def _t5_step(config_name, batch, inputs=512, targets=128, remat="none"):
     """A T5 training step (loss and gradients), abstract: the model and a batch of shapes."""
     model = nnx.eval_shape(lambda: T5(get_config(config_name).replace(dropout_rate=0.0), rngs=nnx.Rngs(0)))

@@ -311,3 +311,30 @@ def test_a_pipelined_program_is_searched_with_its_microbatch_counts_and_schedule
     rejected = [c for c in result.rejected if c.lower_kwargs.get("schedule") == "1f1b"]
     assert rejected and all("schedule '1f1b' runs each microbatch's backward pass inside" in c.why for c in rejected)
     assert "schedule=1f1b" in rejected[0].describe()
+
+
+def _auto_mtf_program(repeats=1):
+    def program(x1, x2):
+        zs = [md.einsum(x1, x2, out="a c") for _ in range(repeats)]
+        return zs[0] if repeats == 1 else zs
+    return program
+
+
+@pytest.mark.parametrize("repeats", [1, 100])
+def test_mesh_tensorflows_auto_mtf_cases_find_its_answers(repeats):
+    """Mesh TensorFlow's layout optimizer tests (auto_mtf api_test / layout_optimizer_test):
+    x1 [a:10 b:5], x2 [b:5 c:20], z = einsum -> [a c]. On mesh m1:4 x m2:2 the answer is
+    a:m2;c:m1 (b:5 divides by neither axis; every device then computes its block of z alone), also
+    with the einsum repeated 100 times; given 8 devices, a mesh of a 4-axis and a 2-axis with a on
+    the 2 and c on the 4; on one axis of 8 nothing can be split."""
+    args = (_arg("a:10 b:5"), _arg("b:5 c:20"))
+    program = _auto_mtf_program(repeats)
+    best = md.search(program, md.Mesh.abstract({"m1": 4, "m2": 2}), *args).best
+    assert best.layout.rules == {"a": ("m2",), "c": ("m1",)} and best.total_bytes == 0
+    if repeats > 1:
+        return
+    best = md.search(program, 8, *args).best
+    sizes = {d: best.mesh.shape[axes[0]] for d, axes in best.layout.rules.items()}
+    assert sizes == {"a": 2, "c": 4} and sorted(best.mesh.shape.values()) == [2, 4]
+    one_axis = md.search(program, 8, *args, mesh_axes=1, top=100)
+    assert [str(c.layout) for c in one_axis] == [""]

@@ -18,11 +18,11 @@ from jax.sharding import NamedSharding
 from . import collectives as C
 from . import param_gather
 from .layout import check_axes, effective, mesh_spec
-from .named import NamedArray
+from .named import NamedArray, is_named
 from .recorder import Recorder
 from .tracing import current
 
-__all__ = ["GlobalContext", "LayoutContext", "GspmdContext", "GLOBAL", "active"]
+__all__ = ["GlobalContext", "DimsRecorder", "LayoutContext", "GspmdContext", "GLOBAL", "active"]
 
 
 class GlobalContext:
@@ -145,6 +145,22 @@ def active():
     """The context rules run in: the innermost ``md.lower``'s, or :data:`GLOBAL` outside."""
     ctx = current()
     return GLOBAL if ctx is None else ctx
+
+
+class DimsRecorder(GlobalContext):
+    """The unsharded reference that also notes the dims of every value a named op returns
+    (``dim_sets``): which dims share a tensor, so a layout must not split them over one axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.dim_sets: set = set()
+
+    def apply(self, name: str, rule, args, kwargs):
+        result = rule(self, *args, **kwargs)
+        for leaf in jax.tree_util.tree_leaves(result, is_leaf=is_named):
+            if is_named(leaf):
+                self.dim_sets.add(frozenset(d.name for d in leaf.dims))
+        return result
 
 
 class LayoutContext(GlobalContext):

@@ -47,10 +47,13 @@ import jax
 from .errors import LayoutError, MeshDSLError
 from .explain import Report, explain
 from .hardware import Hardware
+from .jaxcompat import fresh
+from .contexts import DimsRecorder
 from .layout import Layout, effective
 from .mesh import Mesh, prime_factors
 from .named import is_named
 from .step_time import StepTime
+from .tracing import using
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
@@ -191,10 +194,11 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     meshes = _meshes(mesh_or_device_count, mesh_axes)
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in _combinations(choices)]
     held = {id(p): _Held(p, args) for _, p in programs}
+    dim_sets = set().union(*(h.dim_sets for h in held.values()))
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin)
     seen = set()
     for mesh in meshes:
-        for layout, pruned in _layouts(mesh, sizes, params, zero):
+        for layout, pruned in _layouts(mesh, sizes, params, zero, dim_sets):
             same, alike = _devices_grouped(mesh, layout), _costs_alike(mesh, layout, hw)
             if same in seen or alike in seen:
                 continue   # the same blocks on the same devices, or on devices as far apart, as one costed
@@ -286,11 +290,15 @@ class _Held:
 
     def __init__(self, fn, args):
         self.leaves = jax.tree_util.tree_leaves(args, is_leaf=is_named)
+        recorder = DimsRecorder()
         try:
-            out = jax.eval_shape(fn, *args)
+            with using(recorder), fresh():   # traced anew: a trace jax cached runs no rule
+                out = jax.eval_shape(fn, *args)
             self.leaves += jax.tree_util.tree_leaves(out, is_leaf=is_named)
         except Exception:   # noqa: BLE001 - a program jax cannot trace unsharded: costed as before
             pass
+        # the dims of each value the program holds: dims sharing one may not share an axis
+        self.dim_sets = recorder.dim_sets | {frozenset(d.name for d in x.dims) for x in self.leaves if is_named(x)}
 
     def per_device(self, mesh, layout) -> int:
         """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
@@ -323,7 +331,7 @@ def _shape_of(cand, program) -> tuple:
         return [a for d, ax in sorted(rules.items()) for a in ax]
     layout = cand.layout
     shape = (id(program), tuple(sorted(cand.lower_kwargs.items())), tuple(sorted(layout.microbatches.items())),
-             split(layout.rules), split(layout.param_rules))
+             split(layout.rules), split(layout.param_rules), _sharing(layout, lambda a: cand.mesh.shape[a]))
     return shape, axes(layout.rules) + axes(layout.param_rules)
 
 
@@ -421,13 +429,23 @@ def _factorisations(n: int, k: int) -> list[tuple]:
             if all(r >= 2 for r in rest)]
 
 
-def _layouts(mesh, sizes, params, zero):
+def _groups(sizes, dim_sets, largest: int = 3) -> list[tuple]:
+    """What one mesh axis may split: nothing, one dim, or a group of up to ``largest`` dims no
+    value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one axis)."""
+    names = sorted(sizes)
+    out = [(), *((d,) for d in names)]
+    for k in range(2, largest + 1):
+        out += [g for g in itertools.combinations(names, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
+    return out
+
+
+def _layouts(mesh, sizes, params, zero, dim_sets=frozenset()):
     """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
     axes = list(mesh.shape)
-    for choice in itertools.product([None, *sorted(sizes)], repeat=len(axes)):   # each a distinct layout
+    for choice in itertools.product(_groups(sizes, dim_sets), repeat=len(axes)):   # each a distinct layout
         rules = {}
-        for axis, dim in zip(axes, choice):
-            if dim is not None:
+        for axis, group in zip(axes, choice):
+            for dim in group:
                 rules[dim] = rules.get(dim, ()) + (axis,)
         bad = [f"{d}:{sizes[d]} does not divide by {'+'.join(a)} ({math.prod(mesh.shape[x] for x in a)})"
                for d, a in rules.items() if sizes[d] % math.prod(mesh.shape[x] for x in a)]
@@ -461,7 +479,19 @@ def _costs_alike(mesh, layout, hw) -> tuple:
     def split(rules):
         return tuple(sorted((d, tuple(sorted((mesh.shape[a], hw.link(a, mesh)) for a in axes)))
                             for d, axes in rules.items() if axes))
-    return "alike", math.prod(mesh.shape.values()), split(layout.rules), split(layout.param_rules)
+    sharing = _sharing(layout, lambda a: (mesh.shape[a], hw.link(a, mesh)))
+    return "alike", math.prod(mesh.shape.values()), split(layout.rules), split(layout.param_rules), sharing
+
+
+def _sharing(layout, sig) -> tuple:
+    """Which dims each used axis splits (with the axis's place among each dim's axes, for compute
+    and storage), per axis signature ``sig(axis)``, without the axes' names: two layouts alike
+    per dim may still differ in which dims share an axis (``heads`` and ``d_ff`` on one)."""
+    used = {a for rules in (layout.rules, layout.param_rules) for axes in rules.values() for a in axes}
+    return tuple(sorted((sig(a),
+                         tuple(sorted((d, axes.index(a)) for d, axes in layout.rules.items() if a in axes)),
+                         tuple(sorted((d, axes.index(a)) for d, axes in layout.param_rules.items() if a in axes)))
+                        for a in used))
 
 
 def _zero_rules(mesh, rules, params) -> dict:

@@ -338,3 +338,20 @@ def test_mesh_tensorflows_auto_mtf_cases_find_its_answers(repeats):
     assert sizes == {"a": 2, "c": 4} and sorted(best.mesh.shape.values()) == [2, 4]
     one_axis = md.search(program, 8, *args, mesh_axes=1, top=100)
     assert [str(c.layout) for c in one_axis] == [""]
+
+
+def test_one_axis_may_split_several_dims_that_no_value_holds_together():
+    """Megatron puts heads and d_ff (T5: and vocab) on one axis - no tensor holds two of them.
+    The search tries such groups (read from one shape-only trace of the program) and never
+    dims a value holds together (batch and heads share the attention logits)."""
+    step, model, batch = _t5_step("t5-small", 16, inputs=128, targets=32)
+    mesh = md.Mesh.abstract({"data": 2, "model": 4})
+    result = md.search(step, mesh, model, batch, dims=["batch", "heads", "d_ff"], top=1000)
+    rules = [c.layout.rules for c in list(result) + result.rejected]
+    assert {"batch": ("data",), "heads": ("model",), "d_ff": ("model",)} in rules
+    megatron = next(c for c in result if c.layout.rules == {"batch": ("data",), "heads": ("model",), "d_ff": ("model",)})
+    fresh = md.explain(step, mesh, megatron.layout, model, batch)
+    assert megatron.total_bytes == fresh.total_bytes and megatron.memory == fresh.memory
+    for r in rules:
+        for axis in mesh.shape:
+            assert len({d for d, axes in r.items() if axis in axes} & {"batch", "heads"}) < 2, r

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,13 +43,14 @@ from typing import Any
 
 import jax
 
+from . import search_space as space
+from .contexts import DimsRecorder
 from .errors import LayoutError, MeshDSLError
 from .explain import Report, explain
 from .hardware import Hardware
 from .jaxcompat import fresh
-from .contexts import DimsRecorder
 from .layout import Layout, effective
-from .mesh import Mesh, prime_factors
+from .mesh import Mesh
 from .named import is_named
 from .step_time import StepTime
 from .tracing import using
@@ -59,7 +59,6 @@ from .units import fmt_bytes, parse_bytes
 __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
 
 DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
-_AXIS_NAMES = ("data", "model", "pipe")   # the axes a device count is factorised into (names only)
 _DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True}
 
 
@@ -169,18 +168,16 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         top: how many ranked candidates to keep.
         dims: the dims to place (default: every dim of the arguments).
         zero: also try each assignment with its parameters stored split (ZeRO-3).
-        choices: keyword arguments of ``fn`` to try, each with its values (``{"remat": ["none",
-            "full"]}``): every layout is costed with every combination; a candidate's ``choices``
-            say which.
-        microbatches: for a layout under which the program is a pipeline (an ``md.scan`` over a
-            dim the layout splits), also each of these microbatch counts over ``microbatch_dim``
-            (skipping counts that do not divide it), with each of ``schedules``.
+        choices: keyword arguments of ``fn`` to try with each of their values (``{"remat":
+            ["none", "full"]}``); a candidate's ``choices`` say which it was costed with.
+        microbatches: where a layout makes the program a pipeline, also these microbatch counts
+            over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
         dtype: the matmul dtype of the time model, as :meth:`meshdsl.Report.time`.
         overlap: the overlap of compute and communication, as :meth:`meshdsl.Report.time`.
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
             memory model is within 10% of the compiled peak where measured, ``docs/cost_model.md``).
-        mesh_axes: for a device count, the most axes a factorisation has (1 to 3; default 2:
-            ``data`` and ``model``; 3 adds ``pipe``, a name only: any dim may go on any axis).
+        mesh_axes: for a device count, the most axes of a factorisation (1 to 3: ``data``,
+            ``model``, ``pipe``; names only).
         options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
             returned in each candidate's ``lower_kwargs``.
     """
@@ -190,16 +187,15 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         budget = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget)
     except ValueError as e:
         raise MeshDSLError(f"md.search: memory_budget: {e}") from None
-    sizes, params = _dims_of(args, dims)
-    meshes = _meshes(mesh_or_device_count, mesh_axes)
-    programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in _combinations(choices)]
+    sizes, params = space.dims_of(args, dims)
+    meshes = space.meshes(mesh_or_device_count, mesh_axes)
+    programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
     held = {id(p): _Held(p, args) for _, p in programs}
-    dim_sets = set().union(*(h.dim_sets for h in held.values()))
+    dim_sets, seen = set().union(*(h.dim_sets for h in held.values())), set()
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin)
-    seen = set()
     for mesh in meshes:
-        for layout, pruned in _layouts(mesh, sizes, params, zero, dim_sets):
-            same, alike = _devices_grouped(mesh, layout), _costs_alike(mesh, layout, hw)
+        for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
+            same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
             if same in seen or alike in seen:
                 continue   # the same blocks on the same devices, or on devices as far apart, as one costed
             seen.update((same, alike))
@@ -209,31 +205,13 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
                     run.reject(cand, pruned)
                     continue
                 report = run.cost(cand, program, held[id(program)])
-                if report is None or report.pipeline is None:
-                    continue
-                for m in microbatches:   # the program pipelines under this layout: its microbatch counts
-                    if sizes.get(microbatch_dim, 0) % m:
-                        continue
-                    for schedule in schedules:
-                        piped = Layout(layout.rules, params=layout.param_rules, microbatches={microbatch_dim: m})
-                        run.cost(Candidate(piped, mesh, {**options, "schedule": schedule}, chosen), program,
-                                 held[id(program)])
+                if report is not None and report.pipeline is not None:   # its microbatch counts, schedules
+                    counts = [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]
+                    run.pipelines(cand, program, held[id(program)], {microbatch_dim: counts}, schedules)
     ranked = sorted(run.ranked, key=lambda c: c.key)
     for i, c in enumerate(ranked):
         c.why = _why(i, c, ranked[0])
     return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
-
-
-def _combinations(choices) -> list[dict]:
-    """Every combination of the ``choices`` (name -> values), ``[{}]`` when there are none."""
-    if not choices:
-        return [{}]
-    bad = [k for k, v in choices.items() if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v]
-    if bad:
-        raise MeshDSLError(f"md.search: choices {bad} must each be a non-empty list of values to try, e.g. "
-                           "choices={'remat': ['none', 'full']}")
-    names = list(choices)
-    return [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
 
 
 class _Costing:
@@ -243,6 +221,16 @@ class _Costing:
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
         self.ranked, self.rejected, self.costed, self.retimed = [], [], 0, 0
         self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
+
+    def pipelines(self, cand, program, held, counts, schedules) -> None:
+        """Cost ``cand`` (a layout under which the program pipelines) with each microbatch count
+        (``{dim: counts}``) and schedule."""
+        (dim, ms), = counts.items()
+        for m in ms:
+            for schedule in schedules:
+                piped = Layout(cand.layout.rules, params=cand.layout.param_rules, microbatches={dim: m})
+                self.cost(Candidate(piped, cand.mesh, {**cand.lower_kwargs, "schedule": schedule}, cand.choices),
+                          program, held)
 
     def reject(self, cand, why: str) -> None:
         cand.why = why
@@ -331,7 +319,7 @@ def _shape_of(cand, program) -> tuple:
         return [a for d, ax in sorted(rules.items()) for a in ax]
     layout = cand.layout
     shape = (id(program), tuple(sorted(cand.lower_kwargs.items())), tuple(sorted(layout.microbatches.items())),
-             split(layout.rules), split(layout.param_rules), _sharing(layout, lambda a: cand.mesh.shape[a]))
+             split(layout.rules), split(layout.param_rules), space.sharing(layout, lambda a: cand.mesh.shape[a]))
     return shape, axes(layout.rules) + axes(layout.param_rules)
 
 
@@ -378,142 +366,3 @@ def _why(i, c, best) -> str:
 
 def _fmt_s(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
-def _dims_of(args, dims) -> tuple[dict, list]:
-    """dim name -> size over the arguments' NamedArrays (the sizes must agree), and the dims of
-    each parameter; ``dims`` (names) narrows which dims a layout may place."""
-    sizes, params = {}, []
-    for leaf in jax.tree_util.tree_leaves(args, is_leaf=is_named):
-        if not is_named(leaf):
-            continue
-        for d in leaf.dims:
-            sizes.setdefault(d.name, d.size)
-        if leaf.is_param:
-            params.append(tuple((d.name, d.size) for d in leaf.dims))
-    if not sizes:
-        raise MeshDSLError("md.search: the arguments hold no NamedArray, so there is no dim to place; "
-                           "pass the program's inputs and parameters as NamedArrays")
-    if dims is not None:
-        dims = [dims] if isinstance(dims, str) else list(dims)
-        unknown = [d for d in dims if d not in sizes]
-        if unknown:
-            raise MeshDSLError(f"md.search: dims={unknown} are not dims of the arguments "
-                               f"(they have {sorted(sizes)}); name dims the inputs or parameters carry")
-        sizes = {d: sizes[d] for d in dims}
-    return sizes, params
-
-
-def _meshes(mesh_or_count, mesh_axes: int = 2) -> list[Mesh]:
-    """The mesh given, or each factorisation of a device count into at most ``mesh_axes`` axes
-    (``data:n``, ``data:a x model:b``, ``data:a x model:b x pipe:c``; every size >= 2), concrete
-    when the count is the devices jax has, else abstract."""
-    if isinstance(mesh_or_count, Mesh):
-        return [mesh_or_count]
-    n = mesh_or_count
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise MeshDSLError(f"md.search: {n!r} is neither an md.Mesh nor a device count (a positive int)")
-    if mesh_axes not in range(1, len(_AXIS_NAMES) + 1):
-        raise MeshDSLError(f"md.search: mesh_axes={mesh_axes!r}; a device count is factorised into 1 to "
-                           f"{len(_AXIS_NAMES)} axes ({', '.join(_AXIS_NAMES)})")
-    shapes = [dict(zip(_AXIS_NAMES, sizes)) for k in range(1, mesh_axes + 1) for sizes in _factorisations(n, k)]
-    concrete = n == jax.device_count()
-    return [Mesh(s) if concrete else Mesh.abstract(s) for s in shapes]
-
-
-def _factorisations(n: int, k: int) -> list[tuple]:
-    """Ordered ``k``-tuples of sizes >= 2 multiplying to ``n`` (``(n,)`` for one axis, even n = 1)."""
-    if k == 1:
-        return [(n,)]
-    return [(a, *rest) for a in range(2, n) if n % a == 0 for rest in _factorisations(n // a, k - 1)
-            if all(r >= 2 for r in rest)]
-
-
-def _groups(sizes, dim_sets, largest: int = 3) -> list[tuple]:
-    """What one mesh axis may split: nothing, one dim, or a group of up to ``largest`` dims no
-    value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one axis)."""
-    names = sorted(sizes)
-    out = [(), *((d,) for d in names)]
-    for k in range(2, largest + 1):
-        out += [g for g in itertools.combinations(names, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
-    return out
-
-
-def _layouts(mesh, sizes, params, zero, dim_sets=frozenset()):
-    """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
-    axes = list(mesh.shape)
-    for choice in itertools.product(_groups(sizes, dim_sets), repeat=len(axes)):   # each a distinct layout
-        rules = {}
-        for axis, group in zip(axes, choice):
-            for dim in group:
-                rules[dim] = rules.get(dim, ()) + (axis,)
-        bad = [f"{d}:{sizes[d]} does not divide by {'+'.join(a)} ({math.prod(mesh.shape[x] for x in a)})"
-               for d, a in rules.items() if sizes[d] % math.prod(mesh.shape[x] for x in a)]
-        layout = Layout(rules)
-        yield layout, ("pruned: " + "; ".join(bad)) if bad else ""
-        if zero and not bad:
-            stored = _zero_rules(mesh, rules, params)
-            if stored:
-                yield Layout(rules, params=stored), ""
-
-
-def _devices_grouped(mesh, layout) -> tuple:
-    """What a layout does to the devices, whatever the mesh's axes are called: per dim (compute
-    and storage), the positions of the prime factors of the device index splitting it
-    (``d_ff:data`` on ``data:8`` splits d_ff as ``d_ff:data+model`` on ``data:2 x model:4``)."""
-    factors, start = [], {}
-    for axis, size in mesh.shape.items():
-        start[axis] = len(factors)
-        factors += prime_factors(size)
-    spans = lambda axes: tuple(i for a in axes for i in range(start[a], start[a] + len(prime_factors(mesh.shape[a]))))  # noqa: E731
-    return (tuple(factors), tuple(sorted((d, spans(a)) for d, a in layout.rules.items())),
-            tuple(sorted((d, spans(a)) for d, a in layout.param_rules.items())))
-
-
-def _costs_alike(mesh, layout, hw) -> tuple:
-    """What a layout's cost depends on: per dim (compute and storage), the size of each axis
-    splitting it and the link that axis runs on. Two layouts alike here move the same bytes over
-    the same links and hold the same blocks (``batch:data;d_ff:model`` on ``data:4 x model:2`` and
-    ``d_ff:data;batch:model`` on ``data:2 x model:4`` on one NVLink domain): the second is not
-    costed."""
-    def split(rules):
-        return tuple(sorted((d, tuple(sorted((mesh.shape[a], hw.link(a, mesh)) for a in axes)))
-                            for d, axes in rules.items() if axes))
-    sharing = _sharing(layout, lambda a: (mesh.shape[a], hw.link(a, mesh)))
-    return "alike", math.prod(mesh.shape.values()), split(layout.rules), split(layout.param_rules), sharing
-
-
-def _sharing(layout, sig) -> tuple:
-    """Which dims each used axis splits (with the axis's place among each dim's axes, for compute
-    and storage), per axis signature ``sig(axis)``, without the axes' names: two layouts alike
-    per dim may still differ in which dims share an axis (``heads`` and ``d_ff`` on one)."""
-    used = {a for rules in (layout.rules, layout.param_rules) for axes in rules.values() for a in axes}
-    return tuple(sorted((sig(a),
-                         tuple(sorted((d, axes.index(a)) for d, axes in layout.rules.items() if a in axes)),
-                         tuple(sorted((d, axes.index(a)) for d, axes in layout.param_rules.items() if a in axes)))
-                        for a in used))
-
-
-def _zero_rules(mesh, rules, params) -> dict:
-    """ZeRO-3 storage: each mesh axis some rule uses stores the parameters not computed split over
-    it split there too, on one dim per axis: the dim holding the most parameter elements the axis
-    divides (a dim's rule is shared by every parameter with that dim, so two dims on one axis
-    would put both on it in a parameter holding both). Parameters without that dim stay whole
-    over the axis."""
-    stored: dict = {}
-    for axis in [a for a in mesh.shape if any(a in ax for ax in rules.values())]:
-        split = lambda d: math.prod(mesh.shape[a] for a in rules.get(d, ()) + stored.get(d, ()))  # noqa: E731
-        elements: dict = {}
-        for p in params:
-            if any(axis in rules.get(d, ()) + stored.get(d, ()) for d, _ in p):
-                continue   # computed or already stored split over it
-            for d, size in p:
-                if size % (split(d) * mesh.shape[axis]) == 0:
-                    elements[d] = elements.get(d, 0) + math.prod(n for _, n in p)
-        clash = {d for p in params for d, _ in p
-                 if any(axis in rules.get(e, ()) + stored.get(e, ()) for e, _ in p)}   # shares a parameter with the axis
-        fits = [(n, d) for d, n in elements.items() if d not in clash]
-        if fits:
-            d = max(fits)[1]
-            stored[d] = stored.get(d, ()) + (axis,)
-    return stored

@@ -18,6 +18,7 @@ from meshdsl.models.loss import t5_loss
 from meshdsl.models.t5 import T5
 
 SEARCH = importlib.import_module("meshdsl.search")   # the module (md.search is the function)
+SPACE = importlib.import_module("meshdsl.search_space")
 
 
 def _arg(spec, param=False, concrete=False):
@@ -260,7 +261,7 @@ def test_zero3_storage_puts_one_dim_per_axis_in_every_parameter():
               if isinstance(leaf, md.NamedArray)]
     for rules in ({"batch": ("data",), "heads": ("model",)}, {"batch": ("data",), "d_ff": ("model",)},
                   {"batch": ("data", "model")}):
-        stored = SEARCH._zero_rules(mesh, rules, [tuple((d.name, d.size) for d in p.dims) for p in params])
+        stored = SPACE.zero_rules(mesh, rules, [tuple((d.name, d.size) for d in p.dims) for p in params])
         assert stored, rules
         layout = md.Layout(rules, params=stored)
         for p in params:   # raises LayoutError where a parameter would hold one axis twice

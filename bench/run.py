@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402,F401 - sets up devices first
 from bench import communication, compile_time, fused_step, memory, pipeline, readme, schedules  # noqa: E402
-from bench import search_configs, search_rank, step_time  # noqa: E402
+from bench import search_configs, search_rank, search_speed, step_time  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for name, bench in (("communication", communication), ("compile time", compile_time), ("memory", memory),
                         ("pipeline", pipeline), ("schedules", schedules), ("fused step", fused_step),
-                        ("step time", step_time), ("search rank", search_rank), ("search configs", search_configs)):
+                        ("step time", step_time), ("search rank", search_rank), ("search configs", search_configs),
+                        ("search speed", search_speed)):
         t = time.perf_counter()
         print(f"== {name}", flush=True)
         print(bench.run(a.quick), flush=True)

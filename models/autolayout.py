@@ -1,7 +1,8 @@
 """``--layout auto``: the training step's mesh and layout chosen by ``md.search``.
 
 The step searched is the one the run trains (T5's loss and gradients, the run's ``--remat``, a
-batch of the run's shapes, abstract: nothing is computed). Over the device count when ``--mesh``
+batch of the run's shapes, abstract: nothing is computed); ``--remat auto`` lets the search choose
+the remat policy too (none, dots or full: each layout costed with each). Over the device count when ``--mesh``
 is left at its default (every factorisation into ``data`` or ``data x model``), else over the mesh
 given; the dims placed are the model's parallel ones (batch, heads, d_ff, vocab, d_model; experts
 and group for MoE), with ZeRO-3 storage tried for each. The time model runs on ``--hardware``
@@ -25,15 +26,17 @@ from meshdsl.models.loss import t5_loss
 from meshdsl.models.t5 import T5
 from meshdsl.units import fmt_bytes
 
-__all__ = ["DEFAULT_MESH", "choose", "step_of"]
+__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "choose", "step_of"]
 
 DEFAULT_MESH = "data:-1"
+REMAT_CHOICES = ("none", "dots", "full")   # what --remat auto chooses among
 _DIMS = ("batch", "heads", "d_ff", "vocab", "d_model", "experts", "group")
 
 
 def step_of(remat: str):
-    """The training step searched: loss and gradients of ``model`` on ``batch``."""
-    def step(model, batch):
+    """The training step searched: loss and gradients of ``model`` on ``batch`` (``remat``, or a
+    keyword argument of the step where it is ``"auto"``)."""
+    def step(model, batch, remat=remat):
         return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
     return step
 
@@ -49,7 +52,7 @@ def _abstract_batch(batch: int, encoder_length: int, decoder_length: int) -> dic
 
 def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length: int, remat: str,
            hardware: str, memory_budget: str | None, say=print):
-    """``(mesh, layout, lower_kwargs, result)`` of the best layout ``md.search`` finds."""
+    """``(mesh, layout, lower_kwargs, remat, result)`` of the best layout ``md.search`` finds."""
     model = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(0)))
     args = (model, _abstract_batch(batch, encoder_length, decoder_length))
     target = jax.device_count() if mesh == DEFAULT_MESH else md.Mesh.parse(mesh)
@@ -60,11 +63,12 @@ def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length
         hw = md.Hardware.profile(hardware)
     dims = [d for d in _DIMS if any(d in leaf.names for leaf in jax.tree_util.tree_leaves(
         args, is_leaf=lambda x: isinstance(x, md.NamedArray)) if isinstance(leaf, md.NamedArray))]
+    choices = {"remat": list(REMAT_CHOICES)} if remat == "auto" else None
     result = md.search(step_of(remat), target, *args, memory_budget=memory_budget, hardware=hw, top=5,
-                       dims=dims, zero=True)
+                       dims=dims, zero=True, choices=choices)
     _print(result, say)
     best = result.best
-    return best.mesh, best.layout, best.lower_kwargs, result
+    return best.mesh, best.layout, best.lower_kwargs, best.choices.get("remat", remat), result
 
 
 def _print(result, say) -> None:
@@ -74,7 +78,7 @@ def _print(result, say) -> None:
     for column in ("rank", "mesh", "layout", "step time", "bytes/device", "peak memory"):
         table.add_column(column)
     for i, c in enumerate(result):
-        table.add_row(str(i + 1), str(c.mesh), str(c.layout), f"{c.time * 1e3:.3g} ms", fmt_bytes(c.total_bytes),
+        table.add_row(str(i + 1), str(c.mesh), c.describe(), f"{c.time * 1e3:.3g} ms", fmt_bytes(c.total_bytes),
                       fmt_bytes(c.memory["peak"]))
     console = Console(file=io.StringIO(), width=160, record=True)
     console.print(table)

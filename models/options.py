@@ -69,8 +69,11 @@ def _step_signal(text: str) -> tuple[int, int]:
 
 
 def _remat(text: str) -> str:
-    """A remat policy of meshdsl.layers (a name, or value names to keep), checked at parse time."""
+    """A remat policy of meshdsl.layers (a name, or value names to keep), checked at parse time;
+    ``auto``: chosen with the layout (``--layout auto``)."""
     from meshdsl.layers.stack import remat_policy
+    if text == "auto":
+        return text
     try:
         remat_policy(text)
     except ValueError as e:
@@ -141,7 +144,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--remat", type=_remat, default="none",
       help="what each layer keeps for the backward pass (the rest is recomputed): none (keep all), full "
            "(keep nothing), dots, einsums, collectives (never communicate again), sequence-parallel (gather "
-           "the sequence shard again), or value names to keep: einsum,all-reduce,all-gather,...")
+           "the sequence shard again), or value names to keep: einsum,all-reduce,all-gather,...; auto (with "
+           "--layout auto): the search chooses among none, dots and full with the layout")
     a("--dtype", default="float32", choices=("float32", "bfloat16"),
       help="compute dtype: bfloat16 casts the parameters at use; gradients, parameters and optimizer state "
            "stay in --param-dtype")

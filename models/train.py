@@ -87,7 +87,7 @@ def _auto_layout(args, config, enc_len, dec_len, say) -> None:
     if args.params_layout:
         raise UsageError("--layout auto chooses the parameters' storage too: drop --params-layout")
     try:
-        mesh, layout, kwargs, _ = autolayout.choose(
+        mesh, layout, kwargs, args.remat, _ = autolayout.choose(
             config, mesh=args.mesh, batch=args.batch // args.accum, encoder_length=enc_len, decoder_length=dec_len,
             remat=args.remat, hardware=args.hardware, memory_budget=args.memory_budget, say=say)
     except (MeshDSLError, ValueError) as e:
@@ -97,7 +97,7 @@ def _auto_layout(args, config, enc_len, dec_len, say) -> None:
     args.params_layout = _rules_text(layout.param_rules) or None
     args.param_gather = kwargs.get("param_gather", args.param_gather)
     say(f"layout     auto: mesh {args.mesh}, layout {args.layout}"
-        + (f", parameters stored {args.params_layout}" if args.params_layout else ""))
+        + (f", parameters stored {args.params_layout}" if args.params_layout else "") + f", remat {args.remat}")
 
 
 def _rules_text(rules) -> str:
@@ -172,6 +172,9 @@ def _run(args) -> dict:
     enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
     if args.layout == "auto":
         _auto_layout(args, config, enc_len, dec_len, say)
+    elif args.remat == "auto":
+        raise UsageError("--remat auto is chosen with the layout: add --layout auto, or name a policy "
+                         "(none, dots, full, ...)")
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches:

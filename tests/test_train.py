@@ -172,6 +172,21 @@ def test_layout_auto_trains_with_the_layout_the_search_ranks_first(tmp_path, cap
         main([*TINY, "--out", str(tmp_path / "bad"), "--layout", "auto", "--params-layout", "d_model:data"])
 
 
+def test_remat_auto_is_chosen_with_the_layout_and_recorded(tmp_path, capsys):
+    """--remat auto with --layout auto: each layout is costed with each remat policy (none, dots,
+    full); the run trains with the pair ranked first and records both; without --layout auto it
+    is refused."""
+    result = train(tmp_path, "auto", "--steps", "1", "--mesh", "data:8", "--layout", "auto", "--remat", "auto",
+                   "--memory-budget", "1GiB", "--hardware", "h100-80gb")
+    printed = capsys.readouterr().out
+    assert "remat=" in printed
+    chosen = printed.split("layout     auto: ")[1].splitlines()[0].rsplit("remat ", 1)[1]
+    assert chosen in ("none", "dots", "full") and result["trainer"].remat == chosen
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["remat"] == chosen
+    with pytest.raises(SystemExit, match="--remat auto is chosen with the layout: add --layout auto"):
+        main([*TINY, "--out", str(tmp_path / "bad"), "--remat", "auto"])
+
+
 def test_cli_defaults_and_errors(tmp_path, resumed):
     args = build_parser().parse_args([])
     assert (args.model, args.mesh, args.optimizer, args.task) == ("t5-tiny", "data:-1", "adafactor", "span_corruption")

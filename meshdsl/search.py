@@ -10,8 +10,8 @@ The space, per mesh (the mesh given, or every factorisation of a device count in
 ``data x model`` or, with ``mesh_axes=3``, ``data x model x pipe``):
 
 * every assignment of the program's dims (those of its arguments, or ``dims=``) to the mesh
-  axes: each axis splits nothing, one dim, or a group of dims no value of the program holds two
-  of (Megatron's ``heads``, ``d_ff``, ``vocab``); a dim may take several axes (in mesh order). An
+  axes: each axis splits nothing, one dim, or a group of parameter dims no value of the program
+  holds two of (Megatron's ``heads``, ``d_ff``, ``vocab``); a dim may take several axes (in mesh order). An
   assignment whose axes do not divide a dim's size is pruned before costing;
 * with ``zero=True``, each assignment also with its parameters stored split (ZeRO-3): each mesh
   axis the assignment uses stores the parameters not computed split over it on one dim, the one

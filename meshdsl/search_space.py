@@ -72,20 +72,22 @@ def factorisations(n: int, k: int) -> list[tuple]:
             if all(r >= 2 for r in rest)]
 
 
-def groups(sizes, dim_sets, largest: int = 3) -> list[tuple]:
-    """What one mesh axis may split: nothing, one dim, or a group of up to ``largest`` dims no
-    value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one axis)."""
+def groups(sizes, dim_sets, params=(), largest: int = 3) -> list[tuple]:
+    """What one mesh axis may split: nothing, one dim, or a group of up to ``largest`` parameter
+    dims no value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one
+    axis: tensor parallelism splits weights; ``params``: each parameter's ``(dim, size)``s)."""
     names = sorted(sizes)
+    weights = sorted({d for p in params for d, _ in p} & set(names))
     out = [(), *((d,) for d in names)]
     for k in range(2, largest + 1):
-        out += [g for g in itertools.combinations(names, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
+        out += [g for g in itertools.combinations(weights, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
     return out
 
 
 def layouts(mesh, sizes, params, zero, dim_sets=frozenset()):
     """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
     axes = list(mesh.shape)
-    for choice in itertools.product(groups(sizes, dim_sets), repeat=len(axes)):   # each a distinct layout
+    for choice in itertools.product(groups(sizes, dim_sets, params), repeat=len(axes)):   # each a distinct layout
         rules = {}
         for axis, group in zip(axes, choice):
             for dim in group:

@@ -26,14 +26,12 @@ import time
 
 from bench import common  # noqa: F401 - sets up devices first
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 from bench.common import write  # noqa: E402
 from meshdsl.models.configs import get_config  # noqa: E402
-from meshdsl.models.loss import t5_loss  # noqa: E402
+from meshdsl.models.autolayout import abstract_batch, step_of  # noqa: E402
 from meshdsl.models.t5 import T5  # noqa: E402
 from meshdsl.units import fmt_bytes  # noqa: E402
 
@@ -49,16 +47,9 @@ CONFIGURED = {   # name: (mesh shape, layout)
 
 
 def _step(batch: int, inputs: int = 512, targets: int = 128):
+    """The t5-v1_1-xxl training step (remat full) the training CLI's ``--layout auto`` searches, abstract."""
     model = nnx.eval_shape(lambda: T5(get_config("t5-v1_1-xxl").replace(dropout_rate=0.0), rngs=nnx.Rngs(0)))
-    tokens = lambda n: jax.ShapeDtypeStruct((batch, n), np.int32)   # noqa: E731
-    data = {"encoder_input_tokens": md.named(tokens(inputs), "batch inputs"),
-            "decoder_input_tokens": md.named(tokens(targets), "batch targets"),
-            "decoder_target_tokens": md.named(tokens(targets), "batch targets"),
-            "decoder_loss_weights": md.named(jax.ShapeDtypeStruct((batch, targets), np.float32), "batch targets")}
-
-    def train_step(model, batch):
-        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat="full")[0].array)(model)
-    return train_step, model, data
+    return step_of("full"), model, abstract_batch(batch, inputs, targets)
 
 
 def run(quick: bool = False) -> str:

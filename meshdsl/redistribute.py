@@ -67,15 +67,18 @@ def piece_rounds(shape, src_axes, target, mesh_axes, sizes) -> tuple[int, int] |
                          tuple(sorted(sizes.items())))
 
 
-def _blocks(shape, src_axes, target, sizes):
-    """Source and target block shapes and the piece's, or None where they do not tile."""
+def _blocks(shape, src_axes, target, mesh_axes, sizes):
+    """The mesh axes involved (mesh order), the source and target block shapes and the piece's;
+    None where they do not tile."""
+    used = {a for axes in src_axes + target for a in axes}
+    axes = tuple(a for a in mesh_axes if a in used)
     if any(n % math.prod(sizes[a] for a in p) for placement in (src_axes, target) for n, p in zip(shape, placement)):
         return None   # a placement that cannot divide a dim (a candidate a planner weighs): no rounds
     bs = [n // math.prod(sizes[a] for a in s) for n, s in zip(shape, src_axes)]
     bt = [n // math.prod(sizes[a] for a in t) for n, t in zip(shape, target)]
     if any(max(s, t) % min(s, t) for s, t in zip(bs, bt)):
         return None
-    return bs, bt, tuple(min(s, t) for s, t in zip(bs, bt))
+    return axes, bs, bt, tuple(min(s, t) for s, t in zip(bs, bt))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -83,12 +86,10 @@ def _piece_rounds(shape, src_axes, target, mesh_axes, sizes):
     """The rounds are as many as the most pieces one device sends or receives (a bipartite edge
     colouring needs no more): counted over every device at once."""
     sizes = dict(sizes)
-    used = {a for axes in src_axes + target for a in axes}
-    axes = tuple(a for a in mesh_axes if a in used)
-    blocks = _blocks(shape, src_axes, target, sizes)
+    blocks = _blocks(shape, src_axes, target, mesh_axes, sizes)
     if blocks is None:
         return None
-    bs, bt, piece = blocks
+    axes, bs, bt, piece = blocks
     coords = np.indices([sizes[a] for a in axes]).reshape(len(axes), -1) if axes else np.zeros((0, 1), int)
     at = dict(zip(axes, coords))
     me = np.arange(coords.shape[1])
@@ -109,12 +110,10 @@ def _piece_rounds(shape, src_axes, target, mesh_axes, sizes):
 @functools.lru_cache(maxsize=256)
 def _plan(shape, src_axes, target, mesh_axes, sizes):
     sizes = dict(sizes)
-    used = {a for axes in src_axes + target for a in axes}
-    axes = tuple(a for a in mesh_axes if a in used)
-    blocks = _blocks(shape, src_axes, target, sizes)
+    blocks = _blocks(shape, src_axes, target, mesh_axes, sizes)
     if blocks is None:
         return None
-    bs, bt, piece = blocks
+    axes, bs, bt, piece = blocks
     devices = list(itertools.product(*[range(sizes[a]) for a in axes]))
     index = {coords: d for d, coords in enumerate(devices)}
     local, edges = [None] * len(devices), []

@@ -26,7 +26,7 @@ from meshdsl.models.loss import t5_loss
 from meshdsl.models.t5 import T5
 from meshdsl.units import fmt_bytes
 
-__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "choose", "step_of"]
+__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "step_of"]
 
 DEFAULT_MESH = "data:-1"
 REMAT_CHOICES = ("none", "dots", "full")   # what --remat auto chooses among
@@ -41,7 +41,8 @@ def step_of(remat: str):
     return step
 
 
-def _abstract_batch(batch: int, encoder_length: int, decoder_length: int) -> dict:
+def abstract_batch(batch: int, encoder_length: int, decoder_length: int) -> dict:
+    """A span-corruption batch of shapes only (``batch`` x encoder / decoder tokens)."""
     token = lambda length: jax.ShapeDtypeStruct((batch, length), np.int32)   # noqa: E731
     return {"encoder_input_tokens": md.named(token(encoder_length), "batch inputs"),
             "decoder_input_tokens": md.named(token(decoder_length), "batch targets"),
@@ -54,7 +55,7 @@ def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length
            hardware: str, memory_budget: str | None, say=print):
     """``(mesh, layout, lower_kwargs, remat, result)`` of the best layout ``md.search`` finds."""
     model = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(0)))
-    args = (model, _abstract_batch(batch, encoder_length, decoder_length))
+    args = (model, abstract_batch(batch, encoder_length, decoder_length))
     target = jax.device_count() if mesh == DEFAULT_MESH else md.Mesh.parse(mesh)
     if hardware == "measure":
         say("layout     measuring this machine's matmul, memory and link speeds (md.Hardware.measure)")

@@ -13,8 +13,8 @@ from flax import nnx
 
 import meshdsl as md
 from helpers import explain_vs_hlo, raises
+from meshdsl.models.autolayout import abstract_batch, step_of
 from meshdsl.models.configs import get_config
-from meshdsl.models.loss import t5_loss
 from meshdsl.models.t5 import T5
 
 SEARCH = importlib.import_module("meshdsl.search")   # the module (md.search is the function)
@@ -224,15 +224,7 @@ def test_a_device_count_is_factorised_into_up_to_three_axes_when_asked():
 def _t5_step(config_name, batch, inputs=512, targets=128, remat="none"):
     """A T5 training step (loss and gradients), abstract: the model and a batch of shapes."""
     model = nnx.eval_shape(lambda: T5(get_config(config_name).replace(dropout_rate=0.0), rngs=nnx.Rngs(0)))
-    tokens = lambda n: jax.ShapeDtypeStruct((batch, n), np.int32)   # noqa: E731
-    data = {"encoder_input_tokens": md.named(tokens(inputs), "batch inputs"),
-            "decoder_input_tokens": md.named(tokens(targets), "batch targets"),
-            "decoder_target_tokens": md.named(tokens(targets), "batch targets"),
-            "decoder_loss_weights": md.named(jax.ShapeDtypeStruct((batch, targets), np.float32), "batch targets")}
-
-    def step(model, batch):
-        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
-    return step, model, data
+    return step_of(remat), model, abstract_batch(batch, inputs, targets)
 
 
 def test_t5_xxl_on_256_h100s_fits_where_data_parallel_does_not_and_says_why():
@@ -272,10 +264,7 @@ def test_a_tight_memory_budget_chooses_remat_among_the_programs_choices():
     """``choices={"remat": [...]}`` costs every layout with each; with room for the activations
     no remat is fastest, and under a budget below that layout's peak the search keeps it and
     recomputes (remat full) rather than moving to a slower layout."""
-    step, model, batch = _t5_step("t5-small", 64, inputs=256, targets=64)
-
-    def train_step(model, batch, remat="none"):
-        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
+    train_step, model, batch = _t5_step("t5-small", 64, inputs=256, targets=64)   # takes remat= too
     mesh = md.Mesh.abstract({"data": 8})
     free = md.search(train_step, mesh, model, batch, dims=["batch"], choices={"remat": ["none", "full"]}, top=100)
     assert {(str(c.layout), c.choices["remat"]) for c in free} == {("batch:data", "none"), ("batch:data", "full"),

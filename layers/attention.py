@@ -8,6 +8,9 @@ cross-attention, with the relative position bias of :mod:`meshdsl.layers.positio
     weights = dropout(softmax over kv_seq of logits)
     y[batch, seq, d_model]          = (weights · v) · Wo
 
+computed by ``md.attention`` (blockwise, no ``[seq, kv_seq]`` weights held; context parallelism
+when the layout splits ``seq``); only with dropout on the weights are they materialised.
+
 As in T5 there are no biases and no ``1 / sqrt(d_kv)`` (it is folded into Wq's init, stddev
 ``(d_model * d_kv) ** -0.5``). ``allowed`` combines the causal mask (``kv_position <= position``,
 from ``md.arange``) and an optional key padding mask ``[batch, kv_seq]``; a masked logit gets
@@ -81,20 +84,13 @@ class Attention(nnx.Module):
         kv_in = _as_keys(source)
         k, v = self.k(kv_in), self.v(kv_in)
 
-        batch = [n for n in q.names if n not in ("seq", self.heads.name, self.d_kv.name)]
-        logits = md.einsum(q, k, out=[*batch, self.heads.name, "seq", "kv_seq"],
-                           preferred_element_type=jnp.float32)
         if bias is None and self.relative_attention_bias is not None:
             bias = self.relative_attention_bias(q.dims["seq"], k.dims["kv_seq"])
-        if bias is not None:
-            logits = logits + bias.astype(jnp.float32)
-        allowed = self._allowed(q.dims["seq"], k.dims["kv_seq"], key_mask)
-        if allowed is not None:
-            logits = logits + md.where(allowed, 0.0, MASK_VALUE)
-
-        weights = md.softmax(logits, "kv_seq").astype(v.dtype)
-        weights = dropout(weights, self.dropout_rate, key)
-        mixed = md.einsum(weights, v, out=[*batch, "seq", self.heads.name, self.d_kv.name])
+        if self.dropout_rate and key is not None:   # dropout on the weights: they are materialised
+            mixed = self._weights_dropped(q, k, v, bias, self._allowed(q.dims["seq"], k.dims["kv_seq"], key_mask), key)
+        else:
+            mixed = md.attention(q, k, v, over="kv_seq", length="seq", features=self.d_kv.name, bias=bias,
+                                 mask=_key_mask(key_mask), causal=self.causal, scale=1.0)
         return self.o(mixed), bias
 
     # -- decoding: one position at a time against a KV cache -----------------------------------
@@ -126,34 +122,42 @@ class Attention(nnx.Module):
     def decode_cross(self, x: md.NamedArray, k: md.NamedArray, v: md.NamedArray, *, key_mask=None):
         """Cross-attention of ``x`` ``[batch, seq:1, d_model]`` to precomputed encoder keys and
         values ``[batch, kv_seq, heads, d_kv]`` (:meth:`keys_values`); ``key_mask`` ``[batch, kv_seq]``."""
-        allowed = None
-        if key_mask is not None:
-            real = _as_keys(key_mask)
-            allowed = real if real.dtype == jnp.bool_ else md.not_equal(real, 0)
-        return self._attend(self.q(x), k, v, "kv_seq", None, allowed)
+        return self._attend(self.q(x), k, v, "kv_seq", None, _key_mask(key_mask))
 
     def _attend(self, q, k, v, kv_name, bias, allowed):
+        return self.o(md.attention(q, k, v, over=kv_name, length="seq", features=self.d_kv.name, bias=bias,
+                                   mask=allowed, scale=1.0))
+
+    def _weights_dropped(self, q, k, v, bias, allowed, key):
+        """Attention with dropout on its weights (training with ``dropout_rate``): the weights
+        ``[batch, heads, seq, kv_seq]`` are materialised, as Hugging Face's T5 does."""
         batch = [n for n in q.names if n not in ("seq", self.heads.name, self.d_kv.name)]
-        logits = md.einsum(q, k, out=[*batch, self.heads.name, "seq", kv_name],
+        logits = md.einsum(q, k, out=[*batch, self.heads.name, "seq", "kv_seq"],
                            preferred_element_type=jnp.float32)
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
         if allowed is not None:
             logits = logits + md.where(allowed, 0.0, MASK_VALUE)
-        weights = md.softmax(logits, kv_name).astype(v.dtype)
-        mixed = md.einsum(weights, v, out=[*batch, "seq", self.heads.name, self.d_kv.name])
-        return self.o(mixed)
+        weights = dropout(md.softmax(logits, "kv_seq").astype(v.dtype), self.dropout_rate, key)
+        return md.einsum(weights, v, out=[*batch, "seq", self.heads.name, self.d_kv.name])
 
     def _allowed(self, seq: md.Dim, kv_seq: md.Dim, key_mask):
         """Boolean ``[(batch,) seq, kv_seq]``: which keys each query may see (None: all)."""
         allowed = None
         if self.causal:
             allowed = md.arange(kv_seq) <= md.arange(seq)
-        if key_mask is not None:
-            real = _as_keys(key_mask)
-            real = real if real.dtype == jnp.bool_ else md.not_equal(real, 0)
+        real = _key_mask(key_mask)
+        if real is not None:
             allowed = real if allowed is None else allowed & real
         return allowed
+
+
+def _key_mask(key_mask):
+    """A key padding mask ``[batch, kv_seq]`` as booleans (True: a real key), or None."""
+    if key_mask is None:
+        return None
+    real = _as_keys(key_mask)
+    return real if real.dtype == jnp.bool_ else md.not_equal(real, 0)
 
 
 def _one_position(t: md.NamedArray) -> md.NamedArray:

@@ -18,7 +18,7 @@ from .mesh import Mesh
 from .named import NamedArray, named, param
 from .search import Candidate, SearchResult, search
 from .ops import (
-    abs, add, arange, argmax, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, erf, exp, expm1,
+    abs, add, arange, argmax, attention, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, erf, exp, expm1,
     floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, local_map, log, log1p, logical_and,
     logical_not, logical_or, logsumexp, max, maximum, mean, min, minimum, multiply, negative, not_equal,
     one_hot, ones, pad, power, relu, rename, reshape, round, rsqrt, scan, shift, sigmoid, sign, silu, sin,
@@ -46,7 +46,7 @@ __all__ = [
     "logical_and", "logical_or", "logical_not", "where",
     "sum", "mean", "max", "min", "softmax", "logsumexp", "argmax", "top_k", "cumsum",
     "rename", "transpose", "reshape", "concat", "slice", "pad", "shift", "one_hot", "take",
-    "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
+    "attention", "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
     # notebook views
     "register_treescope", "report_html", "reports_table", "device_blocks", "plot_placement", "plot_reports",
     "plot_pipeline",

@@ -52,6 +52,7 @@ class Report:
     pipeline: dict | None = None   # stages, microbatches, schedule, ticks, bubble_fraction (if any)
     bytes_accessed: float | None = None   # HBM bytes read and written per device (jaxpr_stats.bytes_accessed)
     plan_decisions: list = dataclasses.field(default_factory=list)   # see decisions()
+    attention: list = dataclasses.field(default_factory=list)   # each md.attention: strategy, bytes, memory, balance
     compile: object = dataclasses.field(default=None, repr=False, compare=False)  # concrete mesh: -> compiled
 
     def compiled_memory(self) -> dict | None:
@@ -104,6 +105,7 @@ class Report:
                 "memory_per_device": dict(self.memory), "total_bytes_per_device": self.total_bytes,
                 "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
                 "pipeline": None if self.pipeline is None else dict(self.pipeline), "decisions": self.decisions(),
+                "attention": [dict(a) for a in self.attention],
                 "compiled_memory_per_device": self.compiled_memory()}
 
     def to_markdown(self) -> str:
@@ -121,6 +123,7 @@ class Report:
                                                       "microbatches=...))" if p["microbatches"] == 1 else "")
                       + (f"; at most {p['in_flight']} microbatch inputs kept per stage" if "in_flight" in p else ""),
                       ""]
+        lines += _attention_lines(self.attention)
         lines += ["| kind | count | bytes/device |", "| --- | ---: | ---: |"]
         for kind, row in self.summary().items():
             lines.append(f"| {kind} | {row['count']} | {fmt_bytes(row['bytes'])} |")
@@ -149,10 +152,11 @@ def compiled_note(report) -> str:
 
 
 def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe",
-            repeats: int = 1, planner: bool = True) -> Report:
+            repeats: int = 1, planner: bool = True, attention: str | None = None) -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
-    ``param_gather``, ``schedule``, ``repeats`` and ``planner`` as in :func:`meshdsl.lower`."""
-    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats, planner=planner)
+    ``param_gather``, ``schedule``, ``repeats``, ``planner`` and ``attention`` as in :func:`meshdsl.lower`."""
+    f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats, planner=planner,
+              attention=attention)
     closed, ctx, prog = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
@@ -168,7 +172,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,
                   bytes_accessed=jaxpr_stats.bytes_accessed(body),
-                  pipeline=_pipeline_entry(ctx.pipelines),
+                  pipeline=_pipeline_entry(ctx.pipelines), attention=_attention_entries(ctx.attentions),
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
 
@@ -210,6 +214,28 @@ def _kinds(args, prog, whole, body, memory) -> dict:
     for kind, nbytes in memory["breakdown"].items():
         add(kind, nbytes)
     return kinds
+
+
+def _attention_entries(entries) -> list:
+    """One entry per ``md.attention`` of the program (the last trace of each line and strategy:
+    a loop body traced twice is one)."""
+    out = {}
+    for e in entries:
+        out[(e["op"], e["strategy"])] = e
+    return list(out.values())
+
+
+def _attention_lines(entries) -> list:
+    if not entries:
+        return []
+    lines = ["| attention | strategy | axes | devices | bytes/ring step | forward | backward | kept memory | balance |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for e in entries:
+        balance = "-" if e["balance"] is None else f"{e['balance']:.2f}"
+        lines.append(f"| {e['op']} | {e['strategy']} | {'+'.join(e['axes']) or '-'} | {e['devices']} | "
+                     f"{fmt_bytes(e['bytes_per_step'])} | {fmt_bytes(e['forward_bytes'])} | "
+                     f"{fmt_bytes(e['backward_bytes'])} | {fmt_bytes(e['memory']['kept'])} | {balance} |")
+    return lines + [""]
 
 
 def _pipeline_entry(pipelines) -> dict | None:

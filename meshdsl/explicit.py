@@ -40,12 +40,15 @@ class ExplicitContext(LayoutContext):
 
     explicit = True
 
-    def __init__(self, mesh, layout, *, params=None, schedule: str = "gpipe", repeats: int = 1):
+    def __init__(self, mesh, layout, *, params=None, schedule: str = "gpipe", repeats: int = 1,
+                 attention: str | None = None):
         super().__init__(mesh, layout)
         self.params = params or param_gather.KEEP
         self.schedule = schedule          # pipeline schedule of a scan over a split dim
         self.repeats = repeats            # chunks per stage of the circular schedule
+        self.attention = attention        # md.attention's context-parallel strategy, if forced
         self.pipelines: list[dict] = []   # one entry per pipeline traced (for md.explain)
+        self.attentions: list[dict] = []  # one entry per md.attention traced (for md.explain)
         self.frame = None                 # the microbatch being processed inside a pipeline tick
         self.param_axes: frozenset = frozenset()
         self._cache: dict = {}       # relayout / cast results, per jax trace

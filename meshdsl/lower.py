@@ -27,6 +27,7 @@ from .errors import LayoutError, MeshDSLError, MeshError, ShapeError, suggest
 from .layout import Layout
 from .mesh import Mesh
 from .named import NamedArray, is_named
+from .ops.attention import STRATEGIES as ATTENTION
 from .ops.pipeline import SCHEDULES
 from .param_gather import POLICIES
 from .program import Program
@@ -51,7 +52,7 @@ class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
-                 schedule: str = "gpipe", repeats: int = 1, planner: bool = True):
+                 schedule: str = "gpipe", repeats: int = 1, planner: bool = True, attention: str | None = None):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -74,8 +75,12 @@ class LoweredFunction:
         if repeats > 1 and schedule != "circular":
             raise MeshDSLError(f"md.lower: repeats={repeats} is the circular schedule's; pass "
                                f"schedule='circular' (schedule is {schedule!r})")
+        if attention is not None and attention not in ATTENTION:
+            raise MeshDSLError(f"md.lower: attention must be one of {ATTENTION} (or None: the planner "
+                               f"chooses), got {attention!r}{suggest(str(attention), ATTENTION)}")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
+        self.attention = attention
         self.backend, self.param_gather, self.schedule, self.repeats = backend, param_gather, schedule, repeats
         self.planner = bool(planner)
         self._programs: dict = {}  # input signature -> Program
@@ -146,7 +151,8 @@ class LoweredFunction:
 
 
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
-          schedule: str = "gpipe", repeats: int = 1, planner: bool = True) -> LoweredFunction:
+          schedule: str = "gpipe", repeats: int = 1, planner: bool = True,
+          attention: str | None = None) -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -165,8 +171,12 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     shape-only trace records every op's candidates, a solver picks the plan of fewest bytes, and
     the program follows it where it moves fewer bytes than each op's own choice); ``False``
     lowers op by op (for comparison).
+
+    ``attention``: how ``md.attention`` reaches keys split like its queries (context parallelism,
+    :mod:`meshdsl.ops.attention`): ``"gather"``, ``"ring"`` or ``"ulysses"``; None (default): the
+    planner's choice by bytes.
     """
-    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner)
+    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner, attention)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

@@ -145,7 +145,7 @@ class Program:
     def _explicit_body(self, *arrays, policy, out_specs, probe):
         owner = self.owner
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
-                              repeats=owner.repeats)
+                              repeats=owner.repeats, attention=owner.attention)
         if self.plan is not None:
             ctx.planner = Recording(self.plan.choice)
         elif self._recording and not probe:

@@ -91,6 +91,13 @@ class Recorder:
             b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
             self.casts.append(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)) * self.multiplier)
 
+    def backward_bytes(self, nbytes: float) -> None:
+        """The op being lowered has a hand-written backward that moves ``nbytes`` per execution
+        beyond its forward collectives' duals (a ring rotating gradients as well as keys): the
+        planner prices them before the backward is emitted."""
+        if self.tracing and self.sandbox not in self._closed:
+            self.casts.append(nbytes * self.multiplier)
+
     @contextlib.contextmanager
     def at(self, name: str, line: str):
         """Attribute what is emitted inside to op ``name`` at ``line``, unless an outer op is

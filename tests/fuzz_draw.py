@@ -158,6 +158,19 @@ def _step(draw, rng, op, floats, values, new_input):
             return None
         keep = [n for n in values[i].names[:-1] if draw(st.booleans())]   # never the last (cumsum) dim
         return {"keep": " ".join(keep)}, [i], values[i].names
+    if op == "attention":   # queries of two dims or more: a position dim and a feature dim
+        wide = [j for j in floats if len(values[j].names) >= 2]
+        if not wide:
+            return None
+        i = wide[-1] if draw(st.booleans()) else draw(st.sampled_from(wide))
+        names = list(values[i].names)
+        length = draw(st.sampled_from(names))
+        feature = draw(st.sampled_from([n for n in names if n != length]))
+        same = [j for j in floats if set(values[j].names) == set(names)]
+        j, k = draw(st.sampled_from(same)), draw(st.sampled_from(same))
+        kw = {"length": length, "features": feature, "causal": draw(st.booleans()),
+              "block": draw(st.sampled_from([None, 2, 3]))}
+        return kw, [i, j, k], [n for n in names if n != feature] + [feature]
     if op == "scale":
         i = pick()
         return {"c": draw(st.sampled_from([0.5, 2.0, -1.0])), "b": draw(st.sampled_from([0.0, 0.25]))}, [i], values[i].names

@@ -1,5 +1,6 @@
 """Named ops: one lowering rule per op, registered in :mod:`meshdsl.ops.registry`."""
 
+from .attention import attention
 from .creation import arange, bernoulli, full, normal, ones, uniform, zeros
 from .dynamic import dynamic_slice, dynamic_update_slice
 from .einsum import einsum

@@ -1,0 +1,107 @@
+"""What ``md.explain`` shows of one ``md.attention``: its strategy, the bytes the strategy's
+formula gives (per ring step, forward, backward), the memory it keeps per device, and the work
+balance of causal attention across the devices sharing the sequence.
+
+Formulas, per device and execution, ``n`` devices on the context axis, local sizes ``|x|``:
+
+* ``ring``: each step sends the chunk of keys and values, ``|k| + |v|``; forward ``n - 1`` steps,
+  backward ``2 (n - 1)`` (keys and values again, and their gradients' accumulators);
+* ``gather``: keys and values all-gathered, ``(n-1)/n (|K| + |V|)`` of the whole, gradients
+  reduce-scattered the same;
+* ``ulysses``: all-to-alls of q, k, v and the result, ``(n-1)/n (|q| + |k| + |v| + |out|)``, and
+  the same backward (the result's all-to-all is emitted by the op that reads it);
+* ``partial``: all-reduces of the float32 result and the statistics (``2 (n-1)/n`` of each).
+
+The work balance is ``max / mean`` over the devices of the tiles (a block of queries against a
+block of keys) each computes, counted from the global positions where they are constants
+(the default ``0 .. n-1``, or given from numpy: a zigzag order); with a causal mask a tile no
+query sees is skipped (:func:`meshdsl.flash.tiles`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from .. import cost
+from .. import flash
+
+__all__ = ["describe", "record"]
+
+
+def record(ctx, *args) -> None:
+    """Add the entry :func:`describe` gives to the trace's (``md.explain`` reads ``ctx.attentions``);
+    nothing for a candidate the planner only prices."""
+    if ctx.explicit and ctx.rec.sandbox is None and ctx.rec.tracing:
+        ctx.attentions.append(describe(ctx, *args))
+
+
+def describe(ctx, spec, dims, strategy, ring, q, k, v, out_dtype, pos, block) -> dict:
+    """The explain entry of one attention, from the local blocks ``q``, ``k``, ``v`` it computes with
+    (for ``gather``, the keys whole)."""
+    n = ctx.axes_size(ring) if ring else 1
+    size = {name: _bytes(ctx, x) for name, x in (("q", q), ("k", k), ("v", v))}
+    stats = math.prod(q.shape) // math.prod(q.shape[spec.q.index(f)] for f in spec.features)
+    out = _out_size(spec, q, v)
+    out_b = out * np.dtype(out_dtype).itemsize
+    step = forward = backward = 0.0
+    if strategy == "ring":
+        step = size["k"] + size["v"]
+        forward, backward = (n - 1) * step, 2 * (n - 1) * step
+    elif strategy == "gather":
+        forward = backward = (n - 1) / n * (size["k"] + size["v"])
+    elif strategy == "ulysses":
+        forward = backward = (n - 1) / n * (size["q"] + size["k"] + size["v"] + out_b)
+    elif strategy == "partial":
+        forward = 2 * (n - 1) / n * (out * 4 + 2 * stats * 4)
+    kept = size["q"] + size["k"] + size["v"] + out_b + 4 * stats
+    tile = stats // q.shape[spec.q.index(spec.length)] * flash.block_size(q.shape[spec.q.index(spec.length)], block) \
+        * flash.block_size(k.shape[spec.k.index(spec.over)], block) * 4 * 2
+    working = tile + (step + 2 * (size["k"] + size["v"]) if strategy == "ring" else 0)
+    name, line = ctx.op or ("attention", "?")
+    axes = list(ctx.mesh.collapse(ring)) if ring else []
+    return {"op": f"{name} at {line}", "strategy": strategy, "axes": axes, "devices": n,
+            "length": dims[spec.length].size, "kv_length": dims[spec.over].size, "causal": spec.causal,
+            "bytes_per_step": step, "forward_bytes": forward, "backward_bytes": backward,
+            "memory": {"kept": kept, "working": working}, "count": ctx.rec.multiplier,
+            "balance": _balance(ctx, spec, dims, strategy, n, pos, block)}
+
+
+def _bytes(ctx, x) -> float:
+    return cost.array_bytes(x.shape, x.dtype, ctx.mesh.platform if ctx.mesh is not None else "cpu")
+
+
+def _out_size(spec, q, v) -> int:
+    shapes = {**dict(zip(spec.q, q.shape)), **dict(zip(spec.v, v.shape))}
+    return math.prod(shapes[name] for name in spec.out)
+
+
+def _global(p, size):
+    """Global positions as numpy (None: ``0 .. size-1``), or None if they are not constants."""
+    if p is None:
+        return np.arange(size)
+    if isinstance(p, np.ndarray):
+        return p
+    try:
+        return np.asarray(p.raw)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _balance(ctx, spec, dims, strategy, n, pos, block) -> float | None:
+    """``max / mean`` of the tiles each device on the context axis computes (1.0 where each holds
+    all positions; None where the positions are not constants)."""
+    if strategy not in ("ring", "gather") or n == 1:
+        return 1.0
+    qp, kp = _global(pos[0], dims[spec.length].size), _global(pos[1], dims[spec.over].size)
+    if qp is None or kp is None:
+        return None
+    q_blocks, k_chunks = np.split(qp, n), np.split(kp, n)
+    if strategy == "ring":
+        work = [sum(flash.tiles(spec, qd, kc, block, block) for kc in k_chunks) for qd in q_blocks]
+    else:
+        work = [flash.tiles(spec, qd, kp, block, block) for qd in q_blocks]
+    mean = sum(work) / len(work)
+    return float(max(work) / mean) if mean else 1.0

@@ -1,0 +1,119 @@
+"""Ring attention: context parallelism with keys and values rotating around a mesh axis.
+
+The queries' ``length`` and the keys' ``over`` are both split over ``ring`` (``n`` devices, device
+``d`` holding chunk ``d`` of each). Forward: ``n`` steps; at step ``s`` device ``d`` folds key/value
+chunk ``d - s`` into its running max and sum (:func:`meshdsl.flash.forward_chunk`), then passes
+its chunk to device ``d + 1``: ``n - 1`` rotations of k and v, ``2 (n-1) |K_loc|`` bytes, and no
+device ever holds more than its own chunk and the one passing through.
+
+Backward (a hand-written vjp: only q, the local k and v, the output and its log-sum-exp are kept):
+the chunks rotate the other way round, the own chunk's gradients last, so the dk/dv accumulators
+travel with the chunk they belong to and reach their owner in ``n - 1`` hops: k, v, dk and dv
+rotate ``n - 1`` times each,
+``4 (n-1) |K_loc|``. The bias and mask are read by the chunk's global columns, the causal mask
+from the chunk's global positions, so any order of the sequence (zigzag) is attention over
+its positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import collectives as C
+from .. import cost
+from .. import flash
+from ..dims import Shape
+from .attention_cost import record
+from .attention_local import dense, operands
+
+__all__ = ["ring_attention"]
+
+
+def ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block):
+    """Attention with ``over`` split over ``ring`` like ``length``, by rotating keys and values."""
+    keyed = {**axes, spec.over: ()}     # what lies along the keys' positions: whole, read by chunk
+    vary = ctx.vary(list(axes.values()) + [ring], [q, k, v] + [x for x in (bias, mask) if x is not None])
+    (ql, _, _), b, m, qp, kp = operands(ctx, spec, dims, keyed, q, k, v, bias, mask, pos, vary)
+    placed = {**axes, spec.over: ring}
+    kl, vl = ctx.local(k, placed, vary), ctx.local(v, placed, vary)
+    rings = _Ring(ctx, spec, ring, kl.shape[spec.k.index(spec.over)], block)
+    record(ctx, spec, dims, "ring", ring, ql, kl, vl, v.dtype, pos, block)
+    kv_bytes = sum(cost.array_bytes(x.shape, x.dtype, ctx.mesh.platform) for x in (kl, vl))
+    n = rings.n
+    ctx.rec.backward_bytes(cost.moved_bytes("collective-permute", kv_bytes, kv_bytes, n) * (n - 1))
+    out = C.attributed_vjp(ctx, rings.forward, rings.backward)(ql, kl, vl, b, m, qp, kp)
+    return ctx.out(out, Shape(dims[name] for name in spec.out), axes)
+
+
+class _Ring:
+    """The ring's forward and backward passes (every array an argument: a custom_vjp closing over
+    a tracer breaks under remat and scan)."""
+
+    def __init__(self, ctx, spec, ring, size, block):
+        self.ctx, self.spec, self.ring, self.size, self.block = ctx, spec, ring, size, block
+        self.n = ctx.axes_size(ring)
+
+    def rotate(self, x, what, way=1):
+        perm = [(i, (i + way) % self.n) for i in range(self.n)]
+        return C.ppermute(self.ctx, x, self.ring, perm, f"{what} of attention (ring step)")
+
+    def chunk(self, kc, vc, owner, b, m, kp):
+        """Chunk ``owner``'s keys and values ``kc, vc`` with its columns of the rest."""
+        spec, start = self.spec, owner * self.size
+        return flash.Chunk(kc, vc, _columns(b, spec.bias, spec.over, start, self.size),
+                           _columns(m, spec.mask, spec.over, start, self.size),
+                           jax.lax.dynamic_slice_in_dim(kp, start, self.size))
+
+    def forward(self, ql, kl, vl, b, m, qp, kp):
+        spec, n, me = self.spec, self.n, C.axis_index(self.ring)
+        state = (*flash.start(spec, ql), None)
+        kc, vc = kl, vl
+        for step in range(n):
+            if step:
+                kc, vc = self.rotate(kc, "keys"), self.rotate(vc, "values")
+            c = self.chunk(kc, vc, (me - step) % n, b, m, kp)
+            state = flash.forward_chunk(spec, ql, c, qp, state, self.block, self.block)
+        out, lse = flash.finish(spec, state, vl.dtype)
+        return out, (ql, kl, vl, b, m, qp, kp, out, lse)
+
+    def backward(self, res, ct):
+        """The chunks rotate the other way round (XLA cannot reuse the forward's rotated copies,
+        which would hold every chunk until the backward pass: the whole sequence per device),
+        the own chunk last: the accumulators of dk and dv travel ``n - 1`` hops."""
+        ql, kl, vl, b, m, qp, kp, out, lse = res
+        spec, n, me = self.spec, self.n, C.axis_index(self.ring)
+        dout = dense(ct, out).astype(vl.dtype)
+        delta = jnp.einsum(f"{spec.letters(spec.out, spec.out)}->{spec.letters(spec.stats)}",
+                           dout.astype(jnp.float32), out.astype(jnp.float32))
+        dq, db = jnp.zeros(ql.shape, jnp.float32), None if b is None else jnp.zeros(b.shape, jnp.float32)
+        kc, vc, acc = kl, vl, None
+        for step in [*range(1, n), 0]:
+            if step:
+                kc, vc = self.rotate(kc, "keys", -1), self.rotate(vc, "values", -1)
+            if acc is not None:   # the accumulators of the chunk now here, from the previous device
+                acc = tuple(self.rotate(a, f"{w} gradient", -1) for a, w in zip(acc, ("keys", "values")))
+            c = self.chunk(*((kl, vl) if step == 0 else (kc, vc)), (me + step) % n, b, m, kp)
+            dq_part, dk, dv, db_part = flash.backward_chunk(spec, ql, c, qp, lse, dout, delta, self.block, self.block)
+            dq = dq + dq_part
+            acc = (dk, dv) if acc is None else (acc[0] + dk, acc[1] + dv)
+            if db is not None:
+                db = _add_columns(db, db_part, spec.bias, spec.over, ((me + step) % n) * self.size)
+        return (dq.astype(ql.dtype), acc[0].astype(kl.dtype), acc[1].astype(vl.dtype),
+                None if db is None else db.astype(b.dtype), None, None, None)
+
+
+def _columns(x, names, over, start, size):
+    """The ``size`` columns of ``x`` along ``over`` from ``start`` (all of ``x`` without ``over``)."""
+    if x is None or over not in names:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=names.index(over))
+
+
+def _add_columns(total, part, names, over, start):
+    """``total`` with ``part`` added at columns ``start ..`` along ``over``."""
+    if over not in names:
+        return total + part
+    axis = names.index(over)
+    now = jax.lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(total, now + part.astype(total.dtype), start, axis=axis)

@@ -1,0 +1,331 @@
+"""``md.attention``: blockwise attention equal to softmax attention, and context parallelism
+(gather, ring, Ulysses) equal to the unsharded program under every layout, with the bytes
+its formulas give and the compiled program moves."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdsl as md
+from helpers import assert_same, explain_vs_hlo, moved_by_backend, raises
+from meshdsl import flash
+
+B, L, H, D = 2, 24, 4, 8
+MASK = float(jnp.finfo(jnp.float32).min)
+
+
+def _arrays(seed=0, length=L, heads=H, kv_heads=None):
+    r = np.random.RandomState(seed)
+
+    def arr(names, *shape):
+        return md.named(jnp.asarray(r.randn(*shape), jnp.float32), names)
+
+    if kv_heads:   # grouped-query: q [.. kv_heads groups ..], k and v without groups
+        q = arr("batch length kv_heads groups d_kv", B, length, kv_heads, heads // kv_heads, D)
+        k = arr("batch kv_length kv_heads d_kv", B, length, kv_heads, D)
+        v = arr("batch kv_length kv_heads d_kv", B, length, kv_heads, D)
+    else:
+        q = arr("batch length heads d_kv", B, length, heads, D)
+        k = arr("batch kv_length heads d_kv", B, length, heads, D)
+        v = arr("batch kv_length heads d_kv", B, length, heads, D)
+    return q, k, v
+
+
+def reference(q, k, v, *, causal=False, bias=None, mask=None, scale=None):
+    """Softmax attention in named ops: the logits [.., length, kv_length] materialised."""
+    feats = "d_kv"
+    scale = D ** -0.5 if scale is None else scale
+    stats = [n for n in q.names if n != feats]
+    logits = md.einsum(q, k, out=[*stats, "kv_length"]) * scale
+    if bias is not None:
+        logits = logits + bias
+    allowed = None
+    if causal:
+        allowed = md.arange(k.dims["kv_length"]) <= md.arange(q.dims["length"])
+    if mask is not None:
+        allowed = mask if allowed is None else allowed & mask
+    if allowed is not None:
+        logits = logits + md.where(allowed, 0.0, MASK)
+    return md.einsum(md.softmax(logits, "kv_length"), v, out=q.names)
+
+
+def _loss(attend, w):
+    def loss(q, k, v):
+        return md.sum(attend(q, k, v) * w).array
+    return loss
+
+
+def _grads(attend, w):
+    return lambda q, k, v: jax.grad(_loss(attend, w), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block", [None, 8, 5])   # one block; three blocks (an odd count); 5 -> 4 of 6
+def test_blockwise_attention_equals_softmax_attention_forward_and_backward(causal, block):
+    q, k, v = _arrays()
+    w = _arrays(1)[0]
+    got = md.attention(q, k, v, causal=causal, block=block)
+    assert got.names == q.names
+    assert_same(got, reference(q, k, v, causal=causal), 1e-5, 1e-5)
+    assert_same(_grads(lambda *a: md.attention(*a, causal=causal, block=block), w)(q, k, v),
+                _grads(lambda *a: reference(*a, causal=causal), w)(q, k, v), 1e-4, 1e-5)
+
+
+def test_grouped_query_attention_is_broadcasting_of_the_groups_dim():
+    q, k, v = _arrays(kv_heads=2)
+    w = _arrays(1, kv_heads=2)[0]
+    got = md.attention(q, k, v, length="length", causal=True, block=8)
+    assert got.names == q.names
+    assert_same(got, reference(q, k, v, causal=True), 1e-5, 1e-5)
+    assert_same(_grads(lambda *a: md.attention(*a, length="length", causal=True, block=8), w)(q, k, v),
+                _grads(lambda *a: reference(*a, causal=True), w)(q, k, v), 1e-4, 1e-5)
+
+
+def test_bias_and_key_mask_match_adding_them_to_the_logits_and_the_bias_gets_its_gradient():
+    q, k, v = _arrays()
+    r = np.random.RandomState(3)
+    bias = md.named(jnp.asarray(r.randn(H, L, L), jnp.float32), "heads length kv_length")
+    mask = md.named(jnp.asarray(r.rand(B, L) > 0.3), "batch kv_length")
+    got = md.attention(q, k, v, bias=bias, mask=mask, block=8)
+    assert_same(got, reference(q, k, v, bias=bias, mask=mask), 1e-5, 1e-5)
+
+    def dbias(attend):
+        return jax.grad(lambda b: md.sum(attend(b) * q).array)(bias)
+    assert_same(dbias(lambda b: md.attention(q, k, v, bias=b, mask=mask, block=8)),
+                dbias(lambda b: reference(q, k, v, bias=b, mask=mask)), 1e-4, 1e-5)
+
+
+def test_memory_grows_linearly_with_the_length_not_with_its_square():
+    """Doubling the length doubles the temporaries at most (the logits would quadruple: 32 MiB at
+    2048 positions); each holds one block of logits."""
+    def temporaries(n):
+        q, k, v = _arrays(length=n, heads=2)
+        return md.explain(lambda q, k, v: md.attention(q, k, v, causal=True, block=256),
+                          md.Mesh({"data": 2, "ctx": 4}), md.Layout({"batch": "data"}), q, k, v).memory["temporaries"]
+    small, large = temporaries(1024), temporaries(2048)
+    assert large <= 2.05 * small, (small, large)
+    assert large < B // 2 * 2 * 2048 * 2048 * 4 / 8
+
+
+MESH = md.Mesh({"data": 2, "ctx": 4})
+CP = {"batch": "data", "length": "ctx", "kv_length": "ctx"}
+
+
+@pytest.mark.parametrize("strategy", ["gather", "ring", "ulysses"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_context_parallel_strategy_equals_the_unsharded_attention(strategy, causal):
+    q, k, v = _arrays()
+    w = _arrays(1)[0]
+
+    def attend(*a):
+        return md.attention(*a, causal=causal, block=2)   # three blocks of queries and of keys per device
+    layout = md.Layout(CP)
+    assert_same(md.lower(attend, MESH, layout, attention=strategy)(q, k, v), attend(q, k, v))
+    assert_same(md.lower(_grads(attend, w), MESH, layout, attention=strategy)(q, k, v),
+                _grads(attend, w)(q, k, v), 1e-4, 1e-5)
+
+
+def _block(k):
+    """Bytes of this device's chunk of ``k`` on MESH under CP (batch over 2, positions over 4)."""
+    return k.size * 4 // 8
+
+
+@pytest.mark.parametrize("strategy, forward, backward", [
+    ("ring", {"collective-permute": 2 * 3}, {"collective-permute": 4 * 3}),
+    ("gather", {"all-gather": 2 * 3}, {"reduce-scatter": 2 * 3}),
+])
+def test_ring_and_gather_move_their_formulas_bytes_and_explain_equals_the_compiled_program(strategy, forward, backward):
+    """Ring: forward 2 (n-1) |K_loc|, backward 4 (n-1) |K_loc|; gather: (n-1) |K_loc| each way for
+    keys and values. n = 4."""
+    q, k, v = _arrays()
+    w = _arrays(1)[0]
+    attend = lambda *a: md.attention(*a, causal=True)   # noqa: E731
+    chunk = _block(k)
+    e, h = explain_vs_hlo(_grads(attend, w), MESH, md.Layout(CP), q, k, v, attention=strategy)
+    expected = {kind: n * chunk for kind, n in {**forward, **backward}.items()}
+    if strategy == "ring":
+        expected = {"collective-permute": (6 + 12) * chunk}
+    assert e == h == expected
+    entry, = md.explain(_grads(attend, w), MESH, md.Layout(CP), q, k, v, attention=strategy).attention
+    assert entry["strategy"] == strategy and entry["devices"] == 4 and entry["axes"] == ["ctx"]
+    if strategy == "ring":
+        assert entry["bytes_per_step"] == 2 * chunk
+        assert (entry["forward_bytes"], entry["backward_bytes"]) == (2 * 3 * chunk, 4 * 3 * chunk)
+
+
+def test_ulysses_is_one_all_to_all_per_tensor_each_way():
+    q, k, v = _arrays()
+    w = _arrays(1)[0]
+    attend = lambda *a: md.attention(*a, causal=True)   # noqa: E731
+    e, h = explain_vs_hlo(_grads(attend, w), MESH, md.Layout(CP), q, k, v, attention="ulysses")
+    local = _block(q)
+    # q, k and v each way; the result stays split by heads (the weights it meets are a constant:
+    # sliced there, nothing moves)
+    assert e == h == {"all-to-all": 6 * 3 / 4 * local}
+
+
+def test_the_planner_chooses_ulysses_by_bytes_and_gather_when_no_head_dim_divides():
+    attend = lambda *a: md.attention(*a, causal=True)   # noqa: E731
+    q, k, v = _arrays()
+    report = md.explain(attend, MESH, md.Layout(CP), q, k, v)
+    assert [a["strategy"] for a in report.attention] == ["ulysses"]
+    assert any("attention" in d["op"] for d in report.decisions())
+    q, k, v = _arrays(heads=3)   # 3 heads over 4 devices: no Ulysses
+    report = md.explain(attend, MESH, md.Layout({**CP, "batch": ()}), q, k, v)
+    assert [a["strategy"] for a in report.attention] == ["gather"]
+
+
+def test_the_planner_never_moves_more_bytes_than_gspmd_on_context_parallel_attention():
+    q, k, v = _arrays()
+    w = _arrays(1)[0]
+    moved = moved_by_backend(_grads(lambda *a: md.attention(*a, causal=True), w), MESH, md.Layout(CP), q, k, v)
+    assert moved["explicit"] <= moved["gspmd"], moved
+
+
+def test_keys_split_along_their_positions_and_whole_queries_combine_by_statistics():
+    """A KV cache split along kv_length (decoding): each device attends to its keys; one pmax and
+    two psums, never a gather of the keys."""
+    q, k, v = _arrays()
+    attend = lambda *a: md.attention(*a, causal=True)   # noqa: E731
+    layout = md.Layout({"batch": "data", "kv_length": "ctx"})
+    assert_same(md.lower(attend, MESH, layout)(q, k, v), attend(q, k, v))
+    w = _arrays(1)[0]
+    assert_same(md.lower(_grads(attend, w), MESH, layout)(q, k, v), _grads(attend, w)(q, k, v), 1e-4, 1e-5)
+    report = md.explain(attend, MESH, layout, q, k, v)
+    assert report.attention[0]["strategy"] == "partial"
+    assert set(report.counts()) == {"all-reduce"}
+
+
+def test_zigzag_order_balances_causal_work_and_attends_over_its_positions():
+    q, k, v = _arrays(length=32)
+    order = flash.zigzag_positions(32, 4)
+    assert sorted(order) == list(range(32))
+
+    def attend(*a):
+        return md.attention(*a, causal=True, q_positions=order, kv_positions=order, block=4)
+
+    def permuted(x, dim):
+        return md.named(jnp.take(x.array, jnp.asarray(order), axis=x.names.index(dim)), x.names)
+    contiguous = md.attention(q, k, v, causal=True)
+    qz, kz, vz = permuted(q, "length"), permuted(k, "kv_length"), permuted(v, "kv_length")
+    got = md.lower(attend, MESH, md.Layout(CP), attention="ring")(qz, kz, vz)
+    assert_same(got, permuted(contiguous, "length"), 1e-5, 1e-5)
+    zig = md.explain(attend, MESH, md.Layout(CP), qz, kz, vz, attention="ring").attention[0]["balance"]
+    plain = md.explain(lambda *a: md.attention(*a, causal=True, block=4), MESH, md.Layout(CP), q, k, v,
+                       attention="ring").attention[0]["balance"]
+    assert zig == 1.0 and plain == pytest.approx(15 / 9)   # device 3 computes 15 tiles, the mean is 9
+
+
+def test_explain_shows_the_attention_strategy_table():
+    q, k, v = _arrays()
+    text = md.explain(lambda *a: md.attention(*a), MESH, md.Layout(CP), q, k, v, attention="ring").to_markdown()
+    assert "| attention | strategy |" in text and "| ring | ctx | 4 |" in text
+
+
+# -- context parallelism composed with the other strategies -----------------------------------------
+
+D_MODEL, LAYERS = 16, 2
+
+
+def _model_args(seed=0):
+    r = np.random.RandomState(seed)
+
+    def p(names, *shape):
+        return md.param(md.named(jnp.asarray(r.randn(*shape) * 0.3, jnp.float32), names))
+    x = md.named(jnp.asarray(r.randn(4, L, D_MODEL), jnp.float32), "batch length d_model")
+    weights = {n: p(f"layers d_model heads d_kv", LAYERS, D_MODEL, H, D) for n in ("q", "k", "v")}
+    weights["o"] = p("layers heads d_kv d_model", LAYERS, H, D, D_MODEL)
+    return x, weights
+
+
+def _model(causal):
+    def layer(x, w):
+        q = md.einsum(x, w["q"], out="batch length heads d_kv")
+        kv_in = md.rename(x, {"length": "kv_length"})
+        k = md.einsum(kv_in, w["k"], out="batch kv_length heads d_kv")
+        v = md.einsum(kv_in, w["v"], out="batch kv_length heads d_kv")
+        y = md.attention(q, k, v, causal=causal)
+        return x + md.einsum(y, w["o"], out=x.names), None
+
+    def loss(x, weights):
+        h, _ = md.scan(layer, x, weights, dim="layers")
+        return md.mean(md.square(h)).array
+
+    return lambda x, weights: jax.grad(loss, argnums=(0, 1))(x, weights)
+
+
+COMPOSED = {
+    "context x data": ({"data": 2, "ctx": 4}, md.Layout({"batch": "data", "length": "ctx"})),
+    "context x Megatron heads": ({"model": 2, "ctx": 4}, md.Layout({"heads": "model", "length": "ctx"})),
+    "context x pipeline": ({"pipe": 2, "ctx": 4}, md.Layout({"layers": "pipe", "length": "ctx"},
+                                                             microbatches={"batch": 2})),
+    "context x ZeRO-3": ({"data": 2, "ctx": 4}, md.Layout({"batch": "data", "length": "ctx"},
+                                                          params={"d_model": "data"})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+@pytest.mark.parametrize("strategy", [None, "ring"])
+def test_context_parallelism_composes_with_data_megatron_pipeline_and_zero3(name, strategy):
+    mesh, layout = COMPOSED[name]
+    args = _model_args()
+    fn = _model(causal=True)
+    assert_same(md.lower(fn, md.Mesh(mesh), layout, attention=strategy)(*args), fn(*args), 1e-4, 1e-5)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def test_keys_without_the_over_dim_are_refused_naming_it():
+    q, k, v = _arrays()
+    with raises(md.ShapeError, r"attention at .*: k \[batch:2 kv_length:24 heads:4 d_kv:8\] has no dim "
+                               r"'kv_len' to attend over \(did you mean 'kv_length'\?\); pass over=", eager=True):
+        md.attention(q, k, v, over="kv_len")
+
+
+def test_queries_lacking_the_feature_dim_are_refused():
+    q, k, v = _arrays()
+    with raises(md.ShapeError, r"q \[.*\] lacks the feature dim 'd_other' that it contracts with k", eager=True):
+        md.attention(q, md.rename(k, {"d_kv": "d_other"}), v, features="d_other")
+
+
+def test_an_ambiguous_query_position_dim_asks_for_length():
+    q, k, v = _arrays(kv_heads=2)
+    with raises(md.ShapeError, r"cannot tell q's position dim among \['length', 'groups'\] .*pass length=", eager=True):
+        md.attention(q, k, v)
+
+
+def test_a_bias_over_dims_the_logits_lack_is_refused():
+    q, k, v = _arrays()
+    bias = md.named(jnp.zeros((H, 3)), "heads other")
+    with raises(md.ShapeError, r"bias \[heads:4 other:3\] has dims \['other'\] that the logits", eager=True):
+        md.attention(q, k, v, bias=bias)
+
+
+def test_a_mask_must_be_boolean():
+    q, k, v = _arrays()
+    with raises(md.ShapeError, r"mask must be boolean \(True: may attend\), got float32", eager=True):
+        md.attention(q, k, v, mask=md.named(jnp.ones((B, L)), "batch kv_length"))
+
+
+def test_positions_must_lie_along_their_dim():
+    q, k, v = _arrays()
+    with raises(md.ShapeError, r"q_positions must be 24 integers \(one per length\), got int64 of shape \(5,\)", eager=True):
+        md.attention(q, k, v, causal=True, q_positions=np.arange(5))
+
+
+def test_forced_ulysses_without_a_divisible_head_dim_is_refused():
+    q, k, v = _arrays(heads=3)
+    layout = md.Layout({"length": "ctx", "kv_length": "ctx"})
+    with raises(md.ShapeError, r"attention='ulysses' needs a dim of q, k and v \(a head dim\) whose size divides "
+                               r"by 4 \(ctx\), whole there; .* use attention='ring' or 'gather'"):
+        md.explain(lambda *a: md.attention(*a), MESH, layout, q, k, v, attention="ulysses")
+
+
+def test_an_unknown_attention_strategy_is_refused_with_a_suggestion():
+    with raises(md.MeshDSLError, r"md.lower: attention must be one of \('gather', 'ring', 'ulysses'\) \(or None: "
+                                 r"the planner chooses\), got 'rnig' \(did you mean 'ring'\?\)"):
+        md.lower(lambda x: x, MESH, md.Layout({}), attention="rnig")

@@ -52,6 +52,7 @@ from .jaxcompat import fresh
 from .layout import Layout, effective
 from .mesh import Mesh
 from .named import is_named
+from .ops.attention import STRATEGIES as ATTENTION
 from .step_time import StepTime
 from .tracing import using
 from .units import fmt_bytes, parse_bytes
@@ -59,7 +60,7 @@ from .units import fmt_bytes, parse_bytes
 __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
 
 DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
-_DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True}
+_DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True, "attention": None}
 
 
 @dataclasses.dataclass
@@ -153,8 +154,8 @@ class SearchResult:
 def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_budget: int | float | str | None = None,
            hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
-           microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), dtype: str = "bfloat16",
-           overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, **options: Any) -> SearchResult:
+           microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), attentions: Sequence[str] = ("ring",),
+           dtype: str = "bfloat16", overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
     Args:
@@ -172,6 +173,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             ["none", "full"]}``); a candidate's ``choices`` say which it was costed with.
         microbatches: where a layout makes the program a pipeline, also these microbatch counts
             over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
+        attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
+            strategy by bytes), also each of these forced (``md.lower(attention=)``).
         dtype: the matmul dtype of the time model, as :meth:`meshdsl.Report.time`.
         overlap: the overlap of compute and communication, as :meth:`meshdsl.Report.time`.
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
@@ -192,7 +195,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
     held = {id(p): _Held(p, args) for _, p in programs}
     dim_sets, seen = set().union(*(h.dim_sets for h in held.values())), set()
-    run = _Costing(args, budget, hw, dtype, overlap, memory_margin)
+    counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
+    run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions))
     for mesh in meshes:
         for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
             same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
@@ -205,22 +209,36 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
                     run.reject(cand, pruned)
                     continue
                 report = run.cost(cand, program, held[id(program)])
-                if report is not None and report.pipeline is not None:   # its microbatch counts, schedules
-                    counts = [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]
-                    run.pipelines(cand, program, held[id(program)], {microbatch_dim: counts}, schedules)
-    ranked = sorted(run.ranked, key=lambda c: c.key)
+                if report is not None:
+                    run.variants(cand, program, held[id(program)], report)
+    ranked = _ranked(run.ranked)
+    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
+
+
+def _ranked(candidates) -> list:
+    """Best first, each with the reason for its rank."""
+    ranked = sorted(candidates, key=lambda c: c.key)
     for i, c in enumerate(ranked):
         c.why = _why(i, c, ranked[0])
-    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
+    return ranked
 
 
 class _Costing:
     """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
 
-    def __init__(self, args, budget, hw, dtype, overlap, margin):
+    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, (), ())):
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
+        self.counts, self.schedules, self.strategies = variants   # what to try again: pipelines, attention
         self.ranked, self.rejected, self.costed, self.retimed = [], [], 0, 0
         self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
+
+    def variants(self, cand, program, held, report) -> None:
+        """Cost ``cand`` again where its report shows a pipeline (its microbatch counts and
+        schedules) or a context-parallel attention (its forced strategies)."""
+        if report.pipeline is not None:
+            self.pipelines(cand, program, held, self.counts, self.schedules)
+        if any(a["devices"] > 1 and a["strategy"] in ATTENTION for a in report.attention):
+            self.attentions(cand, program, held, self.strategies, report)
 
     def pipelines(self, cand, program, held, counts, schedules) -> None:
         """Cost ``cand`` (a layout under which the program pipelines) with each microbatch count
@@ -231,6 +249,15 @@ class _Costing:
                 piped = Layout(cand.layout.rules, params=cand.layout.param_rules, microbatches={dim: m})
                 self.cost(Candidate(piped, cand.mesh, {**cand.lower_kwargs, "schedule": schedule}, cand.choices),
                           program, held)
+
+    def attentions(self, cand, program, held, strategies, report) -> None:
+        """Cost ``cand`` (a layout under which an attention is context-parallel) with each of
+        ``strategies`` forced, but the planner's own choice."""
+        chosen = {a["strategy"] for a in report.attention}
+        for strategy in strategies:
+            if {strategy} != chosen:
+                self.cost(Candidate(cand.layout, cand.mesh, {**cand.lower_kwargs, "attention": strategy},
+                                    cand.choices), program, held)
 
     def reject(self, cand, why: str) -> None:
         cand.why = why

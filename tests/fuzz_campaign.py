@@ -2,6 +2,7 @@
 every failure kept (not only the first, as a hypothesis test would) and counted by kind.
 
     python tests/fuzz_campaign.py --minutes 60 --seed 1 --out runs/fuzz-campaign
+    python tests/fuzz_campaign.py --minutes 10 --ops attention,einsum,rename --out runs/fuzz-attention
 
 Each case is one random program (``fuzz_draw.programs`` over all ops, 1-D and 2-D meshes,
 ``params=`` rules, the three ``param_gather`` modes) and one of two checks, drawn in turn:
@@ -135,7 +136,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=20, help="cases per hypothesis run (one seed each)")
     ap.add_argument("--out", default="runs/fuzz-campaign")
+    ap.add_argument("--ops", default=None,
+                    help="comma-separated op families to draw from (default: all), e.g. attention,rename,einsum")
     a = ap.parse_args(argv)
+    ops = ALL_OPS if a.ops is None else a.ops.split(",")
+    unknown = sorted(set(ops) - set(ALL_OPS))
+    if unknown:
+        ap.error(f"unknown op families {unknown}; choose from {sorted(set(ALL_OPS))}")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cases, failures = (out / "cases.jsonl").open("a"), (out / "failures.jsonl").open("a")
@@ -165,7 +172,7 @@ def main(argv=None):
         @given(data=st.data())
         def batch(data):
             check = data.draw(st.sampled_from(["values", "bytes"]))
-            prog = data.draw(programs(ops=ALL_OPS, allow_invalid=check == "values", dtypes=DTYPES[check]))
+            prog = data.draw(programs(ops=ops, allow_invalid=check == "values", dtypes=DTYPES[check]))
             if time.time() >= deadline:
                 return   # after drawing: hypothesis wants every example drawn the same way
             jax.clear_caches() if sum(counts.values()) % 200 == 199 else None

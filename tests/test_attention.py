@@ -225,6 +225,25 @@ def test_explain_shows_the_attention_strategy_table():
     assert "| attention | strategy |" in text and "| ring | ctx | 4 |" in text
 
 
+def test_search_takes_the_ring_where_a_tight_budget_rejects_gathering_the_keys():
+    """Two heads over four devices: no Ulysses; the planner gathers the keys (fewest bytes); under a
+    budget below that peak the search keeps the split and rotates them."""
+    x = md.named(jax.ShapeDtypeStruct((2, 4096, 2, 64), jnp.float32), "batch length heads d_kv")
+
+    def attend(x):
+        kv = md.rename(x, {"length": "kv_length"})
+        return md.attention(x, kv, kv, causal=True)
+    mesh = md.Mesh.abstract({"ctx": 4})
+    split = md.Layout({"length": "ctx"})
+    peaks = {s: md.explain(attend, mesh, split, x, attention=s).memory["peak"] for s in ("gather", "ring")}
+    assert peaks["ring"] < peaks["gather"]
+    loose = md.search(attend, mesh, x, dims=["length"])
+    assert loose.best.layout.rules == split.rules and "attention" not in loose.best.lower_kwargs
+    tight = md.search(attend, mesh, x, dims=["length"], memory_budget=(peaks["ring"] + peaks["gather"]) / 2,
+                      memory_margin=0.0)
+    assert tight.best.lower_kwargs["attention"] == "ring" and "attention=ring" in tight.best.describe()
+
+
 # -- context parallelism composed with the other strategies -----------------------------------------
 
 D_MODEL, LAYERS = 16, 2

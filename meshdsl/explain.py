@@ -172,7 +172,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,
                   bytes_accessed=jaxpr_stats.bytes_accessed(body),
-                  pipeline=_pipeline_entry(ctx.pipelines), attention=_attention_entries(ctx.attentions),
+                  pipeline=_pipeline_entry(ctx.pipelines), attention=[dict(a) for a in ctx.attentions],
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
 
@@ -214,15 +214,6 @@ def _kinds(args, prog, whole, body, memory) -> dict:
     for kind, nbytes in memory["breakdown"].items():
         add(kind, nbytes)
     return kinds
-
-
-def _attention_entries(entries) -> list:
-    """One entry per ``md.attention`` of the program (the last trace of each line and strategy:
-    a loop body traced twice is one)."""
-    out = {}
-    for e in entries:
-        out[(e["op"], e["strategy"])] = e
-    return list(out.values())
 
 
 def _attention_lines(entries) -> list:

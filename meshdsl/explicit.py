@@ -321,7 +321,7 @@ class ExplicitContext(LayoutContext):
     def checkpoint(self):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
         planned = self.planner.checkpoint() if self.planner is not None else None
-        return len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts)
+        return len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts), len(self.attentions)
 
     @contextlib.contextmanager
     def as_at(self, mark):
@@ -342,8 +342,9 @@ class ExplicitContext(LayoutContext):
                 self._relaid.setdefault(source, set()).add(target)
 
     def rollback(self, mark) -> None:
-        n_records, n_cache, planned, n_casts = mark
+        n_records, n_cache, planned, n_casts, n_attentions = mark
         del self.rec.casts[n_casts:]
+        del self.attentions[n_attentions:]
         if planned is not None:
             self.planner.rollback(planned)
         del self.rec.records[n_records:]

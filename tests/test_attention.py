@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from helpers import assert_same, explain_vs_hlo, moved_by_backend, raises
+from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept, raises
 from meshdsl import flash
 
 B, L, H, D = 2, 24, 4, 8
@@ -183,6 +183,19 @@ def test_the_planner_never_moves_more_bytes_than_gspmd_on_context_parallel_atten
     w = _arrays(1)[0]
     moved = moved_by_backend(_grads(lambda *a: md.attention(*a, causal=True), w), MESH, md.Layout(CP), q, k, v)
     assert moved["explicit"] <= moved["gspmd"], moved
+
+
+def test_split_features_reduce_the_logits_once_where_that_moves_fewer_bytes_than_gathering():
+    """Short sequences of long features split over the mesh: one all-reduce of the logits'
+    partial sums (the compiler's choice too), not an all-gather of q and k."""
+    r = np.random.RandomState(0)
+    x = md.named(jnp.asarray(r.randn(64, 8, 8), jnp.float32), "d_kv length batch")
+
+    def attend(x):
+        kv = md.rename(x, {"length": "kv_length"})
+        return md.attention(x, kv, kv, length="length", features="d_kv", causal=True)
+    mesh, layout = md.Mesh({"x": 8}), md.Layout({"d_kv": "x"})
+    promises_kept(attend, mesh, layout, x, moved={"all-reduce": 2 * 7 / 8 * 8 * 8 * 8 * 4})
 
 
 def test_keys_split_along_their_positions_and_whole_queries_combine_by_statistics():

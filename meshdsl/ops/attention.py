@@ -21,6 +21,10 @@ Where it computes, per mesh axis ``a`` (the op's strategies, :data:`STRATEGIES`)
   ``ulysses`` - one all-to-all each of q, k, v moves the split from the positions to a head dim
   (divisible by ``n``), attention runs local, the result leaves split by heads.
 
+Where the layout splits the features q and k contract, they are gathered; or (a decision point
+too) the logits are computed whole in named ops, their partial sums reduced once
+(:mod:`meshdsl.ops.attention_dense`): fewer bytes for short sequences of long features.
+
 Which of ``gather``, ``ring`` and ``ulysses`` is a decision point of the planner
 (:mod:`meshdsl.planner`), priced by the bytes each emits; ``md.lower(..., attention=...)`` forces
 one. Causal masks and the bias are computed from *global* positions on every block, so a
@@ -39,6 +43,7 @@ from .. import flash
 from ..dims import Shape
 from ..errors import ShapeError, suggest
 from ..named import NamedArray
+from .attention_dense import dense_attention
 from .attention_local import local_attention
 from .attention_ring import ring_attention
 from .common import as_named, names_in, union_dims, where_
@@ -70,6 +75,8 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
     pos = _positions(ctx, q_positions, kv_positions, q, k, spec)
     operands = [q, k, v, *extras, *[p for p in pos if isinstance(p, NamedArray)]]
     axes = ctx.plan(dims, operands, prefer=(spec.length,))
+    if any(axes[f] for f in spec.features) and ctx.option(2):   # the logits' partial sums reduced
+        return dense_attention(ctx, spec, dims, q, k, v, bias, mask, pos)
     axes.update({f: () for f in spec.features})   # q . k sums the features whole: no partial logits
     held = ctx.placement(k).of(k.dims, spec.over) if ctx.explicit else ()
     strategy, ring = _strategy(ctx, spec, dims, axes, held)

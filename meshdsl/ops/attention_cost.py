@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import cost
 from .. import flash
+from ..jaxcompat import pricing
 
 __all__ = ["describe", "record"]
 
@@ -34,7 +35,7 @@ __all__ = ["describe", "record"]
 def record(ctx, *args) -> None:
     """Add the entry :func:`describe` gives to the trace's (``md.explain`` reads ``ctx.attentions``);
     nothing for a candidate the planner only prices."""
-    if ctx.explicit and ctx.rec.sandbox is None and ctx.rec.tracing:
+    if ctx.explicit and ctx.rec.sandbox is None and ctx.rec.tracing and not pricing():
         ctx.attentions.append(describe(ctx, *args))
 
 

@@ -151,6 +151,8 @@ def cumsum(ctx, x, dim) -> NamedArray:
 
 
 def _shift_local(v, pos, offset, wrap):
+    if offset == 0:   # the value itself: a copy would be one XLA folds away (and explain must see as one)
+        return v
     if wrap:
         return jnp.roll(v, offset, axis=pos)
     n = v.shape[pos]

@@ -35,7 +35,7 @@ import numpy as np
 from .jaxcompat import varying_axes
 
 __all__ = ["Spec", "Chunk", "MASK_VALUE", "attend", "attend_backward", "forward_chunk", "finish",
-           "backward_chunk", "start", "block_size", "expand", "tiles", "zigzag_positions"]
+           "backward_chunk", "start", "block_size", "expand", "tiles", "zigzag_positions", "dot_product"]
 
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # added to a masked logit, as Hugging Face's T5 does
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -323,3 +323,38 @@ def attend_backward(spec, q, c: Chunk, q_positions, out, lse, dout, dlse, block=
         delta = delta - dlse
     dq, dk, dv, db = backward_chunk(spec, q, c, q_positions, lse, dout, delta, block, q_block)
     return dq.astype(q.dtype), dk, dv, db
+
+
+def dot_product(spec, q, c: Chunk, q_positions, implementation: str, aligned: bool = False):
+    """The same attention by ``jax.nn.dot_product_attention`` (``"cudnn"``: the GPU's fused
+    kernel; ``"xla"``: its reference, logits materialised): q's dims that k shares (batch,
+    kv heads) become its batch, q's own dims (groups) its heads over one kv head. The causal
+    mask is ``is_causal`` where the positions are ``0 .. n-1`` on both sides (``aligned``), else a mask."""
+    shared = [n for n in spec.stats if n in spec.k]
+    own = [n for n in spec.stats if n not in spec.k and n != spec.length]
+    v_feats = [n for n in spec.out if n not in spec.stats]
+    size = {**dict(zip(spec.q, q.shape)), **dict(zip(spec.k, c.k.shape)), **dict(zip(spec.v, c.v.shape))}
+    b, g = int(np.prod([size[n] for n in shared])), int(np.prod([size[n] for n in own]))
+    t, s = size[spec.length], size[spec.over]
+
+    def arrange(x, names, order, shape):
+        return jnp.transpose(x, [names.index(n) for n in order]).reshape(shape)
+
+    qa = arrange(q, spec.q, [*shared, spec.length, *own, *spec.features], (b, t, g, -1))
+    ka = arrange(c.k, spec.k, [*shared, spec.over, *spec.features], (b, s, 1, -1))
+    va = arrange(c.v, spec.v, [*shared, spec.over, *v_feats], (b, s, 1, -1))
+    grid = (*shared, *own, spec.length, spec.over)
+
+    def full(x, names):
+        return None if x is None else jnp.broadcast_to(
+            expand(x, names, grid), [size[n] for n in grid]).reshape(b, g, t, s)
+    bias, mask = full(c.bias, spec.bias), full(c.mask, spec.mask)
+    causal = spec.causal and aligned
+    if spec.causal and not causal:
+        seen = full(c.positions[None, :] <= q_positions[:, None], (spec.length, spec.over))
+        mask = seen if mask is None else mask & seen
+    out = jax.nn.dot_product_attention(qa, ka, va, bias, mask, scale=spec.scale, is_causal=causal,
+                                       implementation=implementation)
+    out = out.reshape([size[n] for n in (*shared, spec.length, *own, *v_feats)])
+    order = [*shared, spec.length, *own, *v_feats]
+    return jnp.transpose(out, [order.index(n) for n in spec.out])

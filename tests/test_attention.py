@@ -98,6 +98,33 @@ def test_bias_and_key_mask_match_adding_them_to_the_logits_and_the_bias_gets_its
                 dbias(lambda b: reference(q, k, v, bias=b, mask=mask)), 1e-4, 1e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [None, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_dot_product_attention_computes_the_same_where_the_keys_are_whole(kv_heads, causal):
+    """``implementation="xla"`` runs ``jax.nn.dot_product_attention`` (on a GPU, ``"cudnn"``: the
+    same call, its fused kernel): the named dims mapped to its batch, heads and features."""
+    q, k, v = _arrays(kv_heads=kv_heads)
+    w = _arrays(1, kv_heads=kv_heads)[0]
+
+    def attend(impl):
+        return lambda *a: md.attention(*a, length="length", causal=causal, implementation=impl)
+    assert_same(attend("xla")(q, k, v), attend("flash")(q, k, v), 1e-5, 1e-5)
+    assert_same(_grads(attend("xla"), w)(q, k, v), _grads(attend("flash"), w)(q, k, v), 1e-4, 1e-5)
+    strategy = "gather" if kv_heads else "ulysses"   # 2 kv heads do not divide over 4 devices
+    assert_same(md.lower(attend("xla"), MESH, md.Layout(CP), attention=strategy)(q, k, v), attend("flash")(q, k, v),
+                1e-5, 1e-5)
+
+
+def test_jax_dot_product_attention_takes_bias_masks_and_permuted_positions():
+    q, k, v = _arrays()
+    r = np.random.RandomState(3)
+    bias = md.named(jnp.asarray(r.randn(H, L, L), jnp.float32), "heads length kv_length")
+    mask = md.named(jnp.asarray(r.rand(B, L) > 0.3), "batch kv_length")
+    order = r.permutation(L)
+    for kw in ({"bias": bias, "mask": mask, "causal": True}, {"causal": True, "q_positions": order, "kv_positions": order}):
+        assert_same(md.attention(q, k, v, implementation="xla", **kw), md.attention(q, k, v, **kw), 1e-5, 1e-5)
+
+
 def test_memory_grows_linearly_with_the_length_not_with_its_square():
     """Doubling the length doubles the temporaries at most (the logits would quadruple: 32 MiB at
     2048 positions); each holds one block of logits."""
@@ -355,6 +382,13 @@ def test_forced_ulysses_without_a_divisible_head_dim_is_refused():
     with raises(md.ShapeError, r"attention='ulysses' needs a dim of q, k and v \(a head dim\) whose size divides "
                                r"by 4 \(ctx\), whole there; .* use attention='ring' or 'gather'"):
         md.explain(lambda *a: md.attention(*a), MESH, layout, q, k, v, attention="ulysses")
+
+
+def test_an_unknown_implementation_is_refused_with_a_suggestion():
+    q, k, v = _arrays()
+    with raises(md.ShapeError, r"implementation must be one of \('flash', 'cudnn', 'xla'\), got 'flsh' "
+                               r"\(did you mean 'flash'\?\)", eager=True):
+        md.attention(q, k, v, implementation="flsh")
 
 
 def test_an_unknown_attention_strategy_is_refused_with_a_suggestion():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,11 +53,13 @@ from .registry import op
 __all__ = ["attention", "STRATEGIES"]
 
 STRATEGIES = ("gather", "ring", "ulysses")   # context parallelism's candidates, in decision order
+IMPLEMENTATIONS = ("flash", "cudnn", "xla")  # the local kernel: meshdsl.flash, jax.nn.dot_product_attention
 
 
 @op("attention")
 def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bias=None, mask=None,
-              causal: bool = False, q_positions=None, kv_positions=None, scale=None, block=None) -> NamedArray:
+              causal: bool = False, q_positions=None, kv_positions=None, scale=None, block=None,
+              implementation: str | None = None) -> NamedArray:
     """Attention of queries ``q`` to keys ``k`` and values ``v`` along ``over``.
 
     ``features``: the dims q · k contracts (default: k's last dim other than ``over``);
@@ -65,7 +68,10 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
     boolean, True where a query may see a key, over the same dims; ``causal``: keys at positions
     after the query's are masked, positions ``q_positions`` (over ``length``) and ``kv_positions``
     (over ``over``), default ``0 .. n-1``. ``scale``: default ``1 / sqrt(features' size)``.
-    ``block``: keys per block (default 512). Returns q's dims, features replaced by v's.
+    ``block``: keys per block (default 512). ``implementation``: ``"flash"`` (blockwise, here),
+    ``"cudnn"`` or ``"xla"`` (``jax.nn.dot_product_attention``, where the keys are whole on each
+    device); default: cuDNN's fused kernel on a GPU for 16-bit inputs, else flash. Returns q's
+    dims, features replaced by v's.
     """
     q, k, v = (as_named(ctx, x, role) for x, role in ((q, "q"), (k, "k"), (v, "v")))
     spec, dims = _spec(ctx, q, k, v, over, length, features, bias, mask, causal, scale)
@@ -85,7 +91,8 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
         return ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block)
     if strategy == "ulysses":
         axes = _ulysses_axes(spec, dims, axes, ring, ctx)
-    return local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, strategy, ring)
+    impl = _implementation(ctx, implementation, q, k, v, spec)
+    return local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, strategy, ring, impl)
 
 
 def _spec(ctx, q, k, v, over, length, features, bias, mask, causal, scale):
@@ -172,6 +179,20 @@ def _strategy(ctx, spec, dims, axes, held):
     if choice == "ulysses" and not _ulysses_dims(spec, dims, axes, held, ctx):
         return "gather", ring
     return choice, ring
+
+
+def _implementation(ctx, implementation, q, k, v, spec) -> str:
+    """The local kernel: the one asked for, else cuDNN's on a GPU for 16-bit q, k, v whose
+    features agree in size (its constraints), else flash."""
+    if implementation is not None:
+        if implementation not in IMPLEMENTATIONS:
+            raise ShapeError(f"{where_(ctx)}: implementation must be one of {IMPLEMENTATIONS}, got "
+                             f"{implementation!r}{suggest(str(implementation), IMPLEMENTATIONS)}")
+        return implementation
+    platform = ctx.mesh.platform if ctx.mesh is not None else jax.default_backend()
+    sixteen = all(x.dtype in (jnp.bfloat16, jnp.float16) for x in (q, k, v))
+    same = [q.dims[f].size for f in spec.features] == [v.dims[n].size for n in spec.out if n not in spec.stats]
+    return "cudnn" if platform == "gpu" and sixteen and same and not spec.bias else "flash"
 
 
 def _layout_split(ctx, spec, axes) -> tuple:

@@ -40,14 +40,20 @@ def operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary):
     return local, b, m, qp, kp
 
 
-def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, strategy="local", ring=()):
+def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, strategy="local", ring=(),
+                    implementation="flash"):
     """Attention where ``axes`` puts it; a split ``over`` (``partial``) combines the devices'
-    results by their statistics."""
+    results by their statistics. ``implementation``: ``"flash"`` (:mod:`meshdsl.flash`), or
+    ``"cudnn"`` / ``"xla"`` (``jax.nn.dot_product_attention``) where the keys are whole."""
     vary = ctx.vary(axes.values(), [q, k, v] + [as_named(ctx, x) for x in (bias, mask) if x is not None])
     (ql, kl, vl), b, m, qp, kp = operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary)
     split = axes[spec.over]
     out_dtype = jnp.float32 if split else v.dtype
     record(ctx, spec, dims, "partial" if split else strategy, split or ring, ql, kl, vl, v.dtype, pos, block)
+    if implementation != "flash" and not split:
+        aligned = pos[0] is None and pos[1] is None and not axes[spec.length] and dims[spec.length].size == dims[spec.over].size
+        out = flash.dot_product(spec, ql, flash.Chunk(kl, vl, b, m, kp), qp, implementation, aligned)
+        return ctx.out(out.astype(v.dtype), Shape(dims[n] for n in spec.out), axes)
 
     # every array is an argument (a custom_vjp closing over a tracer breaks under remat and scan);
     # the mask and positions get no gradient

@@ -1,4 +1,5 @@
-"""meshdsl.layers: flax NNX layers over named dims (T5, Switch/GShard MoE).
+"""meshdsl.layers: flax NNX layers over named dims (T5, Switch/GShard MoE, Llama: grouped-query
+attention with rotary positions).
 
 Parameters are ``nnx.Param(md.param(NamedArray))``: their dim names alone place them under a
 layout. Every parametrized layer takes ``stack=`` (e.g. ``md.Dim("layers", n)``) to prepend a stack
@@ -11,14 +12,17 @@ from .dense import Dense
 from .dropout import Dropout, dropout
 from .embedding import Embedding
 from .feedforward import ACTIVATIONS, FeedForward
+from .gqa import GroupedQueryAttention
 from .moe import MoE
 from .norm import RMSNorm
 from .position import RelativePositionBias, relative_position_bucket
+from .rotary import apply_rotary, rotary_angles
 from .router import Router, Routing, expert_capacity, route
 from .stack import REMAT_POLICIES, layer_at, remat_policy, scan_layers, with_remat
 
 __all__ = [
-    "ACTIVATIONS", "Attention", "Dense", "Dropout", "Embedding", "FeedForward", "MASK_VALUE", "MoE",
-    "REMAT_POLICIES", "RMSNorm", "RelativePositionBias", "Router", "Routing", "dropout", "expert_capacity",
-    "layer_at", "relative_position_bucket", "remat_policy", "route", "scan_layers", "with_remat",
+    "ACTIVATIONS", "Attention", "Dense", "Dropout", "Embedding", "FeedForward", "GroupedQueryAttention",
+    "MASK_VALUE", "MoE", "REMAT_POLICIES", "RMSNorm", "RelativePositionBias", "Router", "Routing", "apply_rotary",
+    "dropout", "expert_capacity", "layer_at", "relative_position_bucket", "remat_policy", "rotary_angles", "route",
+    "scan_layers", "with_remat",
 ]

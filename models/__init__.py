@@ -1,4 +1,7 @@
-"""meshdsl.models: T5 / MoE-T5, training, Hugging Face import, and decoding.
+"""meshdsl.models: T5 / MoE-T5, the decoder-only Llama, training, Hugging Face import, and decoding.
+
+``Llama`` (:mod:`meshdsl.models.llama`) and its ``LlamaConfig`` (``llama-tiny``, ``llama-2-7b``,
+``llama-3-8b``, ...: :data:`meshdsl.models.configs.MODELS`) are exported here.
 
 ``meshdsl.models.generate(model, inputs, *, max_new_tokens, method=...)`` is the decoding function
 (:mod:`meshdsl.models.generation`); ``python -m meshdsl.models.generate`` is its command line
@@ -10,8 +13,10 @@ import sys
 import types
 
 from .generation import generate
+from .llama import Llama
+from .llama_configs import LlamaConfig
 
-__all__ = ["generate"]
+__all__ = ["generate", "Llama", "LlamaConfig"]
 
 
 class _Package(types.ModuleType):

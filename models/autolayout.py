@@ -1,11 +1,11 @@
 """``--layout auto``: the training step's mesh and layout chosen by ``md.search``.
 
-The step searched is the one the run trains (T5's loss and gradients, the run's ``--remat``, a
+The step searched is the one the run trains (the model's loss and gradients, the run's ``--remat``, a
 batch of the run's shapes, abstract: nothing is computed); ``--remat auto`` lets the search choose
 the remat policy too (none, dots or full: each layout costed with each). Over the device count when ``--mesh``
 is left at its default (every factorisation into ``data`` or ``data x model``), else over the mesh
 given; the dims placed are the model's parallel ones (batch, heads, d_ff, vocab, d_model; experts
-and group for MoE), with ZeRO-3 storage tried for each. The time model runs on ``--hardware``
+and group for MoE; kv_heads for Llama), with ZeRO-3 storage tried for each. The time model runs on ``--hardware``
 (``measure``: constants fitted on the devices at hand, a few seconds) and candidates over
 ``--memory-budget`` are rejected. The ranking is printed; the run takes the best, and records its
 mesh and layout (``run.json``), so ``--resume`` continues with the same choice.
@@ -22,22 +22,22 @@ from rich.console import Console
 from rich.table import Table
 
 import meshdsl as md
+from meshdsl.models.family import model_class, objective
 from meshdsl.models.loss import t5_loss
-from meshdsl.models.t5 import T5
 from meshdsl.units import fmt_bytes
 
 __all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "step_of"]
 
 DEFAULT_MESH = "data:-1"
 REMAT_CHOICES = ("none", "dots", "full")   # what --remat auto chooses among
-_DIMS = ("batch", "heads", "d_ff", "vocab", "d_model", "experts", "group")
+_DIMS = ("batch", "heads", "kv_heads", "d_ff", "vocab", "d_model", "experts", "group")
 
 
-def step_of(remat: str):
-    """The training step searched: loss and gradients of ``model`` on ``batch`` (``remat``, or a
-    keyword argument of the step where it is ``"auto"``)."""
+def step_of(remat: str, loss=t5_loss):
+    """The training step searched: ``loss``'s value and gradients of ``model`` on ``batch``
+    (``remat``, or a keyword argument of the step where it is ``"auto"``)."""
     def step(model, batch, remat=remat):
-        return nnx.value_and_grad(lambda m: t5_loss(m, batch, train=True, remat=remat)[0].array)(model)
+        return nnx.value_and_grad(lambda m: loss(m, batch, train=True, remat=remat)[0].array)(model)
     return step
 
 
@@ -54,7 +54,7 @@ def abstract_batch(batch: int, encoder_length: int, decoder_length: int) -> dict
 def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length: int, remat: str,
            hardware: str, memory_budget: str | None, say=print):
     """``(mesh, layout, lower_kwargs, remat, result)`` of the best layout ``md.search`` finds."""
-    model = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
     args = (model, abstract_batch(batch, encoder_length, decoder_length))
     target = jax.device_count() if mesh == DEFAULT_MESH else md.Mesh.parse(mesh)
     if hardware == "measure":
@@ -65,7 +65,7 @@ def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length
     dims = [d for d in _DIMS if any(d in leaf.names for leaf in jax.tree_util.tree_leaves(
         args, is_leaf=lambda x: isinstance(x, md.NamedArray)) if isinstance(leaf, md.NamedArray))]
     choices = {"remat": list(REMAT_CHOICES)} if remat == "auto" else None
-    result = md.search(step_of(remat), target, *args, memory_budget=memory_budget, hardware=hw, top=5,
+    result = md.search(step_of(remat, objective(config)), target, *args, memory_budget=memory_budget, hardware=hw, top=5,
                        dims=dims, zero=True, choices=choices)
     _print(result, say)
     best = result.best

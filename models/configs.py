@@ -4,13 +4,19 @@ Published T5 sizes (Raffel et al. 2020 for v1.0; the v1.1 checkpoints' configs) 
 and ``moe-t5-tiny`` for CPU work. ``T5Config.replace(...)`` derives variants (vocabulary size,
 dropout, experts, ...). Parameter counts of the published configs equal the published ones
 (tests/test_models.py checks them against Hugging Face's own count).
+
+:data:`MODELS` adds the Llama-style decoder-only configs (:mod:`meshdsl.models.llama_configs`):
+:func:`get_config` and the training CLI's ``--model`` take any of them; :func:`config_from_dict`
+rebuilds either kind from a run's ``run.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["T5Config", "CONFIGS", "get_config"]
+from .llama_configs import LLAMA_CONFIGS, LlamaConfig
+
+__all__ = ["T5Config", "LlamaConfig", "CONFIGS", "LLAMA_CONFIGS", "MODELS", "get_config", "config_from_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +96,20 @@ CONFIGS: dict[str, T5Config] = {c.name: c for c in [
 ]}
 
 
-def get_config(name: str, **changes) -> T5Config:
-    if name not in CONFIGS:
+#: every model the training CLI knows: T5 / MoE-T5 and the Llama-style decoders
+MODELS: dict[str, T5Config | LlamaConfig] = {**CONFIGS, **LLAMA_CONFIGS}
+
+
+def get_config(name: str, **changes) -> T5Config | LlamaConfig:
+    if name not in MODELS:
         import difflib
-        close = difflib.get_close_matches(name, CONFIGS, n=1)
+        close = difflib.get_close_matches(name, MODELS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown model {name!r}{hint}; choose one of {sorted(CONFIGS)}")
-    return CONFIGS[name].replace(**changes) if changes else CONFIGS[name]
+        raise ValueError(f"unknown model {name!r}{hint}; choose one of {sorted(MODELS)}")
+    return MODELS[name].replace(**changes) if changes else MODELS[name]
+
+
+def config_from_dict(values: dict) -> T5Config | LlamaConfig:
+    """The config a run recorded (``run.json``'s ``"config"``): a Llama config has ``kv_heads``."""
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return LlamaConfig(**values) if "kv_heads" in values else T5Config(**values)

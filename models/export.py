@@ -27,7 +27,7 @@ def export_run(run: str, out: str, step: int | None = None) -> tuple[str, int]:
     import meshdsl as md
     from meshdsl.models import hf
     from meshdsl.models.checkpoint import Checkpoints, latest_step
-    from meshdsl.models.configs import T5Config
+    from meshdsl.models.configs import config_from_dict
     from meshdsl.models.corpus import load_vocabulary
     from meshdsl.models.optim import make_optimizer
     from meshdsl.models.runrecord import read_run
@@ -41,7 +41,7 @@ def export_run(run: str, out: str, step: int | None = None) -> tuple[str, int]:
     if latest_step(ckpt_dir) is None:
         raise UsageError(f"--run {run}: no checkpoint under {ckpt_dir}")
     ident = record["identity"]
-    config = T5Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["config"].items()})
+    config = config_from_dict(record["config"])
     tx, schedule = make_optimizer(ident["optimizer"], ident["lr"], ident["warmup"], ident["steps"], ident["decay"])
     mesh = md.Mesh({"data": len(jax.devices())})
     trainer = Trainer(config, mesh, md.Layout({}), tx, schedule, seed=ident.get("seed", 0),
@@ -68,7 +68,7 @@ def main(argv=None) -> str:
     except (UsageError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"exported   step {step} of {args.run} to {out} (model.safetensors, config.json, spiece.model)")
+    print(f"exported   step {step} of {args.run} to {out} (model.safetensors, config.json, the sentencepiece model)")
     return out
 
 

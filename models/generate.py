@@ -2,11 +2,15 @@
 
 Loads the run's model config (``run.json``), its latest checkpoint (``checkpoints/``) and its
 sentencepiece vocabulary, encodes the prompt (eos appended, as in training), decodes with
-:func:`meshdsl.models.generate` and prints the text (sentinels shown as ``<extra_id_i>``)::
+:func:`meshdsl.models.generate` and prints the text (sentinels shown as ``<extra_id_i>``). A
+decoder-only run (``--model llama-tiny``) continues the prompt instead: start token 0 (the start
+of every training window) then the prompt's tokens, several prompts left-padded; it prints the
+continuation::
 
     python -m meshdsl.models.generate --run runs/t5-tiny --prompt "In the beginning <extra_id_0> the earth"
     python -m meshdsl.models.generate --run runs/t5-tiny --prompt "..." --method beam --num-beams 4 \\
         --mesh data:2,model:4 --layout "heads:model;d_ff:model;vocab:model" --max-new-tokens 32
+    python -m meshdsl.models.generate --run runs/llama-tiny --prompt "And God said" --max-new-tokens 24
 
 :func:`span_filling_accuracy` measures span filling on validation batches (exact match of every
 sentinel span, and of whole targets); the training loop can call it on its validation batches.
@@ -23,7 +27,7 @@ import os
 
 import numpy as np
 
-__all__ = ["main", "load_run", "encode_prompt", "span_filling_accuracy", "split_spans"]
+__all__ = ["main", "load_run", "encode_prompt", "span_filling_accuracy", "split_spans", "prompt_batch"]
 
 
 def split_spans(tokens, is_sentinel) -> dict[int, tuple[int, ...]]:
@@ -86,7 +90,7 @@ def load_run(run_dir: str, mesh=None, layout=None):
 
     import meshdsl as md
     from . import checkpoint
-    from .configs import T5Config
+    from .configs import config_from_dict
     from .corpus import load_vocabulary
     from .optim import make_optimizer
     from .trainer import Trainer
@@ -96,7 +100,7 @@ def load_run(run_dir: str, mesh=None, layout=None):
         raise SystemExit(f"{run_dir} is not a training run (no run.json); train one with python -m meshdsl.models.train")
     with open(path) as f:
         run = json.load(f)
-    config = T5Config(**run["config"])
+    config = config_from_dict(run["config"])
     vocab = load_vocabulary(run.get("text_files"))
     if mesh is None:   # restore onto one device, replicated; generate() places it as it needs
         import jax
@@ -121,6 +125,21 @@ def encode_prompt(vocab, text: str) -> list[int]:
         elif piece.strip():
             ids += vocab.encode(piece.strip())
     return ids + [vocab.eos_id]
+
+
+def prompt_batch(vocab, prompts, decoder_only: bool):
+    """``(ids [batch, width], attention mask or None)``: T5 prompts (eos appended) right-padded
+    with pad (its encoder masks them); decoder-only prompts ``[0, tokens...]`` left-padded with
+    a mask of the real tokens (None when all have one length)."""
+    if not decoder_only:
+        rows = [encode_prompt(vocab, p) for p in prompts]
+        width = max(map(len, rows))
+        return np.array([r + [vocab.pad_id] * (width - len(r)) for r in rows], np.int32), None
+    rows = [[0] + vocab.encode(p.strip()) for p in prompts]
+    width = max(map(len, rows))
+    ids = np.array([[vocab.pad_id] * (width - len(r)) + r for r in rows], np.int32)
+    mask = np.array([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    return ids, (None if mask.all() else mask)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,17 +178,17 @@ def main(argv=None) -> list[str]:
     layout = md.Layout.parse(args.layout) if args.layout else (md.Layout({}) if mesh else None)
     if args.prefill_layout:
         layout = {"prefill": md.Layout.parse(args.prefill_layout), "decode": layout}
-    rows = [encode_prompt(vocab, p) for p in args.prompt]
-    width = max(map(len, rows))
-    ids = np.array([r + [vocab.pad_id] * (width - len(r)) for r in rows], np.int32)
-    kw = {}
+    decoder_only = bool(getattr(model.config, "decoder_only", False))
+    ids, mask = prompt_batch(vocab, args.prompt, decoder_only)
+    kw = {"attention_mask": mask} if mask is not None else {}
     if args.method == "sample":
-        kw = dict(key=jax.random.key(args.seed), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        kw.update(key=jax.random.key(args.seed), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     elif args.method == "beam":
-        kw = dict(num_beams=args.num_beams)
+        kw.update(num_beams=args.num_beams)
     out = generate(model, ids, max_new_tokens=args.max_new_tokens, method=args.method, eos_id=vocab.eos_id,
                    mesh=mesh, layout=layout, **kw)
-    texts = [vocab.decode(row[1:]) for row in np.asarray(out.array)]
+    start = ids.shape[1] if decoder_only else 1      # a decoder-only output starts with the prompt
+    texts = [vocab.decode(row[start:]) for row in np.asarray(out.array)]
     for prompt, text in zip(args.prompt, texts):
         print(f"{prompt}\n  -> {text}")
     return texts

@@ -253,12 +253,25 @@ def _as_ids(inputs) -> md.NamedArray:
 
 def generate(model, inputs, *, max_new_tokens: int, method: str = "greedy", temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, num_beams: int = 4, eos_id: int = 1,
-             key=None, mesh: md.Mesh | None = None, layout=None, generator: Generator | None = None):
+             key=None, mesh: md.Mesh | None = None, layout=None, generator: Generator | None = None,
+             attention_mask=None):
     """Token ids ``[batch, length]`` (a NamedArray) continuing ``inputs`` ``[batch, length]``;
     see the module docstring. ``layout``: one :class:`md.Layout` for both phases or
-    ``{"prefill": ..., "decode": ...}``. ``generator``: reuse compiled programs across calls."""
+    ``{"prefill": ..., "decode": ...}``. ``generator``: reuse compiled programs across calls.
+
+    A decoder-only model (Llama) continues the prompt ``inputs``: the output is the prompt and the
+    new tokens, left-padded prompts marked by ``attention_mask`` (see
+    :mod:`meshdsl.models.generation_lm`; greedy and sampling)."""
     ids = _as_ids(inputs)
     _check(method, max_new_tokens, num_beams, temperature, top_k, top_p, key, model.config.vocab)
+    if getattr(model.config, "decoder_only", False):
+        from .generation_lm import generate_lm
+        return generate_lm(model, ids, max_new_tokens=max_new_tokens, method=method, temperature=temperature,
+                           top_k=top_k, top_p=top_p, eos_id=eos_id, key=key, mesh=mesh, layout=layout,
+                           attention_mask=attention_mask, generator=generator)
+    if attention_mask is not None:
+        raise md.MeshDSLError("generate: attention_mask is for decoder-only prompts; T5 masks its encoder's pad "
+                              "tokens (0) itself")
     if generator is None:
         mesh, pre_layout, dec_layout = _layouts(mesh, layout)
         options = (mesh, pre_layout, dec_layout, method, num_beams if method == "beam" else 0, eos_id,

@@ -1,4 +1,4 @@
-"""Weights from and to Hugging Face ``transformers``: T5 v1.0, v1.1 and SwitchTransformers.
+"""Weights from and to Hugging Face ``transformers``: T5 v1.0, v1.1, SwitchTransformers and Llama.
 
     model = meshdsl.models.hf.load(hf_model)    # T5ForConditionalGeneration or
                                                 # SwitchTransformersForConditionalGeneration
@@ -14,6 +14,9 @@ The configuration is read from ``hf_model.config``. Each of our parameters maps 
 (or one per expert), transposed and reshaped by name: HF's ``q.weight`` ``[heads*d_kv, d_model]``
 is our ``q.kernel`` ``[d_model, heads, d_kv]``; HF block ``i`` is our stacked step ``i // period``,
 slot ``i % period``. Nothing is downloaded: pass a model you built or loaded yourself.
+
+Llama (``LlamaForCausalLM``, ``model_type: "llama"``) goes through the same four functions; its
+name map is :mod:`meshdsl.models.hf_llama`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from flax import nnx
 
 import meshdsl as md
 
+from . import hf_llama
 from .configs import T5Config
+from .llama import Llama
 from .t5 import T5
 
 __all__ = ["load", "export", "config_from_hf", "save_pretrained", "load_pretrained", "hf_config_dict"]
@@ -161,8 +166,10 @@ def _is_switch(hf_model) -> bool:
     return _is_switch_config(hf_model.config)
 
 
-def load(hf_model, *, dtype=None) -> T5:
-    """Our T5 / MoE-T5 with the weights of a ``transformers`` model (built or loaded offline)."""
+def load(hf_model, *, dtype=None) -> T5 | Llama:
+    """Our T5 / MoE-T5 / Llama with the weights of a ``transformers`` model (built or loaded offline)."""
+    if hf_llama.is_llama_config(hf_model.config):
+        return hf_llama.load(hf_model, dtype=dtype)
     config = config_from_hf(hf_model.config)
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     return _from_state_dict(config, sd, _is_switch(hf_model), dtype)
@@ -204,8 +211,10 @@ def _from_state_dict(config: T5Config, sd: dict, switch: bool, dtype=None) -> T5
     return nnx.merge(graphdef, params, rest)
 
 
-def export(model: T5) -> dict[str, np.ndarray]:
+def export(model: T5 | Llama) -> dict[str, np.ndarray]:
     """A Hugging Face state dict (numpy arrays) for our ``model``; tied embeddings included."""
+    if isinstance(model, Llama):
+        return hf_llama.export(model)
     c = model.config
     switch = c.is_moe
     out = {}
@@ -267,30 +276,33 @@ def hf_config_dict(config: T5Config) -> dict:
 _TIED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 
-def save_pretrained(model: T5, directory: str | os.PathLike, *, vocab=None) -> str:
+def save_pretrained(model: T5 | Llama, directory: str | os.PathLike, *, vocab=None) -> str:
     """Write ``model`` as a Hugging Face directory: ``model.safetensors`` (float32), ``config.json``
     and, given the run's :class:`~meshdsl.models.corpus.Vocabulary`, its sentencepiece model as
-    ``spiece.model``. ``transformers``' ``from_pretrained(directory)`` then gives our logits. Tied
-    tensors are written once (HF ties them again on load). Returns the directory."""
+    ``spiece.model`` (T5's name; ``tokenizer.model`` for Llama). ``transformers``'
+    ``from_pretrained(directory)`` then gives our logits. Tied tensors are written once (HF ties
+    them again on load). Returns the directory."""
     from safetensors.numpy import save_file
 
-    config = hf_config_dict(model.config)  # first: a config HF cannot express fails before writing
+    llama = isinstance(model, Llama)
+    # first: a config HF cannot express fails before writing
+    config = hf_llama.hf_config_dict(model.config) if llama else hf_config_dict(model.config)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     state = export(model)
-    tied = set(_TIED) | ({"lm_head.weight"} if model.config.tie_embeddings else set())
+    tied = (set() if llama else set(_TIED)) | ({"lm_head.weight"} if model.config.tie_embeddings else set())
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items() if k not in tied}
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if vocab is not None:
-        with open(os.path.join(directory, "spiece.model"), "wb") as f:
+        with open(os.path.join(directory, "tokenizer.model" if llama else "spiece.model"), "wb") as f:
             f.write(vocab.model_proto if hasattr(vocab, "model_proto") else bytes(vocab))
     return directory
 
 
-def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5:
-    """Our T5 / MoE-T5 from a Hugging Face directory (``config.json`` + ``model.safetensors`` or a
+def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5 | Llama:
+    """Our T5 / MoE-T5 / Llama from a Hugging Face directory (``config.json`` + ``model.safetensors`` or a
     sharded ``model.safetensors.index.json``), with numpy and safetensors only: no torch."""
     from safetensors.numpy import load_file
 
@@ -313,6 +325,11 @@ def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5:
     for path in files:
         state.update(load_file(path))
     state = {k: np.asarray(v, np.float32) for k, v in state.items()}
+    if hf_llama.is_llama_config(hf_config):
+        config = hf_llama.config_from_hf(hf_config)
+        if config.name in ("", "llama"):
+            config = config.replace(name=os.path.basename(os.path.normpath(directory)))
+        return hf_llama.from_state_dict(config, state, dtype)
     if "shared.weight" not in state:
         for key in _TIED:
             if key in state:

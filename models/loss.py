@@ -3,6 +3,10 @@
     loss = cross-entropy over real target tokens  (+ z_loss * logsumexp(logits)**2, T5X's)
          + load_balancing_coef * mean_l(load-balancing loss_l) + router_z_loss_coef * mean_l(z_l)   (MoE)
 
+Decoder-only models (Llama) learn the next token: :func:`lm_loss` is the same cross-entropy of
+the logits of ``decoder_input_tokens`` (the targets shifted right, start token 0) against
+``decoder_target_tokens``, over packed windows of the token stream (:mod:`meshdsl.models.data`).
+
 Cross-entropy is ``logsumexp(logits) - logits[target]`` per token, averaged over tokens with weight
 1 (padding has weight 0). Over a ``vocab`` split by the layout (Megatron) this costs two small
 all-reduces of row statistics for ``logsumexp`` and one for the target logit, never a gather.
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import meshdsl as md
 from meshdsl.layers.router import EXPERT_CHOICE
 
-__all__ = ["cross_entropy", "t5_loss", "batch_arrays"]
+__all__ = ["cross_entropy", "t5_loss", "lm_loss", "batch_arrays"]
 
 ENCODER_TOKENS = "batch inputs"
 DECODER_TOKENS = "batch targets"
@@ -102,6 +106,22 @@ def t5_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "n
         metrics.update({f"moe/{k}": metrics[f"moe/{k}"] + v if f"moe/{k}" in metrics else v
                         for k, v in router.items()})
     return loss, metrics
+
+
+def lm_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "none"):
+    """Loss and metrics of a decoder-only ``model`` (causal LM) on a batch of NamedArrays:
+    ``decoder_input_tokens`` -> ``decoder_target_tokens`` (the next tokens), weighted by
+    ``decoder_loss_weights`` (0 on padding). Other features (an encoder input) are ignored. The
+    loss is the layer stack's head, so a 1F1B pipeline computes it per microbatch."""
+    targets = batch["decoder_target_tokens"]
+    w = _weights(targets, batch.get("decoder_loss_weights"))
+    total = md.sum(w)
+
+    def head(logits):
+        return _token_terms(logits, targets, w, total, model.config.z_loss)
+
+    loss, metrics = model.forward(batch["decoder_input_tokens"], key=key, train=train, remat=remat, head=head)
+    return loss, {**metrics, "tokens": total}
 
 
 def batch_arrays(batch: dict) -> dict:

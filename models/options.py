@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import sys
 
 from meshdsl.models import runrecord
-from meshdsl.models.configs import CONFIGS
+from meshdsl.models.configs import MODELS
 from meshdsl.models.faults import UsageError
 
 __all__ = ["build_parser", "parse_args", "overrides", "DEFAULT_STEPS", "DEFAULT_CKPT_EVERY"]
@@ -101,8 +102,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a = p.add_argument
     a("--config", dest="config_file", default=None, metavar="FILE",
       help="YAML or JSON file of options (the keys of a run's run.json); flags given here win")
-    a("--model", default="t5-tiny", choices=sorted(CONFIGS), metavar="MODEL",
-      help=f"one of: {', '.join(sorted(CONFIGS))}")
+    a("--model", default="t5-tiny", choices=sorted(MODELS), metavar="MODEL",
+      help=f"one of: {', '.join(sorted(MODELS))} (llama-*: decoder-only, --task lm)")
     a("--override", action="append", default=[], metavar="KEY=VALUE",
       help="change the model config, e.g. d_model=32,d_ff=64 (repeatable)")
     a("--mesh", default="data:-1", help="mesh axes, e.g. data:2,model:4 (-1: the remaining devices)")
@@ -127,7 +128,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--repeats", type=POSITIVE, default=1, metavar="R",
       help="--schedule circular: chunks of the decoder stack per pipeline stage (1: the layers in GPipe's order)")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
-      help="lm: the decoder learns to continue text (the encoder sees one EOS token)")
+      help="lm: the decoder learns to continue text (T5's encoder sees one EOS token); decoder-only models "
+           "(llama-*) train with lm, their default")
     a("--steps", type=POSITIVE, default=DEFAULT_STEPS, help="optimizer steps")
     a("--batch", type=POSITIVE, default=32, help="global batch (sequences per step)")
     a("--encoder-length", type=_TYPES["encoder_length"], default=128,
@@ -201,18 +203,31 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
         parser.set_defaults(**_checked(runrecord.config_file_defaults(args.config_file, parser),
                                        f"--config {args.config_file}"))
         args = parser.parse_args(argv)
-        if args.model not in CONFIGS:
+        if args.model not in MODELS:
             raise UsageError(f"--config {args.config_file}: unknown model {args.model!r}; one of "
-                             f"{', '.join(sorted(CONFIGS))}")
+                             f"{', '.join(sorted(MODELS))}")
     elif args.eval_only:  # the run's data, unless the command line says otherwise
         out = args.out or os.path.join("runs", args.model)
         parser.set_defaults(**_checked(runrecord.data_defaults(out), os.path.join(out, "run.json")))
         args = parser.parse_args(argv)
+    _decoder_only_task(args, parser, sys.argv[1:] if argv is None else argv)
     if args.resume_from is not None:
         args.resume = True
     if args.eval_only and args.resume:
         args.resume = False  # --eval-only --resume-from STEP: which step to evaluate
     return args
+
+
+def _decoder_only_task(args, parser, argv) -> None:
+    """A decoder-only model (Llama) learns ``--task lm``: its default; span corruption is refused."""
+    if not getattr(MODELS[args.model], "decoder_only", False) or args.task != "span_corruption":
+        return
+    given = (any(a == "--task" or a.startswith("--task=") for a in argv)
+             or parser.get_default("task") != "span_corruption")     # on the command line, or in --config
+    if given:
+        raise UsageError(f"--model {args.model} is decoder-only: it trains with --task lm (next-token prediction), "
+                         "not span_corruption (an encoder-decoder task)")
+    args.task = "lm"
 
 
 def _checked(values: dict, source: str) -> dict:

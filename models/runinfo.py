@@ -11,13 +11,10 @@ __all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths"]
 def summary(args, config, mesh, layout, enc_len: int, dec_len: int, baseline: dict) -> str:
     import jax
 
-    from meshdsl.models.t5 import count_params
+    from meshdsl.models.family import describe
 
-    experts = f", {config.num_experts} experts" if config.is_moe else ""
     return "\n".join([
-        f"model      {config.name}: {count_params(config) / 1e6:.2f}M parameters (d_model {config.d_model}, d_ff "
-        f"{config.d_ff}, heads {config.heads}x{config.d_kv}, layers {config.encoder_layers}+{config.decoder_layers}"
-        f"{experts}, vocab {config.vocab})",
+        f"model      {describe(config)}",
         f"mesh       {mesh} over {len(jax.devices())} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)",
         f"layout     {layout}  (param_gather={args.param_gather}, remat={args.remat}, compute {args.dtype}, "

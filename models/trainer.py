@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import meshdsl as md
 from meshdsl.models import checkpoint
 from meshdsl.models.data import make_dataset
-from meshdsl.models.loss import batch_arrays, t5_loss
-from meshdsl.models.t5 import T5
+from meshdsl.models.family import model_class, objective
+from meshdsl.models.loss import batch_arrays
 from meshdsl.named import is_named
 
 __all__ = ["Trainer", "Feed", "host_metrics", "named_batch"]
@@ -57,9 +57,11 @@ class Trainer:
         self.debug_nan_at_step = debug_nan_at_step
         # dtype: the compute dtype; every layer casts its (param_dtype) weights to it at use, so
         # gradients, parameters and optimizer state stay in param_dtype (mixed precision)
-        self._build = md.lower(lambda key: T5(config, rngs=nnx.Rngs(params=key), param_dtype=param_dtype,
-                                              dtype=dtype), mesh, layout)
-        abstract = nnx.eval_shape(lambda: T5(config, rngs=nnx.Rngs(params=0), param_dtype=param_dtype, dtype=dtype))
+        # the model of the config (T5 / MoE-T5, or a decoder-only Llama) and the loss that trains it
+        build, self.objective = model_class(config), objective(config)
+        self._build = md.lower(lambda key: build(config, rngs=nnx.Rngs(params=key), param_dtype=param_dtype,
+                                                 dtype=dtype), mesh, layout)
+        abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(params=0), param_dtype=param_dtype, dtype=dtype))
         self.graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree_util.tree_leaves(rest):
             raise ValueError(f"{config.name} holds state besides parameters ({rest}); the trainer keeps only nnx.Param")
@@ -72,18 +74,18 @@ class Trainer:
 
     # -- the named programs (run by md.lower) ----------------------------------------------------
 
-    def model(self, params) -> T5:
+    def model(self, params):
         return nnx.merge(self.graphdef, params, nnx.State({}))
 
     def _loss_and_grads(self, params, batch, key):
         def objective(p):
-            loss, metrics = t5_loss(self.model(p), batch, key=key, train=True, remat=self.remat)
+            loss, metrics = self.objective(self.model(p), batch, key=key, train=True, remat=self.remat)
             return loss.array, (loss, metrics)
         (_, (loss, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return grads, {"total_loss": loss, **metrics}
 
     def _eval_metrics(self, params, batch):
-        loss, metrics = t5_loss(self.model(params), batch, train=False)
+        loss, metrics = self.objective(self.model(params), batch, train=False)
         return {"total_loss": loss, **metrics}
 
     # -- state -----------------------------------------------------------------------------------

@@ -205,6 +205,20 @@ def test_the_planner_chooses_ulysses_by_bytes_and_gather_when_no_head_dim_divide
     assert [a["strategy"] for a in report.attention] == ["gather"]
 
 
+def test_queries_and_keys_renamed_off_the_layout_stay_split_where_they_are():
+    """A model that attends over renamed dims (``length`` -> ``seq`` and ``kv_seq``, as T5 and Llama
+    do) is context-parallel under ``length: ctx`` alone: the queries are not gathered."""
+    x = _arrays()[0]
+
+    def attend(x):
+        q, kv = md.rename(x, {"length": "seq"}), md.rename(x, {"length": "kv_seq"})
+        return md.rename(md.attention(q, kv, kv, over="kv_seq", length="seq", causal=True), {"seq": "length"})
+    layout = md.Layout({"batch": "data", "length": "ctx"})
+    assert_same(md.lower(attend, MESH, layout)(x), attend(x))
+    entry, = md.explain(attend, MESH, layout, x).attention
+    assert entry["strategy"] in ("gather", "ulysses") and entry["devices"] == 4
+
+
 def test_the_planner_never_moves_more_bytes_than_gspmd_on_context_parallel_attention():
     q, k, v = _arrays()
     w = _arrays(1)[0]

@@ -85,7 +85,11 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
         return dense_attention(ctx, spec, dims, q, k, v, bias, mask, pos)
     axes.update({f: () for f in spec.features})   # q . k sums the features whole: no partial logits
     held = ctx.placement(k).of(k.dims, spec.over) if ctx.explicit else ()
-    strategy, ring = _strategy(ctx, spec, dims, axes, held)
+    if not axes[spec.length] and held and _query_split(ctx, spec, axes, q) == held:
+        # queries and keys split alike along their positions, off the layout (which splits the
+        # dims they were renamed from): they stay there, context parallelism's to serve
+        axes = {**axes, spec.length: held, spec.over: ()}
+    strategy, ring = _strategy(ctx, spec, dims, axes, held, q)
     axes = {**axes, spec.length: ring} if ring else axes
     if strategy == "ring":
         return ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block)
@@ -156,15 +160,15 @@ def _positions(ctx, q_positions, kv_positions, q, k, spec):
     return out
 
 
-def _strategy(ctx, spec, dims, axes, held):
+def _strategy(ctx, spec, dims, axes, held, q):
     """``(strategy, ring axes)``: ``"local"``, ``"partial"`` (the keys split, the queries not), or
     context parallelism's ``gather``/``ring``/``ulysses`` over the axes splitting the queries'
     positions: the one forced by ``md.lower(attention=)`` (the keys split there first, a local
     slice if they arrive whole), else the planner's where the keys arrive split like the queries."""
     ring = axes[spec.length]
     forced = getattr(ctx, "attention", None)
-    if forced and not ring:   # where the layout splits the queries, whatever the operands' entry
-        ring = _layout_split(ctx, spec, axes)
+    if forced and not ring:   # where the queries are split, or the layout splits them, or the keys are
+        ring = _query_split(ctx, spec, axes, q, held)
     if forced and ring and not axes[spec.over]:
         if forced == "ulysses" and not _ulysses_dims(spec, dims, axes, ring, ctx):
             raise ShapeError(f"{where_(ctx)}: attention='ulysses' needs a dim of q, k and v (a head dim) "
@@ -195,11 +199,16 @@ def _implementation(ctx, implementation, q, k, v, spec) -> str:
     return "cudnn" if platform == "gpu" and sixteen and same and not spec.bias else "flash"
 
 
-def _layout_split(ctx, spec, axes) -> tuple:
-    """The layout's axes for the queries' positions, if no other dim of the op holds them."""
-    want = ctx.layout_axes(spec.length) if ctx.explicit else ()
-    used = {a for n, ax in axes.items() if n != spec.length for a in ax}
-    return want if want and not used & set(want) else ()
+def _query_split(ctx, spec, axes, q, keys=()) -> tuple:
+    """The axes splitting the queries' positions where ``q`` is, else where the layout puts them,
+    else (``keys``) where the keys' positions are split, if no other dim of the op holds them."""
+    if not ctx.explicit:
+        return ()
+    used = {a for n, ax in axes.items() if n not in (spec.length, spec.over) for a in ax}
+    for want in (ctx.placement(q).of(q.dims, spec.length), ctx.layout_axes(spec.length), keys):
+        if want and not used & set(want):
+            return want
+    return ()
 
 
 def _ulysses_dims(spec, dims, axes, held, ctx) -> list:

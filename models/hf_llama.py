@@ -1,0 +1,181 @@
+"""Weights from and to Hugging Face ``LlamaForCausalLM`` (the Llama-specific half of :mod:`meshdsl.models.hf`).
+
+Use it through :mod:`meshdsl.models.hf`, which recognises Llama models and directories::
+
+    model = meshdsl.models.hf.load(hf_llama_model)          # a LlamaForCausalLM built or loaded offline
+    state_dict = meshdsl.models.hf.export(model)             # {name: numpy array}, loadable by HF
+    meshdsl.models.hf.save_pretrained(model, dir)            # model.safetensors + config.json
+    model = meshdsl.models.hf.load_pretrained(dir)           # config.json with model_type "llama"
+
+Each of our parameters maps to one Hugging Face tensor per layer, transposed and reshaped by name:
+
+    model.embed_tokens.weight  [vocab, d_model]                 embed.embedding   [vocab, d_model]
+    layers.i.self_attn.q_proj  [(kv_heads groups d_head), d_model]  attention.q   [d_model, kv_heads, groups, d_head]
+    layers.i.self_attn.k_proj  [(kv_heads d_head), d_model]     attention.k/v     [d_model, kv_heads, d_head]
+    layers.i.self_attn.o_proj  [d_model, (kv_heads groups d_head)]  attention.o   [kv_heads, groups, d_head, d_model]
+    layers.i.mlp.gate/up_proj  [d_ff, d_model]                  ffn.wi_0 / wi_1   [d_model, d_ff]
+    layers.i.mlp.down_proj     [d_model, d_ff]                  ffn.wo            [d_ff, d_model]
+    layers.i.input_layernorm, post_attention_layernorm, model.norm  [d_model]  (RMSNorm scales)
+    lm_head.weight             [vocab, d_model]                 lm_head.kernel    [d_model, vocab] (untied only)
+
+HF layer ``i`` is entry ``i`` of our ``layers`` dim. Query head ``h`` is ``(kv_head, group) =
+divmod(h, groups)``: HF's ``repeat_kv`` order. Configurations HF can express but we do not model
+(biases, rotary scaling, activations other than SiLU) are refused by name.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from einops import rearrange
+from flax import nnx
+
+import meshdsl as md
+
+from .llama import Llama
+from .llama_configs import LlamaConfig
+
+__all__ = ["is_llama_config", "config_from_hf", "hf_config_dict", "from_state_dict", "export", "TIED"]
+
+TIED = ("lm_head.weight",)     # written once: HF ties it to the embedding again on load
+
+# our path inside a layer -> (HF key inside "model.layers.i.", how the tensor converts)
+_LAYER = {
+    ("attention_norm", "scale"): ("input_layernorm.weight", "same"),
+    ("attention", "q", "kernel"): ("self_attn.q_proj.weight", "q"),
+    ("attention", "k", "kernel"): ("self_attn.k_proj.weight", "kv"),
+    ("attention", "v", "kernel"): ("self_attn.v_proj.weight", "kv"),
+    ("attention", "o", "kernel"): ("self_attn.o_proj.weight", "o"),
+    ("ffn_norm", "scale"): ("post_attention_layernorm.weight", "same"),
+    ("ffn", "wi_0", "kernel"): ("mlp.gate_proj.weight", "T"),
+    ("ffn", "wi_1", "kernel"): ("mlp.up_proj.weight", "T"),
+    ("ffn", "wo", "kernel"): ("mlp.down_proj.weight", "T"),
+}
+_TOP = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", "same"),
+    ("norm", "scale"): ("model.norm.weight", "same"),
+    ("lm_head", "kernel"): ("lm_head.weight", "T"),
+}
+_HF_PATTERN = {"q": "(kv g d) m", "kv": "(kv d) m", "o": "m (kv g d)"}
+_OUR_PATTERN = {"q": "m kv g d", "kv": "m kv d", "o": "kv g d m"}
+
+
+def is_llama_config(hf_config) -> bool:
+    """Whether a ``transformers`` config (or ``config.json`` dict) is a Llama's."""
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", "")
+    return model_type == "llama"
+
+
+def _get(c, key, default=None):
+    return c.get(key, default) if isinstance(c, dict) else getattr(c, key, default)
+
+
+def config_from_hf(hf_config) -> LlamaConfig:
+    """Our :class:`LlamaConfig` for a ``transformers.LlamaConfig`` (or the dict of its ``config.json``)."""
+    g = lambda key, default=None: _get(hf_config, key, default)  # noqa: E731
+    problems = [f"{k}=True" for k in ("attention_bias", "mlp_bias") if g(k)]
+    if g("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={g('hidden_act')!r} (SiLU only)")
+    scaling = g("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        problems.append(f"rope_scaling={scaling!r} (plain RoPE only)")
+    if problems:
+        raise ValueError(f"unsupported Llama config: {', '.join(problems)}")
+    heads = g("num_attention_heads")
+    return LlamaConfig(
+        name=g("_name_or_path", "") or "llama", d_model=g("hidden_size"), d_ff=g("intermediate_size"), heads=heads,
+        kv_heads=g("num_key_value_heads") or heads, layers=g("num_hidden_layers"), vocab=g("vocab_size"),
+        d_head=g("head_dim") or None, rope_theta=float(g("rope_theta", 10000.0)), eps=float(g("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(g("tie_word_embeddings", False)), max_length=g("max_position_embeddings", 2048),
+        init_std=float(g("initializer_range", 0.02)))
+
+
+def hf_config_dict(config: LlamaConfig) -> dict:
+    """``config.json`` of the ``LlamaForCausalLM`` with our ``config``'s architecture (token ids of
+    the training corpus: pad and start token 0, eos 1)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.d_model,
+            "intermediate_size": config.d_ff, "num_attention_heads": config.heads,
+            "num_key_value_heads": config.kv_heads, "num_hidden_layers": config.layers, "head_dim": config.head_dim,
+            "vocab_size": config.vocab, "rope_theta": config.rope_theta, "rope_scaling": None,
+            "rms_norm_eps": config.eps, "tie_word_embeddings": config.tie_embeddings,
+            "max_position_embeddings": config.max_length, "initializer_range": config.init_std,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "pretraining_tp": 1, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, "use_cache": True,
+            "torch_dtype": "float32"}
+
+
+def _to_ours(hf: np.ndarray, kind: str, c: LlamaConfig) -> np.ndarray:
+    if kind in _HF_PATTERN:
+        return rearrange(hf, f"{_HF_PATTERN[kind]} -> {_OUR_PATTERN[kind]}", kv=c.kv_heads, d=c.head_dim)
+    return hf.T if kind == "T" else hf
+
+
+def _to_hf(ours: np.ndarray, kind: str) -> np.ndarray:
+    if kind in _HF_PATTERN:
+        return rearrange(ours, f"{_OUR_PATTERN[kind]} -> {_HF_PATTERN[kind]}")
+    return ours.T if kind == "T" else ours
+
+
+def _path_names(path) -> tuple[str, ...]:
+    names = [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
+    return tuple(n for n in names if n != "value")
+
+
+def _mapping(model: Llama):
+    """``(path, leaf, kind, [HF key per layer] or HF key)`` for each of our parameters."""
+    state = nnx.state(model, nnx.Param)
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, md.NamedArray))[0]
+    for path, leaf in leaves:
+        names = _path_names(path)
+        if names[0] == "layers":
+            key, kind = _LAYER[names[1:]]
+            yield path, leaf, kind, [f"model.layers.{i}.{key}" for i in range(model.config.layers)]
+        else:
+            key, kind = _TOP[names]
+            yield path, leaf, kind, key
+
+
+def from_state_dict(config: LlamaConfig, sd: dict, dtype=None) -> Llama:
+    """Our Llama with the weights of a Hugging Face state dict (numpy arrays)."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    wanted = [k for *_, keys in _mapping(abstract) for k in (keys if isinstance(keys, list) else [keys])]
+    missing = [k for k in wanted if k not in sd]
+    if missing:
+        raise ValueError(f"the Hugging Face weights lack {len(missing)} tensors of this config, e.g. "
+                         f"{', '.join(missing[:3])}")
+    values = {}
+    for path, leaf, kind, keys in _mapping(abstract):
+        if isinstance(keys, list):
+            arr = np.stack([_to_ours(np.asarray(sd[k]), kind, config) for k in keys])
+        else:
+            arr = _to_ours(np.asarray(sd[keys]), kind, config)
+        if arr.shape != leaf.dims.sizes:
+            raise ValueError(f"HF tensor for {'/'.join(_path_names(path))} has shape {arr.shape}, "
+                             f"expected [{leaf.dims}]")
+        values[_path_names(path)] = md.param(md.named(arr.astype(dtype or leaf.dtype), leaf.dims))
+
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: values[_path_names(path)] if isinstance(leaf, md.NamedArray) else leaf,
+        nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, md.NamedArray))
+    return nnx.merge(graphdef, params, nnx.state(abstract, nnx.Not(nnx.Param)))
+
+
+def load(hf_model, *, dtype=None) -> Llama:
+    """Our Llama with the weights of a ``transformers`` ``LlamaForCausalLM`` (built or loaded offline)."""
+    sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    return from_state_dict(config_from_hf(hf_model.config), sd, dtype)
+
+
+def export(model: Llama) -> dict[str, np.ndarray]:
+    """A Hugging Face state dict (numpy arrays) for our ``model``; a tied ``lm_head.weight`` included."""
+    out = {}
+    for _, leaf, kind, keys in _mapping(model):
+        arr = np.asarray(leaf.array)
+        if isinstance(keys, list):
+            out.update({k: _to_hf(arr[i], kind) for i, k in enumerate(keys)})
+        else:
+            out[keys] = _to_hf(arr, kind)
+    if model.config.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

@@ -341,11 +341,11 @@ COMPOSED = {
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSED))
-@pytest.mark.parametrize("strategy", [None, "ring"])
-def test_context_parallelism_composes_with_data_megatron_pipeline_and_zero3(name, strategy):
+@pytest.mark.parametrize("strategy, causal", [(None, True), ("ring", True), ("ring", False)])
+def test_context_parallelism_composes_with_data_megatron_pipeline_and_zero3(name, strategy, causal):
     mesh, layout = COMPOSED[name]
     args = _model_args()
-    fn = _model(causal=True)
+    fn = _model(causal=causal)
     assert_same(md.lower(fn, md.Mesh(mesh), layout, attention=strategy)(*args), fn(*args), 1e-4, 1e-5)
 
 

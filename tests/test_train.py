@@ -172,10 +172,10 @@ def test_layout_auto_trains_with_the_layout_the_search_ranks_first(tmp_path, cap
         main([*TINY, "--out", str(tmp_path / "bad"), "--layout", "auto", "--params-layout", "d_model:data"])
 
 
+@pytest.mark.slow  # ~80 s on 2 cores: the search costs every layout three times (its choice: test_search)
 def test_remat_auto_is_chosen_with_the_layout_and_recorded(tmp_path, capsys):
     """--remat auto with --layout auto: each layout is costed with each remat policy (none, dots,
-    full); the run trains with the pair ranked first and records both; without --layout auto it
-    is refused."""
+    full); the run trains with the pair ranked first and records both."""
     result = train(tmp_path, "auto", "--steps", "1", "--mesh", "data:8", "--layout", "auto", "--remat", "auto",
                    "--memory-budget", "1GiB", "--hardware", "h100-80gb")
     printed = capsys.readouterr().out
@@ -183,6 +183,9 @@ def test_remat_auto_is_chosen_with_the_layout_and_recorded(tmp_path, capsys):
     chosen = printed.split("layout     auto: ")[1].splitlines()[0].rsplit("remat ", 1)[1]
     assert chosen in ("none", "dots", "full") and result["trainer"].remat == chosen
     assert json.loads((tmp_path / "auto" / "run.json").read_text())["remat"] == chosen
+
+
+def test_remat_auto_without_layout_auto_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--remat auto is chosen with the layout: add --layout auto"):
         main([*TINY, "--out", str(tmp_path / "bad"), "--remat", "auto"])
 

@@ -13,8 +13,7 @@ gradients, on 8 devices:
 For each, the longest power-of-two length whose ``md.explain`` peak fits ``--budget`` (shapes only,
 on an abstract mesh), then at ``--check`` positions the compiled program: its temporaries
 (``memory_analysis``) next to explain's, and its bytes (``hlo_comm``) next to explain's and the
-analytic minimum of the strategy (the attention's formula, per layer, forward and backward, plus
-the all-reduce of the weights' gradients over ``ctx``: ``2 (n-1)/n |W|``).
+analytic minimum of the strategy (:func:`analytic_minimum`).
 
 Run: ``python -m bench.context [--quick]`` (writes bench/results/context.{json,md}).
 """
@@ -111,11 +110,27 @@ def check(width, case, seq) -> dict:
     compiled = report.compiled_memory()
     measured = hlo_bytes(md.lower(step, mesh, layout, attention=attention), params, x)
     weights = sum(p.size * 4 for p in jax.tree_util.tree_leaves(params, is_leaf=is_named) if is_named(p))
-    minimum = 2 * (DEVICES - 1) / DEVICES * weights if rules else 0.0
-    minimum += sum((a["forward_bytes"] + a["backward_bytes"]) * a["count"] for a in report.attention)
+    minimum = analytic_minimum(width, case, seq, weights)
     return {"explain_temporaries": report.memory["temporaries"], "compiled_temporaries": compiled["temporaries"],
             "explain_bytes": report.total_bytes, "compiled_bytes": total(measured), "minimum_bytes": minimum,
             "strategy": [a["strategy"] for a in report.attention]}
+
+
+def analytic_minimum(width, case, seq, weights) -> float:
+    """Bytes per device the placement cannot avoid: the weights' gradients all-reduced over
+    ``ctx`` (``2 (n-1)/n |W|``), and per layer the strategy's own - ring: the chunks of keys and
+    values ``(n-1)`` times forward and ``2 (n-1)`` backward (their gradients ride along); gather:
+    the cheaper of the keys and values or the layer's input (``d_model`` wide) gathered, and its
+    gradient reduce-scattered; Ulysses: ``(n-1)/n`` of q, k, v and the result, each way."""
+    if case == "whole sequence":
+        return 0.0
+    d_model, heads, d_kv, _, layers = WIDTHS[width]
+    n = DEVICES
+    chunk = seq // n * heads * d_kv * 4           # one device's keys (or values)
+    x = seq // n * d_model * 4                    # one device's layer input
+    per_layer = {"ring": 3 * (n - 1) * 2 * chunk, "gather": 2 * (n - 1) * min(x, 2 * chunk),
+                 "ulysses": 2 * (n - 1) / n * 4 * chunk}[case]
+    return 2 * (n - 1) / n * weights + layers * per_layer
 
 
 def run(quick: bool = False, budget_mib: int = 256, check_seq: int | None = None) -> str:
@@ -149,7 +164,8 @@ def run(quick: bool = False, budget_mib: int = 256, check_seq: int | None = None
     notes = (f"Budget {budget_mib} MiB per device (explain's peak: arguments, outputs and temporaries), "
              f"lengths {lengths[0]}..{lengths[-1]} (powers of two), 8 devices on `ctx`, one sequence, "
              f"loss and gradients of 2 layers. Bytes and temporaries at {check_seq} positions, compiled on "
-             "this machine's CPU devices; minimum = the attention's formula + the weights' gradient all-reduce.")
+             "this machine's CPU devices; minimum: `analytic_minimum` (the strategy's own bytes per layer + the "
+             "weights' gradient all-reduce).")
     return write("context", rows, columns, "Long context: longest sequence per placement, and bytes", notes,
                  extra={"budget_mib": budget_mib, "check_seq": check_seq})
 

@@ -56,6 +56,7 @@ class Spec:
     causal: bool
     bias: tuple | None = None    # the bias's dims (a subset of stats + over), if any
     mask: tuple | None = None    # the mask's dims (a subset of stats + over), if any
+    bias_fn: object = None       # the bias of a tile from its positions: bias_fn(table, q_pos, kv_pos)
 
     @property
     def stats(self) -> tuple:
@@ -69,16 +70,18 @@ class Spec:
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """One device's keys and values at one step, with what is laid out along ``over`` like them:
-    the bias and mask columns, and the keys' global positions (a vector along ``over``)."""
+    the bias and mask columns, and the keys' global positions (a vector along ``over``).
+    ``table``: the parameters of ``spec.bias_fn`` (a pytree; then ``bias`` is None)."""
 
     k: jax.Array
     v: jax.Array
     bias: jax.Array | None
     mask: jax.Array | None
     positions: jax.Array
+    table: object = None
 
 
-jax.tree_util.register_dataclass(Chunk, data_fields=["k", "v", "bias", "mask", "positions"], meta_fields=[])
+jax.tree_util.register_dataclass(Chunk, data_fields=["k", "v", "bias", "mask", "positions", "table"], meta_fields=[])
 
 
 def expand(x, names, target):
@@ -93,12 +96,21 @@ def _einsum(spec, sub_a, a, sub_b, b, out, dtype=jnp.float32):
     return jnp.einsum(f"{spec.letters(sub_a, sub_b)}->{spec.letters(out)}", a, b, preferred_element_type=dtype)
 
 
-def _logits(spec, q, c: Chunk, q_positions):
-    """``s[stats, over]`` of one block: scaled, biased, masked (float32)."""
+def _tile_bias(spec, c: Chunk, q_positions):
+    """The bias of a tile: its columns of the given bias, or ``bias_fn`` of its positions."""
+    if spec.bias_fn is not None:
+        return spec.bias_fn(c.table, q_positions, c.positions)
+    return c.bias
+
+
+def _logits(spec, q, c: Chunk, q_positions, bias=None):
+    """``s[stats, over]`` of one block: scaled, biased, masked (float32). ``bias``: the tile's
+    (default: :func:`_tile_bias`)."""
     target = (*spec.stats, spec.over)
     s = _einsum(spec, spec.q, q, spec.k, c.k, target) * spec.scale
-    if c.bias is not None:
-        s = s + expand(c.bias.astype(jnp.float32), spec.bias, target)
+    bias = _tile_bias(spec, c, q_positions) if bias is None else bias
+    if bias is not None:
+        s = s + expand(bias.astype(jnp.float32), spec.bias, target)
     allowed = None
     if spec.causal:
         allowed = expand(c.positions[None, :] <= q_positions[:, None], (spec.length, spec.over), target)
@@ -154,7 +166,7 @@ def _split(spec, c: Chunk, dim: str, n: int):
     names = _names(spec)
     scanned = {f: _cut(getattr(c, f), names[f], dim, n) for f in _FIELDS
                if getattr(c, f) is not None and dim in (names[f] or ())}
-    shared = {f: getattr(c, f) for f in _FIELDS if f not in scanned}
+    shared = {f: getattr(c, f) for f in (*_FIELDS, "table") if f not in scanned}
     return scanned, shared
 
 
@@ -249,13 +261,16 @@ def finish(spec, state, dtype):
 def backward_chunk(spec, q, c: Chunk, q_positions, lse, dout, delta, block: int | None = None,
                    q_block: int | None = None):
     """Gradients of chunk ``c``: ``(dq part, dk, dv, dbias)`` given the forward's ``lse`` and
-    ``delta = sum(dout * out over v's features) - dlse`` (both over ``stats``)."""
+    ``delta = sum(dout * out over v's features) - dlse`` (both over ``stats``); ``dbias`` is the
+    gradient of the bias's columns, or with ``bias_fn`` of its ``table``."""
     st = spec.stats
     refs = (q, c.k, c.v, c.bias, c.mask, c.positions, q_positions, dout, lse)
 
     def one(c, q, qp, lse, dout, delta):
-        def step(dq, b: Chunk):
-            s = _logits(spec, q, b, qp)
+        def step(carry, b: Chunk):
+            dq, dtable = carry
+            bias, pull = _bias_and_pullback(spec, b, qp)
+            s = _logits(spec, q, b, qp, bias)
             seen = jnp.isfinite(lse)[..., None]      # -inf: a query that saw no key at all
             p = jnp.where(seen, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0)
             dv = _einsum(spec, (*st, spec.over), p.astype(dout.dtype), spec.out, dout, spec.v)
@@ -263,20 +278,23 @@ def backward_chunk(spec, q, c: Chunk, q_positions, lse, dout, delta, block: int 
             ds = p * (dp - delta[..., None])
             dq = dq + _einsum(spec, (*st, spec.over), ds, spec.k, b.k, spec.q) * spec.scale
             dk = _einsum(spec, (*st, spec.over), ds, spec.q, q, spec.k) * spec.scale
-            db = None if b.bias is None else jnp.einsum(
+            db = None if bias is None else jnp.einsum(
                 f"{spec.letters((*st, spec.over))}->{spec.letters(spec.bias)}", ds).astype(jnp.float32)
-            return dq, (dk.astype(b.k.dtype), dv.astype(b.v.dtype), db)
+            if pull is not None:   # the table's gradient, accumulated; no columns to return
+                dtable = jax.tree.map(jnp.add, dtable, pull(db.reshape(bias.shape).astype(bias.dtype))[0])
+                db = None
+            return (dq, dtable), (dk.astype(b.k.dtype), dv.astype(b.v.dtype), db)
 
-        def skip(dq, b: Chunk):
-            zeros = _like(jnp.zeros(q.shape, jnp.float32), *refs)   # the shapes a computed tile gives
-            return dq, jax.tree.map(jnp.zeros_like, step(zeros, b)[1])
+        def skip(carry, b: Chunk):
+            return carry, jax.tree.map(jnp.zeros_like, step(carry, b)[1])   # (the values unused: dead code)
 
         dq0 = _like(jnp.zeros(q.shape, jnp.float32), *refs)
-        dq, (dk, dv, db) = _over_kv(spec, step, skip, dq0, c, qp, block)
+        table0 = jax.tree.map(lambda t: _like(jnp.zeros_like(t), *refs), c.table)
+        (dq, dtable), (dk, dv, db) = _over_kv(spec, step, skip, (dq0, table0), c, qp, block)
         dk, dv = _joined(dk, spec.k, spec.over), _joined(dv, spec.v, spec.over)
         if db is not None:
             db = _joined(db, spec.bias, spec.over) if spec.over in spec.bias else db.sum(0)
-        return dq, dk, dv, db
+        return dq, dk, dv, dtable if spec.bias_fn is not None else db
 
     per_q = {"q": (q, spec.q), "qp": (q_positions, (spec.length,)), "lse": (lse, st), "dout": (dout, spec.out),
              "delta": (delta, st)}
@@ -284,9 +302,20 @@ def backward_chunk(spec, q, c: Chunk, q_positions, lse, dout, delta, block: int 
     if n > 1:
         dq = _joined(dq, spec.q, spec.length)
         dk, dv = dk.sum(0), dv.sum(0)
-        if db is not None:
+        if spec.bias_fn is not None:
+            db = jax.tree.map(lambda t: t.sum(0), db)
+        elif db is not None:
             db = _joined(db, spec.bias, spec.length) if spec.length in spec.bias else db.sum(0)
+    if spec.bias_fn is not None:
+        return dq, dk, dv, db
     return dq, dk, dv, None if db is None else db.astype(c.bias.dtype)
+
+
+def _bias_and_pullback(spec, b: Chunk, q_positions):
+    """The tile's bias, and with ``bias_fn`` the pullback to its table (None otherwise)."""
+    if spec.bias_fn is None:
+        return b.bias, None
+    return jax.vjp(lambda table: spec.bias_fn(table, q_positions, b.positions), b.table)
 
 
 def tiles(spec, q_positions, kv_positions, block=None, q_block=None) -> int:
@@ -351,7 +380,8 @@ def dot_product(spec, q, c: Chunk, q_positions, implementation: str, aligned: bo
     def full(x, names):
         return None if x is None else jnp.broadcast_to(
             expand(x, names, grid), [size[n] for n in grid]).reshape(b, g, t, s)
-    bias, mask = full(c.bias, spec.bias), full(c.mask, spec.mask)
+    bias = c.bias if spec.bias_fn is None else spec.bias_fn(c.table, q_positions, c.positions)
+    bias, mask = full(bias, spec.bias), full(c.mask, spec.mask)
     causal = spec.causal and aligned
     if spec.causal and not causal:
         seen = full(c.positions[None, :] <= q_positions[:, None], (spec.length, spec.over))

@@ -142,10 +142,12 @@ class Recorder:
     # -- loops -------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def loop(self, length: int):
-        """A loop body's trace: what runs inside runs ``length`` times more often."""
+    def loop(self, length: int, *, inside_op: bool = False):
+        """A loop body's trace: what runs inside runs ``length`` times more often. ``inside_op``:
+        the loop is an op's own (a ring's steps), attributed to that op; else the body's ops are
+        attributed each to itself."""
         saved = (self.multiplier, self.op)
-        self.multiplier, self.op = saved[0] * length, None
+        self.multiplier, self.op = saved[0] * length, saved[1] if inside_op else None
         if self.mesh is not None:  # only a rewriter's trace counts executions
             trace = jaxcompat.current_trace()
             self._loops[id(trace)] = self.multiplier

@@ -12,6 +12,7 @@ import pytest
 import meshdsl as md
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept, raises
 from meshdsl import flash
+from meshdsl.layers.position import relative_position_bucket
 
 B, L, H, D = 2, 24, 4, 8
 MASK = float(jnp.finfo(jnp.float32).min)
@@ -123,6 +124,46 @@ def test_jax_dot_product_attention_takes_bias_masks_and_permuted_positions():
     order = r.permutation(L)
     for kw in ({"bias": bias, "mask": mask, "causal": True}, {"causal": True, "q_positions": order, "kv_positions": order}):
         assert_same(md.attention(q, k, v, implementation="xla", **kw), md.attention(q, k, v, **kw), 1e-5, 1e-5)
+
+
+def _relative(table, q_positions, kv_positions):
+    """T5's causal relative position bias of the positions given: [heads, length, kv_length]."""
+    bucket = relative_position_bucket(kv_positions - q_positions, bidirectional=False)
+    return md.take(table, bucket, "buckets")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_bias_computed_on_each_block_from_its_positions_equals_the_whole_bias(causal):
+    """``bias=(fn, table)``: T5's relative position bias made tile by tile from global positions
+    (no [length, kv_length] bias held) equals adding the whole bias, values and the table's
+    gradient, unsharded and under each context-parallel strategy."""
+    q, k, v = _arrays()
+    table = md.param(md.named(jnp.asarray(np.random.RandomState(5).randn(32, H), jnp.float32), "buckets heads"))
+
+    def whole(t):
+        return _relative(t, md.arange(md.Dim("length", L)), md.arange(md.Dim("kv_length", L)))
+
+    def loss(bias_of):
+        return lambda q, k, v, t: md.sum(md.attention(q, k, v, causal=causal, bias=bias_of(t), block=2) * q).array
+
+    def grads(bias_of):
+        return lambda q, k, v, t: jax.grad(loss(bias_of), argnums=(0, 3))(q, k, v, t)
+    blockwise = grads(lambda t: (_relative, t))
+    assert_same(blockwise(q, k, v, table), grads(whole)(q, k, v, table), 1e-4, 1e-5)
+    for strategy in ("gather", "ring", "ulysses"):
+        assert_same(md.lower(blockwise, MESH, md.Layout(CP), attention=strategy)(q, k, v, table),
+                    blockwise(q, k, v, table), 1e-4, 1e-5)
+
+
+def test_the_ring_keeps_less_memory_than_gathering_the_keys():
+    """Compiled: the ring holds one chunk of keys and values (a scan over the steps), gathering
+    holds them all for the backward pass."""
+    q, k, v = _arrays(length=1024, heads=4)
+    w = _arrays(1, length=1024, heads=4)[0]
+    attend = lambda *a: md.attention(*a, causal=True)   # noqa: E731
+    temps = {s: md.explain(_grads(attend, w), MESH, md.Layout(CP), q, k, v, attention=s).compiled_memory()["temporaries"]
+             for s in ("gather", "ring")}
+    assert temps["ring"] < temps["gather"], temps
 
 
 def test_memory_grows_linearly_with_the_length_not_with_its_square():

@@ -34,6 +34,7 @@ permuted sequence (zigzag order for causal balance) is attention over its ``q_po
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -43,7 +44,8 @@ import numpy as np
 from .. import flash
 from ..dims import Shape
 from ..errors import ShapeError, suggest
-from ..named import NamedArray
+from ..named import NamedArray, is_named
+from .attention_bias import bias_names, is_bias_fn, with_tile_bias
 from .attention_dense import dense_attention
 from .attention_local import local_attention
 from .attention_ring import ring_attention
@@ -64,7 +66,10 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
 
     ``features``: the dims q · k contracts (default: k's last dim other than ``over``);
     ``length``: q's position dim (default: q's one dim that k lacks, other than a grouped-query
-    dim). ``bias``: added to the logits, over dims of q (less features) and ``over``; ``mask``:
+    dim). ``bias``: added to the logits, over dims of q (less features) and ``over``: a
+    NamedArray, or ``(fn, table)`` computing it on every block from the block's global positions,
+    ``fn(table, q_positions, kv_positions)`` in named ops (:mod:`meshdsl.ops.attention_bias`:
+    no ``[length, over]`` bias held; ``table`` gets its gradient); ``mask``:
     boolean, True where a query may see a key, over the same dims; ``causal``: keys at positions
     after the query's are masked, positions ``q_positions`` (over ``length``) and ``kv_positions``
     (over ``over``), default ``0 .. n-1``. ``scale``: default ``1 / sqrt(features' size)``.
@@ -74,15 +79,20 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
     dims, features replaced by v's.
     """
     q, k, v = (as_named(ctx, x, role) for x, role in ((q, "q"), (k, "k"), (v, "v")))
-    spec, dims = _spec(ctx, q, k, v, over, length, features, bias, mask, causal, scale)
-    bias = None if bias is None else as_named(ctx, bias, "bias")
+    computed = bias if is_bias_fn(bias) else None
+    spec, dims = _spec(ctx, q, k, v, over, length, features, None if computed else bias, mask, causal, scale)
+    bias = None if bias is None or computed else as_named(ctx, bias, "bias")
     mask = None if mask is None else as_named(ctx, mask, "mask")
     extras = [x for x in (bias, mask) if x is not None]
+    if computed:
+        spec = with_tile_bias(dataclasses.replace(
+            spec, bias=bias_names(ctx, computed, q, k, spec.length, spec.over, spec.stats)), computed)
+        extras += [x for x in jax.tree_util.tree_leaves(computed[1], is_leaf=is_named) if is_named(x)]
     pos = _positions(ctx, q_positions, kv_positions, q, k, spec)
     operands = [q, k, v, *extras, *[p for p in pos if isinstance(p, NamedArray)]]
     axes = ctx.plan(dims, operands, prefer=(spec.length,))
     if any(axes[f] for f in spec.features) and ctx.option(2):   # the logits' partial sums reduced
-        return dense_attention(ctx, spec, dims, q, k, v, bias, mask, pos)
+        return dense_attention(ctx, spec, dims, q, k, v, computed or bias, mask, pos)
     axes.update({f: () for f in spec.features})   # q . k sums the features whole: no partial logits
     held = ctx.placement(k).of(k.dims, spec.over) if ctx.explicit else ()
     if not axes[spec.length] and held and _query_split(ctx, spec, axes, q) == held:
@@ -91,6 +101,7 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
         axes = {**axes, spec.length: held, spec.over: ()}
     strategy, ring = _strategy(ctx, spec, dims, axes, held, q)
     axes = {**axes, spec.length: ring} if ring else axes
+    bias = computed or bias
     if strategy == "ring":
         return ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block)
     if strategy == "ulysses":

@@ -26,6 +26,9 @@ def dense_attention(ctx, spec, dims, q, k, v, bias, mask, pos) -> NamedArray:
     """``softmax(scale q . k + bias, masked) . v`` over ``spec``'s dims, the logits whole."""
     stats = [n for n in spec.stats]
     logits = einsum(q, k, out=[*stats, spec.over], preferred_element_type=jnp.float32) * spec.scale
+    if isinstance(bias, tuple):   # computed from the positions: here for the whole logits
+        fn, table = bias
+        bias = fn(table, _positions(pos[0], dims[spec.length]), _positions(pos[1], dims[spec.over]))
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     allowed = mask

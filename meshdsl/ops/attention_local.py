@@ -11,10 +11,19 @@ from .. import collectives as C
 from .. import flash
 from ..dims import Shape
 from ..named import NamedArray
+from .attention_bias import is_bias_fn, local_table, named_operands
 from .attention_cost import record
 from .common import as_named
 
-__all__ = ["local_attention", "operands", "dense"]
+__all__ = ["local_attention", "operands", "dense", "chunk"]
+
+
+def chunk(spec, k, v, b, m, positions) -> flash.Chunk:
+    """The flash chunk of local keys and values: ``b`` is the bias's block, or the bias
+    function's table."""
+    if spec.bias_fn is not None:
+        return flash.Chunk(k, v, None, m, positions, b)
+    return flash.Chunk(k, v, b, m, positions)
 
 
 def _local_positions(ctx, p, dim, axes, vary):
@@ -31,9 +40,12 @@ def _local_positions(ctx, p, dim, axes, vary):
 
 
 def operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary):
-    """Local blocks of everything, placed by ``axes``."""
+    """Local blocks of everything, placed by ``axes`` (a bias function's table: its blocks)."""
     local = [ctx.local(x, axes, vary) for x in (q, k, v)]
-    b = ctx.local(as_named(ctx, bias), axes, vary) if bias is not None else None
+    if is_bias_fn(bias):
+        b = local_table(ctx, bias[1], axes, vary)
+    else:
+        b = ctx.local(as_named(ctx, bias), axes, vary) if bias is not None else None
     m = ctx.local(as_named(ctx, mask), axes, vary) if mask is not None else None
     qp = _local_positions(ctx, pos[0], dims[spec.length], axes[spec.length], vary)
     kp = _local_positions(ctx, pos[1], dims[spec.over], axes[spec.over], vary)
@@ -45,26 +57,26 @@ def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, stra
     """Attention where ``axes`` puts it; a split ``over`` (``partial``) combines the devices'
     results by their statistics. ``implementation``: ``"flash"`` (:mod:`meshdsl.flash`), or
     ``"cudnn"`` / ``"xla"`` (``jax.nn.dot_product_attention``) where the keys are whole."""
-    vary = ctx.vary(axes.values(), [q, k, v] + [as_named(ctx, x) for x in (bias, mask) if x is not None])
+    vary = ctx.vary(axes.values(), [q, k, v] + named_operands(bias, mask))
     (ql, kl, vl), b, m, qp, kp = operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary)
     split = axes[spec.over]
     out_dtype = jnp.float32 if split else v.dtype
     record(ctx, spec, dims, "partial" if split else strategy, split or ring, ql, kl, vl, v.dtype, pos, block)
     if implementation != "flash" and not split:
         aligned = pos[0] is None and pos[1] is None and not axes[spec.length] and dims[spec.length].size == dims[spec.over].size
-        out = flash.dot_product(spec, ql, flash.Chunk(kl, vl, b, m, kp), qp, implementation, aligned)
+        out = flash.dot_product(spec, ql, chunk(spec, kl, vl, b, m, kp), qp, implementation, aligned)
         return ctx.out(out.astype(v.dtype), Shape(dims[n] for n in spec.out), axes)
 
     # every array is an argument (a custom_vjp closing over a tracer breaks under remat and scan);
     # the mask and positions get no gradient
     def forward(ql, kl, vl, b, m, qp, kp):
-        out, lse = flash.attend(spec, ql, flash.Chunk(kl, vl, b, m, kp), qp, block, block)
+        out, lse = flash.attend(spec, ql, chunk(spec, kl, vl, b, m, kp), qp, block, block)
         return (out.astype(out_dtype), lse), (ql, kl, vl, b, m, qp, kp, out, lse)
 
     def backward(res, ct):
         ql, kl, vl, b, m, qp, kp, out, lse = res
         dout, dlse = (dense(x, like) for x, like in zip(ct, (out, lse)))
-        grads = flash.attend_backward(spec, ql, flash.Chunk(kl, vl, b, m, kp), qp, out, lse,
+        grads = flash.attend_backward(spec, ql, chunk(spec, kl, vl, b, m, kp), qp, out, lse,
                                       dout.astype(vl.dtype), dlse, block, block)
         return (*grads, None, None, None)
 

@@ -24,8 +24,9 @@ from .. import collectives as C
 from .. import cost
 from .. import flash
 from ..dims import Shape
+from .attention_bias import named_operands
 from .attention_cost import record
-from .attention_local import dense, operands
+from .attention_local import chunk, dense, operands
 
 __all__ = ["ring_attention"]
 
@@ -33,7 +34,7 @@ __all__ = ["ring_attention"]
 def ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block):
     """Attention with ``over`` split over ``ring`` like ``length``, by rotating keys and values."""
     keyed = {**axes, spec.over: ()}     # what lies along the keys' positions: whole, read by chunk
-    vary = ctx.vary(list(axes.values()) + [ring], [q, k, v] + [x for x in (bias, mask) if x is not None])
+    vary = ctx.vary(list(axes.values()) + [ring], [q, k, v] + named_operands(bias, mask))
     (ql, _, _), b, m, qp, kp = operands(ctx, spec, dims, keyed, q, k, v, bias, mask, pos, vary)
     placed = {**axes, spec.over: ring}
     kl, vl = ctx.local(k, placed, vary), ctx.local(v, placed, vary)
@@ -61,46 +62,83 @@ class _Ring:
     def chunk(self, kc, vc, owner, b, m, kp):
         """Chunk ``owner``'s keys and values ``kc, vc`` with its columns of the rest."""
         spec, start = self.spec, owner * self.size
-        return flash.Chunk(kc, vc, _columns(b, spec.bias, spec.over, start, self.size),
-                           _columns(m, spec.mask, spec.over, start, self.size),
-                           jax.lax.dynamic_slice_in_dim(kp, start, self.size))
+        columns = b if spec.bias_fn is not None else _columns(b, spec.bias, spec.over, start, self.size)
+        return chunk(spec, kc, vc, columns, _columns(m, spec.mask, spec.over, start, self.size),
+                     jax.lax.dynamic_slice_in_dim(kp, start, self.size))
 
     def forward(self, ql, kl, vl, b, m, qp, kp):
+        """Step 0 the own chunk; steps 1 .. n-1 a ``lax.scan`` whose carry holds one chunk."""
         spec, n, me = self.spec, self.n, C.axis_index(self.ring)
-        state = (*flash.start(spec, ql), None)
-        kc, vc = kl, vl
-        for step in range(n):
-            if step:
+        state = flash.forward_chunk(spec, ql, self.chunk(kl, vl, me, b, m, kp), qp,
+                                    (*flash.start(spec, ql), None), self.block, self.block)
+
+        def step(carry, i):
+            kc, vc, *state = carry
+            with self.ctx.rec.loop(n - 1, inside_op=True):
                 kc, vc = self.rotate(kc, "keys"), self.rotate(vc, "values")
-            c = self.chunk(kc, vc, (me - step) % n, b, m, kp)
-            state = flash.forward_chunk(spec, ql, c, qp, state, self.block, self.block)
-        out, lse = flash.finish(spec, state, vl.dtype)
+            state = flash.forward_chunk(spec, ql, self.chunk(kc, vc, (me - i) % n, b, m, kp), qp, tuple(state),
+                                        self.block, self.block)
+            return (kc, vc, *state), None
+
+        if n > 1:
+            (_, _, *state), _ = jax.lax.scan(step, (kl, vl, *state), jnp.arange(1, n))
+        out, lse = flash.finish(spec, tuple(state), vl.dtype)
         return out, (ql, kl, vl, b, m, qp, kp, out, lse)
 
     def backward(self, res, ct):
         """The chunks rotate the other way round (XLA cannot reuse the forward's rotated copies,
         which would hold every chunk until the backward pass: the whole sequence per device),
-        the own chunk last: the accumulators of dk and dv travel ``n - 1`` hops."""
+        the own chunk last: the accumulators of dk and dv travel ``n - 1`` hops. Steps 2 .. n-1
+        are a ``lax.scan`` whose carry holds one chunk and its accumulators."""
         ql, kl, vl, b, m, qp, kp, out, lse = res
         spec, n, me = self.spec, self.n, C.axis_index(self.ring)
         dout = dense(ct, out).astype(vl.dtype)
         delta = jnp.einsum(f"{spec.letters(spec.out, spec.out)}->{spec.letters(spec.stats)}",
                            dout.astype(jnp.float32), out.astype(jnp.float32))
-        dq, db = jnp.zeros(ql.shape, jnp.float32), None if b is None else jnp.zeros(b.shape, jnp.float32)
+        grads = _Grads(self, ql, qp, lse, dout, delta, b, me)
         kc, vc, acc = kl, vl, None
-        for step in [*range(1, n), 0]:
-            if step:
+        if n > 1:
+            kc, vc = self.rotate(kc, "keys", -1), self.rotate(vc, "values", -1)
+            acc = grads.add(None, self.chunk(kc, vc, (me + 1) % n, b, m, kp), 1)
+
+        def step(carry, i):
+            kc, vc, acc, dq, db = carry
+            with self.ctx.rec.loop(n - 2, inside_op=True):
                 kc, vc = self.rotate(kc, "keys", -1), self.rotate(vc, "values", -1)
-            if acc is not None:   # the accumulators of the chunk now here, from the previous device
                 acc = tuple(self.rotate(a, f"{w} gradient", -1) for a, w in zip(acc, ("keys", "values")))
-            c = self.chunk(*((kl, vl) if step == 0 else (kc, vc)), (me + step) % n, b, m, kp)
-            dq_part, dk, dv, db_part = flash.backward_chunk(spec, ql, c, qp, lse, dout, delta, self.block, self.block)
-            dq = dq + dq_part
-            acc = (dk, dv) if acc is None else (acc[0] + dk, acc[1] + dv)
-            if db is not None:
-                db = _add_columns(db, db_part, spec.bias, spec.over, ((me + step) % n) * self.size)
-        return (dq.astype(ql.dtype), acc[0].astype(kl.dtype), acc[1].astype(vl.dtype),
-                None if db is None else db.astype(b.dtype), None, None, None)
+            grads.dq, grads.db = dq, db
+            acc = grads.add(acc, self.chunk(kc, vc, (me + i) % n, b, m, kp), i)
+            return (kc, vc, acc, grads.dq, grads.db), None
+
+        if n > 2:
+            (kc, vc, acc, grads.dq, grads.db), _ = jax.lax.scan(step, (kc, vc, acc, grads.dq, grads.db),
+                                                               jnp.arange(2, n))
+        if acc is not None:   # home: the accumulators of the own chunk, from the previous device
+            acc = tuple(self.rotate(a, f"{w} gradient", -1) for a, w in zip(acc, ("keys", "values")))
+        dk, dv = grads.add(acc, self.chunk(kl, vl, me, b, m, kp), 0)
+        db = None if grads.db is None else jax.tree.map(lambda d, t: d.astype(t.dtype), grads.db, b)
+        return (grads.dq.astype(ql.dtype), dk.astype(kl.dtype), dv.astype(vl.dtype), db, None, None, None)
+
+
+class _Grads:
+    """The running gradients of a ring's backward pass: ``dq``, the bias's (or its table's)."""
+
+    def __init__(self, ring, ql, qp, lse, dout, delta, b, me):
+        self.ring, self.ql, self.qp, self.lse, self.dout, self.delta, self.me = ring, ql, qp, lse, dout, delta, me
+        self.dq = jnp.zeros(ql.shape, jnp.float32)
+        self.db = None if b is None else jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), b)
+
+    def add(self, acc, c, step):
+        """Chunk ``c`` (``step``'s) into dq and the bias's gradient; its dk, dv added to ``acc``."""
+        r, spec = self.ring, self.ring.spec
+        dq, dk, dv, db = flash.backward_chunk(spec, self.ql, c, self.qp, self.lse, self.dout, self.delta,
+                                              r.block, r.block)
+        self.dq = self.dq + dq
+        if spec.bias_fn is not None:   # the table's gradient: every tile's, summed
+            self.db = jax.tree.map(lambda t, d: t + d.astype(jnp.float32), self.db, db)
+        elif self.db is not None:
+            self.db = _add_columns(self.db, db, spec.bias, spec.over, ((self.me + step) % r.n) * r.size)
+        return (dk, dv) if acc is None else (acc[0] + dk, acc[1] + dv)
 
 
 def _columns(x, names, over, start, size):

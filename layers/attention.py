@@ -74,7 +74,8 @@ class Attention(nnx.Module):
         """Attend from ``x`` ``[batch, seq, d_model]`` to itself, or to ``context`` (the encoder's
         output ``[batch, seq, d_model]``; its ``seq`` becomes ``kv_seq``).
 
-        ``bias``: a precomputed position bias ``[heads, seq, kv_seq]`` (skips this layer's own
+        ``bias``: a precomputed position bias ``[heads, seq, kv_seq]``, or ``(fn, table)`` that
+        computes it on every block (:meth:`RelativePositionBias.blockwise`; skips this layer's own
         table). ``key_mask``: 1/True for real keys, ``[batch, kv_seq]`` (a ``seq`` dim is read as
         ``kv_seq``). ``key``: PRNG key for dropout on the weights (None: deterministic).
         Returns ``(y [batch, seq, d_model], bias)``; ``bias`` is None without a table or a given bias.
@@ -87,7 +88,8 @@ class Attention(nnx.Module):
         if bias is None and self.relative_attention_bias is not None:
             bias = self.relative_attention_bias(q.dims["seq"], k.dims["kv_seq"])
         if self.dropout_rate and key is not None:   # dropout on the weights: they are materialised
-            mixed = self._weights_dropped(q, k, v, bias, self._allowed(q.dims["seq"], k.dims["kv_seq"], key_mask), key)
+            whole = _whole(bias, q.dims["seq"], k.dims["kv_seq"])
+            mixed = self._weights_dropped(q, k, v, whole, self._allowed(q.dims["seq"], k.dims["kv_seq"], key_mask), key)
         else:
             mixed = md.attention(q, k, v, over="kv_seq", length="seq", features=self.d_kv.name, bias=bias,
                                  mask=_key_mask(key_mask), causal=self.causal, scale=1.0)
@@ -150,6 +152,14 @@ class Attention(nnx.Module):
         if real is not None:
             allowed = real if allowed is None else allowed & real
         return allowed
+
+
+def _whole(bias, seq: md.Dim, kv_seq: md.Dim):
+    """A bias ``(fn, table)`` computed for every position (the weights are materialised anyway)."""
+    if isinstance(bias, tuple):
+        fn, table = bias
+        return fn(table, md.arange(seq), md.arange(kv_seq))
+    return bias
 
 
 def _key_mask(key_mask):

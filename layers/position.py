@@ -17,6 +17,7 @@ it once with that layer's module and pass it to the others (see :class:`~meshdsl
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ import meshdsl as md
 
 from .params import normal_param
 
-__all__ = ["relative_position_bucket", "RelativePositionBias"]
+__all__ = ["relative_position_bucket", "RelativePositionBias", "bias_of_positions"]
 
 
 def relative_position_bucket(relative_position: md.NamedArray, bidirectional: bool = True,
@@ -71,8 +72,21 @@ class RelativePositionBias(nnx.Module):
         """Bias for queries ``query_len`` (a Dim, e.g. ``seq:16``, or an int) and keys ``key_len``
         (``kv_seq``): ``[heads, seq, kv_seq]`` in the table's dtype."""
         seq, kv_seq = _length(query_len, "seq"), _length(key_len, "kv_seq")
-        relative_position = md.arange(kv_seq) - md.arange(seq)            # memory - context
-        bucket = relative_position_bucket(relative_position, self.bidirectional, self.num_buckets,
-                                          self.max_distance)
-        values = md.take(self.embedding.get_value(), bucket, "buckets")   # [kv_seq, seq, heads]
-        return md.transpose(values, [self.heads.name, seq.name, kv_seq.name])
+        fn, table = self.blockwise()
+        return md.transpose(fn(table, md.arange(seq), md.arange(kv_seq)), [self.heads.name, seq.name, kv_seq.name])
+
+    def blockwise(self):
+        """``(fn, table)`` for ``md.attention(..., bias=(fn, table))``: the bias computed on every
+        block from its global positions, ``fn(table, q_positions, kv_positions)`` ``[kv_seq, seq,
+        heads]``, so no ``[heads, seq, kv_seq]`` bias is held (long sequences)."""
+        fn = functools.partial(bias_of_positions, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+                               max_distance=self.max_distance)
+        return fn, self.embedding.get_value()
+
+
+def bias_of_positions(table: md.NamedArray, q_positions: md.NamedArray, kv_positions: md.NamedArray, *,
+                      bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128) -> md.NamedArray:
+    """T5's bias ``table[bucket(kv_position - q_position), heads]`` of the positions given:
+    ``[kv_seq, seq, heads]`` (the dims of the positions and the table's heads)."""
+    bucket = relative_position_bucket(kv_positions - q_positions, bidirectional, num_buckets, max_distance)
+    return md.take(table, bucket, "buckets")

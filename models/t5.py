@@ -28,8 +28,9 @@ split ``length`` never meet in one tensor. Name the token dims of your data anyt
 
 Layers are stacked (parameters carry a ``layers`` dim) and run with ``md.scan``, one scanned step
 per ``config.period`` layers (MoE-T5 alternates dense and sparse FFNs), so compile time does not
-depend on depth. The relative position bias is computed once per stack (T5's first layer owns the
-table; the others reuse it).
+depend on depth. The relative position bias comes from one table per stack (T5's first layer owns
+the table; the others reuse it), computed by ``md.attention`` on every block from the block's
+global positions: no ``[heads, seq, kv_seq]`` bias is held, whatever the length.
 """
 
 from __future__ import annotations
@@ -247,8 +248,7 @@ class T5(nnx.Module):
         encoded, enc_metrics = self.encode(enc_ids, mask, key=k[0], train=train, remat=remat)
         context = md.rename(encoded, {"length": "kv_seq"})
         y = dropout(_leave(self.shared(_enter(dec_ids))), self.config.dropout_rate, k[1])
-        n = y.dims["length"].size
-        bias = self.decoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
+        bias = self.decoder_bias.blockwise()   # computed on every block of md.attention
         def logits(y):
             y = _enter(dropout(self.decoder_norm(y), self.config.dropout_rate, k[3]))
             out = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
@@ -263,8 +263,7 @@ class T5(nnx.Module):
         ``[batch, kv_seq]`` marks the real tokens."""
         k = _keys(key, 3)
         x = dropout(_leave(self.shared(_enter(ids))), self.config.dropout_rate, k[0])
-        n = x.dims["length"].size
-        bias = self.encoder_bias(md.Dim("seq", n), md.Dim("kv_seq", n))
+        bias = self.encoder_bias.blockwise()   # computed on every block of md.attention
         x, metrics = self.encoder(x, bias, mask, key=k[1], train=train, remat=remat, schedule="gpipe")
         return dropout(self.encoder_norm(x), self.config.dropout_rate, k[2]), metrics
 

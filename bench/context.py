@@ -13,7 +13,8 @@ gradients, on 8 devices:
 For each, the longest power-of-two length whose ``md.explain`` peak fits ``--budget`` (shapes only,
 on an abstract mesh), then at ``--check`` positions the compiled program: its temporaries
 (``memory_analysis``) next to explain's, and its bytes (``hlo_comm``) next to explain's and the
-analytic minimum of the strategy (:func:`analytic_minimum`).
+analytic minimum of the strategy (:func:`analytic_minimum`) and the compiler's (``backend="gspmd"``,
+the same program and layout).
 
 Run: ``python -m bench.context [--quick]`` (writes bench/results/context.{json,md}).
 """
@@ -109,10 +110,12 @@ def check(width, case, seq) -> dict:
     report = md.explain(step, mesh, layout, params, x, attention=attention)
     compiled = report.compiled_memory()
     measured = hlo_bytes(md.lower(step, mesh, layout, attention=attention), params, x)
+    gspmd = hlo_bytes(md.lower(step, mesh, layout, backend="gspmd"), params, x)
     weights = sum(p.size * 4 for p in jax.tree_util.tree_leaves(params, is_leaf=is_named) if is_named(p))
     minimum = analytic_minimum(width, case, seq, weights)
     return {"explain_temporaries": report.memory["temporaries"], "compiled_temporaries": compiled["temporaries"],
             "explain_bytes": report.total_bytes, "compiled_bytes": total(measured), "minimum_bytes": minimum,
+            "gspmd_bytes": total(gspmd),
             "strategy": [a["strategy"] for a in report.attention]}
 
 
@@ -133,7 +136,7 @@ def analytic_minimum(width, case, seq, weights) -> float:
     return 2 * (n - 1) / n * weights + layers * per_layer
 
 
-def run(quick: bool = False, budget_mib: int = 256, check_seq: int | None = None) -> str:
+def run(quick: bool = False, budget_mib: int = 1024, check_seq: int | None = None) -> str:
     lengths = [2 ** k for k in range(10, 15 if quick else 18)]
     check_seq = check_seq or (2048 if quick else 4096)
     rows = []
@@ -160,6 +163,7 @@ def run(quick: bool = False, budget_mib: int = 256, check_seq: int | None = None
         ("bytes: compiled", cell("b", lambda r: fmt_bytes(r["compiled_bytes"]))),
         ("explain / compiled", cell("e", lambda r: ratio(r["explain_bytes"], r["compiled_bytes"]))),
         ("compiled / minimum", cell("m", lambda r: ratio(r["compiled_bytes"], r["minimum_bytes"]))),
+        ("compiled / gspmd", cell("g", lambda r: ratio(r["compiled_bytes"], r["gspmd_bytes"]))),
     ]
     notes = (f"Budget {budget_mib} MiB per device (explain's peak: arguments, outputs and temporaries), "
              f"lengths {lengths[0]}..{lengths[-1]} (powers of two), 8 devices on `ctx`, one sequence, "
@@ -173,7 +177,7 @@ def run(quick: bool = False, budget_mib: int = 256, check_seq: int | None = None
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--budget-mib", type=int, default=256)
+    ap.add_argument("--budget-mib", type=int, default=1024)
     ap.add_argument("--check-seq", type=int, default=None)
     a = ap.parse_args()
     print(run(a.quick, a.budget_mib, a.check_seq))

@@ -298,17 +298,43 @@ def backward_chunk(spec, q, c: Chunk, q_positions, lse, dout, delta, block: int 
 
     per_q = {"q": (q, spec.q), "qp": (q_positions, (spec.length,)), "lse": (lse, st), "dout": (dout, spec.out),
              "delta": (delta, st)}
-    (dq, dk, dv, db), n = _over_q(spec, one, c, per_q, q_block, q.shape[spec.q.index(spec.length)])
-    if n > 1:
-        dq = _joined(dq, spec.q, spec.length)
-        dk, dv = dk.sum(0), dv.sum(0)
-        if spec.bias_fn is not None:
-            db = jax.tree.map(lambda t: t.sum(0), db)
-        elif db is not None:
-            db = _joined(db, spec.bias, spec.length) if spec.length in spec.bias else db.sum(0)
-    if spec.bias_fn is not None:
+    dq, dk, dv, db = _summed_over_q(spec, one, c, per_q, q_block, q.shape[spec.q.index(spec.length)], refs)
+    if spec.bias_fn is not None or db is None:
         return dq, dk, dv, db
-    return dq, dk, dv, None if db is None else db.astype(c.bias.dtype)
+    return dq, dk, dv, db.astype(c.bias.dtype)
+
+
+def _summed_over_q(spec, one, c: Chunk, per_q: dict, q_block, length: int, refs):
+    """``one`` for each block of queries (a ``lax.scan``): ``dq`` (and a bias's gradient along
+    ``length``) per block, joined; the chunk's ``dk``, ``dv`` (and the table's or a bias's without
+    ``length``) summed in the carry, so the pass holds one chunk's gradients, not one per block."""
+    n = length // block_size(length, q_block)
+    if n == 1:
+        return one(c, **{k: a for k, (a, _) in per_q.items()})
+    scanned, shared = _split(spec, c, spec.length, n)
+    xs = {k: _cut(a, names, spec.length, n) for k, (a, names) in per_q.items()}
+    along = spec.bias_fn is None and spec.bias is not None and spec.length in spec.bias   # db per block
+
+    def body(carry, x):
+        sliced, rest = x
+        dq, dk, dv, db = one(Chunk(**{**shared, **sliced}), **rest)
+        summed = (dk, dv, None if along else db)
+        carry = jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, summed)
+        return carry, (dq, db if along else None)
+
+    first = jax.eval_shape(lambda: _summed_shapes(one, shared, scanned, xs, along))
+    zeros = jax.tree.map(lambda t: _like(jnp.zeros(t.shape, jnp.float32), *refs), first)
+    (dk, dv, db), (dq, db_along) = jax.lax.scan(body, zeros, (scanned, xs))
+    dk, dv = dk.astype(c.k.dtype), dv.astype(c.v.dtype)
+    dq = _joined(dq, spec.q, spec.length)
+    return dq, dk, dv, _joined(db_along, spec.bias, spec.length) if along else db
+
+
+def _summed_shapes(one, shared, scanned, xs, along):
+    """The summed parts of ``one`` on the first block of queries (their shapes seed the carry)."""
+    first = jax.tree.map(lambda a: a[0], (scanned, xs))
+    _, dk, dv, db = one(Chunk(**{**shared, **first[0]}), **first[1])
+    return dk, dv, None if along else db
 
 
 def _bias_and_pullback(spec, b: Chunk, q_positions):

@@ -137,7 +137,7 @@ def analytic_minimum(width, case, seq, weights) -> float:
 
 
 def run(quick: bool = False, budget_mib: int = 1024, check_seq: int | None = None) -> str:
-    lengths = [2 ** k for k in range(10, 15 if quick else 18)]
+    lengths = [2 ** k for k in range(10, 15 if quick else 20)]
     check_seq = check_seq or (2048 if quick else 4096)
     rows = []
     for width in WIDTHS:

@@ -16,7 +16,7 @@ q, k and the saved ``lse`` (FlashAttention-2's recurrence: ``ds = p * (dp - D)``
 Queries are visited in blocks of ``q_block`` positions too; with a causal mask a tile (a query
 block against a key block) whose keys all come after its queries is skipped (``lax.cond`` on
 the tile's global positions), forward and backward: causal attention does about half the work,
-and :func:`tiles` counts the tiles each device computes.
+and :func:`meshdsl.balance.tiles` counts the tiles each device computes.
 
 A *chunk* is the keys and values one device holds at one step of context parallelism (its own,
 or one received in a ring): :func:`forward_chunk` folds a chunk into the running statistics,
@@ -35,7 +35,7 @@ import numpy as np
 from .jaxcompat import varying_axes
 
 __all__ = ["Spec", "Chunk", "MASK_VALUE", "attend", "attend_backward", "forward_chunk", "finish",
-           "backward_chunk", "start", "block_size", "expand", "tiles", "zigzag_positions", "dot_product"]
+           "backward_chunk", "start", "block_size", "expand", "dot_product"]
 
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # added to a masked logit, as Hugging Face's T5 does
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -219,9 +219,19 @@ def start(spec, q):
     return jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32)
 
 
+def _tied(q, c: Chunk, q_positions):
+    """The positions tied to ``q`` (an optimization barrier): what is computed from positions
+    alone per tile (the causal masks, a bias from positions) then depends on the data, so neither
+    jax (a scan's loop-invariant residuals, once per layer stack) nor XLA hoists it out of the
+    loops over layers and tiles, where it would be held for every tile at once."""
+    q_positions, kv_positions, q = jax.lax.optimization_barrier((q_positions, c.positions, q))
+    return q, dataclasses.replace(c, positions=kv_positions), q_positions
+
+
 def forward_chunk(spec, q, c: Chunk, q_positions, state, block: int | None = None, q_block: int | None = None):
     """Fold chunk ``c`` into ``state = (m, l, acc)`` (``acc`` over ``spec.out``, float32; None
     before the first chunk)."""
+    q, c, q_positions = _tied(q, c, q_positions)
     m, l, acc = state
     st = spec.stats
     if acc is None:
@@ -264,6 +274,7 @@ def backward_chunk(spec, q, c: Chunk, q_positions, lse, dout, delta, block: int 
     ``delta = sum(dout * out over v's features) - dlse`` (both over ``stats``); ``dbias`` is the
     gradient of the bias's columns, or with ``bias_fn`` of its ``table``."""
     st = spec.stats
+    q, c, q_positions = _tied(q, c, q_positions)
     refs = (q, c.k, c.v, c.bias, c.mask, c.positions, q_positions, dout, lse)
 
     def one(c, q, qp, lse, dout, delta):
@@ -342,29 +353,6 @@ def _bias_and_pullback(spec, b: Chunk, q_positions):
     if spec.bias_fn is None:
         return b.bias, None
     return jax.vjp(lambda table: spec.bias_fn(table, q_positions, b.positions), b.table)
-
-
-def tiles(spec, q_positions, kv_positions, block=None, q_block=None) -> int:
-    """Tiles (query block x key block) computed for concrete positions: all of them, or with a
-    causal mask those where some key is not after some query."""
-    q_positions, kv_positions = np.asarray(q_positions), np.asarray(kv_positions)
-    qb = block_size(len(q_positions), q_block)
-    kb = block_size(len(kv_positions), block)
-    if not spec.causal:
-        return (len(q_positions) // qb) * (len(kv_positions) // kb)
-    q_max = q_positions.reshape(-1, qb).max(1)
-    k_min = kv_positions.reshape(-1, kb).min(1)
-    return int((k_min[None, :] <= q_max[:, None]).sum())
-
-
-def zigzag_positions(size: int, n: int) -> np.ndarray:
-    """The zigzag (dual-chunk-swap) order of ``size`` positions for ``n`` devices: the sequence in
-    ``2n`` chunks, device ``i`` holding chunks ``i`` and ``2n - 1 - i``, so each holds as many
-    early as late queries and causal attention gives every device the same work."""
-    if size % (2 * n):
-        raise ValueError(f"zigzag order needs a length divisible by 2 x {n} devices, got {size}")
-    chunks = np.arange(size).reshape(2 * n, size // (2 * n))
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
 def attend(spec, q, c: Chunk, q_positions, block=None, q_block=None):

@@ -11,7 +11,7 @@ import pytest
 
 import meshdsl as md
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept, raises
-from meshdsl import flash
+from meshdsl import balance
 from meshdsl.layers.position import relative_position_bucket
 
 B, L, H, D = 2, 24, 4, 8
@@ -296,7 +296,7 @@ def test_keys_split_along_their_positions_and_whole_queries_combine_by_statistic
 
 def test_zigzag_order_balances_causal_work_and_attends_over_its_positions():
     q, k, v = _arrays(length=32)
-    order = flash.zigzag_positions(32, 4)
+    order = balance.zigzag_positions(32, 4)
     assert sorted(order) == list(range(32))
 
     def attend(*a):

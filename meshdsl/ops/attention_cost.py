@@ -15,7 +15,7 @@ Formulas, per device and execution, ``n`` devices on the context axis, local siz
 The work balance is ``max / mean`` over the devices of the tiles (a block of queries against a
 block of keys) each computes, counted from the global positions where they are constants
 (the default ``0 .. n-1``, or given from numpy: a zigzag order); with a causal mask a tile no
-query sees is skipped (:func:`meshdsl.flash.tiles`).
+query sees is skipped (:func:`meshdsl.balance.tiles`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from .. import cost
-from .. import flash
+from .. import balance, flash
 from ..jaxcompat import pricing
 
 __all__ = ["describe", "record"]
@@ -101,8 +101,8 @@ def _balance(ctx, spec, dims, strategy, n, pos, block) -> float | None:
         return None
     q_blocks, k_chunks = np.split(qp, n), np.split(kp, n)
     if strategy == "ring":
-        work = [sum(flash.tiles(spec, qd, kc, block, block) for kc in k_chunks) for qd in q_blocks]
+        work = [sum(balance.tiles(spec, qd, kc, block, block) for kc in k_chunks) for qd in q_blocks]
     else:
-        work = [flash.tiles(spec, qd, kp, block, block) for qd in q_blocks]
+        work = [balance.tiles(spec, qd, kp, block, block) for qd in q_blocks]
     mean = sum(work) / len(work)
     return float(max(work) / mean) if mean else 1.0

@@ -41,8 +41,10 @@ def test_notebook_is_stored_clean_and_sets_devices_first(path):
     assert nb.metadata.kernelspec.name == "python3"
 
 
-# 02 (T5 under six layouts, ~2 min) runs with the end-to-end tests: python -m pytest -m slow
-RUNS = [pytest.param(p, marks=pytest.mark.slow) if p.stem == "02_t5_layouts" else p for p in NOTEBOOKS]
+# 02 (T5 under six layouts, ~2 min) and 06 (the layout search, ~70 s; md.search's behaviour is
+# tests/test_search.py's) run with the end-to-end tests: python -m pytest -m slow
+SLOW = ("02_t5_layouts", "06_layout_search")
+RUNS = [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: p.stem)

@@ -178,8 +178,8 @@ def _strategy(ctx, spec, dims, axes, held, q):
     slice if they arrive whole), else the planner's where the keys arrive split like the queries."""
     ring = axes[spec.length]
     forced = getattr(ctx, "attention", None)
-    if forced and not ring:   # where the queries are split, or the layout splits them, or the keys are
-        ring = _query_split(ctx, spec, axes, q, held)
+    if forced and not ring:   # where the queries are split, or the layout splits them
+        ring = _query_split(ctx, spec, axes, q)
     if forced and ring and not axes[spec.over]:
         if forced == "ulysses" and not _ulysses_dims(spec, dims, axes, ring, ctx):
             raise ShapeError(f"{where_(ctx)}: attention='ulysses' needs a dim of q, k and v (a head dim) "
@@ -210,13 +210,13 @@ def _implementation(ctx, implementation, q, k, v, spec) -> str:
     return "cudnn" if platform == "gpu" and sixteen and same and not spec.bias else "flash"
 
 
-def _query_split(ctx, spec, axes, q, keys=()) -> tuple:
+def _query_split(ctx, spec, axes, q) -> tuple:
     """The axes splitting the queries' positions where ``q`` is, else where the layout puts them,
-    else (``keys``) where the keys' positions are split, if no other dim of the op holds them."""
+    if no other dim of the op (but the keys' positions) holds them."""
     if not ctx.explicit:
         return ()
     used = {a for n, ax in axes.items() if n not in (spec.length, spec.over) for a in ax}
-    for want in (ctx.placement(q).of(q.dims, spec.length), ctx.layout_axes(spec.length), keys):
+    for want in (ctx.placement(q).of(q.dims, spec.length), ctx.layout_axes(spec.length)):
         if want and not used & set(want):
             return want
     return ()

@@ -43,44 +43,38 @@ def _named(arrays, templates):
             for a, t in zip(arrays, templates)]
 
 
-def _call(fn, table, q_positions, kv_positions, length: str, over: str, names=None):
-    """``fn`` on plain arrays, its named ops run as the unsharded program would (this device's
-    blocks are the whole values here); its result transposed to ``names`` (default: its own)."""
-    leaves, tree = jax.tree_util.tree_flatten(table, is_leaf=is_named)
-    templates, arrays = leaves, [x.raw if is_named(x) else x for x in leaves]
+def _call(fn, templates, tree, arrays, q_positions, kv_positions, length: str, over: str, names=None):
+    """``fn`` on plain ``arrays`` (the table's leaves, dim names from ``templates``), its named ops
+    run as the unsharded program would (this device's blocks are the whole values here): its
+    result transposed to ``names`` (default: its own), and its names."""
     with using(GlobalContext()):
-        def run(arrays, qp, kp):
-            t = jax.tree_util.tree_unflatten(tree, _named(arrays, templates))
-            out = fn(t, NamedArray(qp, Shape([Dim(length, qp.shape[0])])),
-                     NamedArray(kp, Shape([Dim(over, kp.shape[0])])))
-            order = names or out.names
-            return jax.numpy.transpose(out.array, [out.names.index(n) for n in order]), out.names
-        return run(arrays, q_positions, kv_positions)
+        out = fn(jax.tree_util.tree_unflatten(tree, _named(arrays, templates)),
+                 NamedArray(q_positions, Shape([Dim(length, q_positions.shape[0])])),
+                 NamedArray(kv_positions, Shape([Dim(over, kv_positions.shape[0])])))
+    order = names or out.names
+    return jax.numpy.transpose(out.raw, [out.names.index(n) for n in order]), out.names
 
 
 def bias_names(ctx, bias, q, k, length: str, over: str, stats) -> tuple:
     """The dims of ``fn``'s result, from a shape-only run on the global positions; a ShapeError
     if they are not dims of the logits."""
     fn, table = bias
+    leaves, tree = jax.tree_util.tree_flatten(table, is_leaf=is_named)
     qp = jax.ShapeDtypeStruct((q.dims[length].size,), jax.numpy.int32)
     kp = jax.ShapeDtypeStruct((k.dims[over].size,), jax.numpy.int32)
-    names = _call_names(fn, table, length, over, qp, kp)
+    found = []
+
+    def run(a, b):
+        array, names = _call(fn, leaves, tree, [x.raw if is_named(x) else x for x in leaves], a, b, length, over)
+        found.append(names)
+        return array
+    jax.eval_shape(run, qp, kp)
+    names = tuple(found[0])
     extra = sorted(set(names) - set(stats) - {over})
     if extra:
         raise ShapeError(f"{where_(ctx)}: the bias function gives dims {list(names)}; {extra} are not dims of the "
                          f"logits [{' '.join(stats)} {over}]")
     return names
-
-
-def _call_names(fn, table, length, over, qp, kp) -> tuple:
-    out = []
-
-    def run(a, b):
-        array, names = _call(fn, table, a, b, length, over)
-        out.append(names)
-        return array
-    jax.eval_shape(run, qp, kp)
-    return tuple(out[0])
 
 
 def local_table(ctx, table, axes, vary):
@@ -96,8 +90,7 @@ def with_tile_bias(spec, bias):
     leaves, tree = jax.tree_util.tree_flatten(table, is_leaf=is_named)
 
     def tile(local, q_positions, kv_positions):
-        named = jax.tree_util.tree_unflatten(tree, _named(jax.tree_util.tree_leaves(local), leaves))
-        return _call(fn, named, q_positions, kv_positions, spec.length, spec.over, spec.bias)[0]
-    # (the local leaves are plain arrays: _call wraps them in the table's dim names again)
+        return _call(fn, leaves, tree, jax.tree_util.tree_leaves(local), q_positions, kv_positions,
+                     spec.length, spec.over, spec.bias)[0]
 
     return dataclasses.replace(spec, bias_fn=tile)

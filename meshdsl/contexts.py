@@ -149,17 +149,20 @@ def active():
 
 class DimsRecorder(GlobalContext):
     """The unsharded reference that also notes the dims of every value a named op returns
-    (``dim_sets``): which dims share a tensor, so a layout must not split them over one axis."""
+    (``dim_sets``): which dims share a tensor, so a layout must not split them over one axis;
+    and ``shapes``: shape -> the dims (names, in order) of the values of that shape."""
 
     def __init__(self):
         super().__init__()
         self.dim_sets: set = set()
+        self.shapes: dict = {}
 
     def apply(self, name: str, rule, args, kwargs):
         result = rule(self, *args, **kwargs)
         for leaf in jax.tree_util.tree_leaves(result, is_leaf=is_named):
             if is_named(leaf):
                 self.dim_sets.add(frozenset(d.name for d in leaf.dims))
+                self.shapes.setdefault(tuple(d.size for d in leaf.dims), set()).add(tuple(d.name for d in leaf.dims))
         return result
 
 

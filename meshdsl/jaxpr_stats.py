@@ -144,8 +144,15 @@ def live(jaxpr):
     """``jaxpr`` without the computations whose results are never used and without repeated
     identical computations (as the compiler drops them: DCE and CSE). Dead code goes first: a
     computation repeated by an aborted trace (``md.scan`` retrying a step, its records rolled back)
-    must not stand in for the live one it repeats (explain matches collectives by name scope)."""
-    return dce(cse(dce(inline(getattr(jaxpr, "jaxpr", jaxpr)))))
+    must not stand in for the live one it repeats (explain matches collectives by name scope).
+    The latest program's answer is kept (the planner and explain both ask for it)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if _LIVE[0] is not jaxpr:
+        _LIVE[:] = [jaxpr, dce(cse(dce(inline(jaxpr))))]
+    return _LIVE[1]
+
+
+_LIVE: list = [None, None]   # the latest program given to live() and its answer
 
 
 _GATHER_PARAMS = ("all_gather_dimension", "axis_name", "axis_size", "tiled")
@@ -156,6 +163,35 @@ def _as_xla_sees(text: str) -> str:
     between a gather typed varying and one typed invariant (one all-gather to XLA)."""
     text = re.sub(r"\{V:[^}]*\}", "", text).replace("all_gather_invariant", "all_gather")
     return re.sub(r"\s*axis_index_groups=None", "", text)
+
+
+class _ProgramKey:
+    """A sub-program as :func:`cse` compares it: hashed by its equations' primitives and its
+    inputs' types, equal where the programs print alike (:func:`_as_xla_sees`); printed only
+    when two hash alike (printing every loop body was most of CSE's time)."""
+
+    __slots__ = ("program", "_hash", "_text")
+
+    def __init__(self, program):
+        jaxpr = getattr(program, "jaxpr", program)
+        self.program, self._text = program, None
+        self._hash = hash((len(jaxpr.eqns), tuple(e.primitive.name for e in jaxpr.eqns),
+                           tuple((getattr(v.aval, "shape", None), str(getattr(v.aval, "dtype", ""))) for v in jaxpr.invars)))
+
+    def text(self) -> str:
+        if self._text is None:
+            self._text = _as_xla_sees(str(self.program))
+        return self._text
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ProgramKey) and self._hash == other._hash and \
+            (self.program is other.program or self.text() == other.text())
+
+    def __repr__(self) -> str:
+        return f"program#{self._hash}"
 
 
 def _canonical(eqn, keys, params):
@@ -191,7 +227,7 @@ def cse(jaxpr):
 
     def param_key(value):
         if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-            return ("jaxpr", _as_xla_sees(str(value)))  # structure, not name scopes: tags differ, programs do not
+            return _ProgramKey(value)  # structure, not name scopes: tags differ, programs do not
         if callable(value) or type(value).__name__ == "WrappedFun":  # rules (custom_vjp's fwd / bwd): the program is already differentiated
             return "callable"
         if isinstance(value, (tuple, list)):

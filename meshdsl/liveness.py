@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 
 from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, materialized, nbytes, sub_jaxprs
 
-__all__ = ["memory", "Buffer"]
+__all__ = ["memory", "at_peak", "Buffer"]
 
 _IN_PLACE = frozenset(("scatter-add", "scatter_add", "scatter", "dynamic_update_slice", "add_any", "add", "sub",
                        "mul", "div", "max", "min", "neg", "abs", "exp", "log", "tanh", "logistic", "sqrt",
@@ -41,13 +41,16 @@ _COLLECTIVES = _REDUCES | {"all_gather", "all_gather_invariant", "all_to_all", "
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """One buffer of a program: its bytes, the ops (by index) it lives from and to, and what
-    made it (``collective``, ``loop`` state, ``matmul`` result, ``other``)."""
+    """One buffer of a program: its bytes, the ops (by index) it lives from and to, what made it
+    (``collective``, ``loop`` state, ``matmul`` result, ``other``) and its shape (``None`` for a
+    sub-program's peak)."""
 
     size: int
     start: int
     end: int
     kind: str
+    shape: tuple | None = None
+    parts: tuple = ()      # a sub-program's peak: its buffers live there
 
 
 def memory(jaxpr) -> dict:
@@ -63,6 +66,14 @@ def memory(jaxpr) -> dict:
         breakdown[b.kind] = breakdown.get(b.kind, 0) + b.size
     return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + outs + temps,
             "breakdown": dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))}
+
+
+def at_peak(jaxpr) -> list:
+    """The temporary buffers (:class:`Buffer`) live at ``jaxpr``'s peak, a sub-program's peak
+    as its own buffers live there."""
+    def flat(buffers):
+        return [x for b in buffers for x in (flat(b.parts) if b.parts else [b])]
+    return flat(_temporaries(getattr(jaxpr, "jaxpr", jaxpr))[1])
 
 
 def _temporaries(jaxpr) -> tuple[int, list]:
@@ -115,9 +126,9 @@ def _buffers(jaxpr):
                 is_out.add(root(v))
     temps, outputs, reduced = [], [], []
     for k, eqn in enumerate(jaxpr.eqns):
-        inner = max((_temporaries(j)[0] for j in sub_jaxprs(eqn)), default=0)
+        inner, parts = max((_temporaries(j) for j in sub_jaxprs(eqn)), default=(0, []), key=lambda t: t[0])
         if inner:
-            temps.append(Buffer(inner, k, k, _kind(eqn)))
+            temps.append(Buffer(inner, k, k, _kind(eqn), None, tuple(parts)))
         for v in eqn.outvars:
             if not isinstance(v, jcore.Var) or v in owner:
                 continue
@@ -125,7 +136,7 @@ def _buffers(jaxpr):
                 outputs.append((nbytes(v.aval), k))
                 reduced.append(_reduces(eqn))
             elif v in is_kept and v in last and v not in zeros:
-                temps.append(Buffer(nbytes(v.aval), k, last[v], _kind(eqn)))
+                temps.append(Buffer(nbytes(v.aval), k, last[v], _kind(eqn), tuple(v.aval.shape)))
     first = min((k for (_, k), red in zip(outputs, reduced) if red), default=None)
     outputs = [(size, first if red else k) for (size, k), red in zip(outputs, reduced)]
     return temps, outputs, len(jaxpr.eqns)

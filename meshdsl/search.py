@@ -23,10 +23,11 @@ The space, per mesh (the mesh given, or every factorisation of a device count in
   of ``microbatches=`` over ``microbatch_dim`` with each of ``schedules=``.
 
 Before tracing, a layout is rejected when its arguments and outputs alone (known from shapes)
-are over the budget. A layout whose per-device program is one already costed under other names
+are over the budget, or (``screen=True``) its screened estimate is (:mod:`meshdsl.search_floor`). A layout whose per-device program is one already costed under other names
 for the axes is retimed on its own links rather than traced again.
 
-What it does not search yet: context parallelism. The memory estimate is
+Context parallelism is a layout placing an attention's positions (``length``), costed also with
+each of ``attentions=`` forced. The memory estimate is
 :func:`meshdsl.liveness.memory`'s (XLA's buffer reuse modelled: within 10% of the compiled peak on
 the measured training steps, ``docs/cost_model.md``).
 """
@@ -44,17 +45,14 @@ from typing import Any
 import jax
 
 from . import search_space as space
-from .contexts import DimsRecorder
 from .errors import LayoutError, MeshDSLError
 from .explain import Report, explain
 from .hardware import Hardware
-from .jaxcompat import fresh
-from .layout import Layout, effective
+from .layout import Layout
 from .mesh import Mesh
-from .named import is_named
 from .ops.attention import STRATEGIES as ATTENTION
+from .search_floor import Held
 from .step_time import StepTime
-from .tracing import using
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
@@ -155,7 +153,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
            hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
            microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), attentions: Sequence[str] = ("ring",),
-           dtype: str = "bfloat16", overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, **options: Any) -> SearchResult:
+           dtype: str = "bfloat16", overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
+           **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
     Args:
@@ -175,28 +174,25 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
         attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
             strategy by bytes), also each of these forced (``md.lower(attention=)``).
-        dtype: the matmul dtype of the time model, as :meth:`meshdsl.Report.time`.
-        overlap: the overlap of compute and communication, as :meth:`meshdsl.Report.time`.
+        dtype, overlap: the matmul dtype and the overlap of the time model (:meth:`meshdsl.Report.time`).
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
             memory model is within 10% of the compiled peak where measured, ``docs/cost_model.md``).
         mesh_axes: for a device count, the most axes of a factorisation (1 to 3: ``data``,
             ``model``, ``pipe``; names only).
+        screen: reject before tracing a layout whose estimate by :mod:`meshdsl.search_floor` (which
+            errs low) is over the budget; ``False`` costs every layout.
         options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
             returned in each candidate's ``lower_kwargs``.
     """
     start = time.perf_counter()
-    hw = Hardware.profile(hardware or DEFAULT_HARDWARE) if hardware is None or isinstance(hardware, str) else hardware
-    try:
-        budget = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget)
-    except ValueError as e:
-        raise MeshDSLError(f"md.search: memory_budget: {e}") from None
+    hw, budget = _hardware_and_budget(hardware, memory_budget)
     sizes, params = space.dims_of(args, dims)
     meshes = space.meshes(mesh_or_device_count, mesh_axes)
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
-    held = {id(p): _Held(p, args) for _, p in programs}
+    held = {id(p): Held(p, args) for _, p in programs}
     dim_sets, seen = set().union(*(h.dim_sets for h in held.values())), set()
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
-    run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions))
+    run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
     for mesh in meshes:
         for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
             same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
@@ -215,6 +211,14 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
 
 
+def _hardware_and_budget(hardware, memory_budget) -> tuple:
+    hw = Hardware.profile(hardware or DEFAULT_HARDWARE) if hardware is None or isinstance(hardware, str) else hardware
+    try:
+        return hw, hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget)
+    except ValueError as e:
+        raise MeshDSLError(f"md.search: memory_budget: {e}") from None
+
+
 def _ranked(candidates) -> list:
     """Best first, each with the reason for its rank."""
     ranked = sorted(candidates, key=lambda c: c.key)
@@ -226,8 +230,9 @@ def _ranked(candidates) -> list:
 class _Costing:
     """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
 
-    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, (), ())):
+    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, (), ()), screen=True):
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
+        self.screen = screen
         self.counts, self.schedules, self.strategies = variants   # what to try again: pipelines, attention
         self.ranked, self.rejected, self.costed, self.retimed = [], [], 0, 0
         self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
@@ -272,6 +277,12 @@ class _Costing:
         if floor * (1 + self.margin) > self.budget:
             return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
                                      f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
+        least = held.screen(cand.mesh, cand.layout, floor) if self.screen else floor
+        if least * (1 + self.margin) > self.budget:
+            return self.reject(cand, f"over the memory budget before costing (screen): its arguments and outputs "
+                                     f"({fmt_bytes(floor)}) and the unsharded program's temporaries as it could split "
+                                     f"them take ~{fmt_bytes(least)} per device + {self.margin:.0%} > "
+                                     f"{fmt_bytes(self.budget)}; screen=False costs it")
         shape, rename = _shape_of(cand, program)
         known = self.traced.get(shape) if cand.mesh.is_abstract else None
         report = None if known is None else _renamed(known, rename, cand)
@@ -295,42 +306,6 @@ class _Costing:
         else:
             self.ranked.append(cand)
         return report
-
-
-class _Held:
-    """What every layout of the program holds whatever it computes: its arguments and its outputs
-    (their dims from one shape-only trace of the unsharded program), per device as the layout
-    places them (parameters by the storage rules). A layout whose arguments and outputs alone are
-    over the budget is rejected without tracing it."""
-
-    def __init__(self, fn, args):
-        self.leaves = jax.tree_util.tree_leaves(args, is_leaf=is_named)
-        recorder = DimsRecorder()
-        try:
-            with using(recorder), fresh():   # traced anew: a trace jax cached runs no rule
-                out = jax.eval_shape(fn, *args)
-            self.leaves += jax.tree_util.tree_leaves(out, is_leaf=is_named)
-        except Exception:   # noqa: BLE001 - a program jax cannot trace unsharded: costed as before
-            pass
-        # the dims of each value the program holds: dims sharing one may not share an axis
-        self.dim_sets = recorder.dim_sets | {frozenset(d.name for d in x.dims) for x in self.leaves if is_named(x)}
-
-    def per_device(self, mesh, layout) -> int:
-        """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
-        total = 0
-        for k, leaf in enumerate(self.leaves):
-            if is_named(leaf):
-                axes = effective(layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
-                                                    what=f"{'parameter' if leaf.is_param else 'value'} [{leaf.dims}]"), mesh)
-                split = math.prod(mesh.axis_size(a) for ax in axes for a in ax)
-                total += _nbytes(leaf.raw) // split
-            elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                total += _nbytes(leaf)
-        return total
-
-
-def _nbytes(x) -> int:
-    return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
 
 
 def _shape_of(cand, program) -> tuple:

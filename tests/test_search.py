@@ -19,6 +19,7 @@ from meshdsl.models.t5 import T5
 
 SEARCH = importlib.import_module("meshdsl.search")   # the module (md.search is the function)
 SPACE = importlib.import_module("meshdsl.search_space")
+FLOOR = importlib.import_module("meshdsl.search_floor")
 
 
 def _arg(spec, param=False, concrete=False):
@@ -125,13 +126,35 @@ def test_a_layout_whose_arguments_and_outputs_alone_exceed_the_budget_is_rejecte
     mesh = md.Mesh.abstract({"data": 8})
     free = md.search(_mlp_grads, mesh, *args, top=100)
     held = {str(c.layout): c.memory["arguments"] + c.memory["outputs"] for c in free}
-    assert SEARCH._Held(_mlp_grads, args).per_device(mesh, md.Layout.parse("d_ff:data")) == held["d_ff:data"]
+    assert FLOOR.Held(_mlp_grads, args).per_device(mesh, md.Layout.parse("d_ff:data")) == held["d_ff:data"]
     budget = (held["d_ff:data"] + held["batch:data"]) / 2 * 1.1   # data parallel's weights do not fit
-    result = md.search(_mlp_grads, mesh, *args, memory_budget=budget, top=100)
+    result = md.search(_mlp_grads, mesh, *args, memory_budget=budget, top=100, screen=False)
     early = [c for c in result.rejected if c.why.startswith("over the memory budget before costing")]
     assert {str(c.layout) for c in early} == {k for k, v in held.items() if v * 1.1 > budget} >= {"batch:data"}
     assert all(not c.memory and "arguments and outputs alone take" in c.why for c in early)
     assert result.costed == free.costed - len(early)
+
+
+def test_the_screen_errs_low_and_rejects_before_tracing_only_layouts_the_costing_rejects():
+    """The screen (the arguments and outputs, and the unsharded program's temporaries at their
+    peak as the layout could split them) never exceeds the costed peak; under a budget the
+    activations of an unsplit batch break, it rejects layouts without tracing them, saying so,
+    and the ranking is the one costing every layout gives."""
+    args = _mlp(65536, 128, 512)
+    mesh = md.Mesh.abstract({"data": 2, "model": 4})
+    held = FLOOR.Held(_mlp_grads, args)
+    every = md.search(_mlp_grads, mesh, *args, top=100, screen=False)
+    for c in every:
+        floor = held.per_device(mesh, c.layout)
+        assert floor < held.screen(mesh, c.layout, floor) <= c.memory["peak"], c.layout
+    peaks = sorted(c.memory["peak"] for c in every)
+    budget = peaks[len(peaks) // 2] * 1.1
+    exact = md.search(_mlp_grads, mesh, *args, top=100, memory_budget=budget, screen=False)
+    screened = md.search(_mlp_grads, mesh, *args, top=100, memory_budget=budget)
+    early = [c for c in screened.rejected if "(screen)" in c.why]
+    assert early and all("screen=False costs it" in c.why and not c.memory for c in early)
+    assert screened.costed == exact.costed - len(early)
+    assert [(str(c.layout), c.time) for c in screened] == [(str(c.layout), c.time) for c in exact]
 
 
 def test_a_tiny_batch_with_a_huge_ffn_is_tensor_parallel():
@@ -237,7 +260,7 @@ def test_t5_xxl_on_256_h100s_fits_where_data_parallel_does_not_and_says_why():
     result = md.search(step, mesh, model, batch, hardware="h100-80gb", dims=["batch", "heads", "d_ff"], top=100)
     dp = [c for c in result.rejected if c.layout.rules == {"batch": ("data",)}]
     assert dp and dp[0].why.startswith("over the memory budget before costing: its arguments and outputs alone")
-    assert SEARCH._Held(step, (model, batch)).per_device(mesh, dp[0].layout) > 80e9   # weights and gradients
+    assert FLOOR.Held(step, (model, batch)).per_device(mesh, dp[0].layout) > 80e9   # weights and gradients
     best = result.best
     assert best.memory["peak"] * 1.1 <= md.Hardware.profile("h100-80gb").memory_bytes
     assert {"heads", "d_ff"} & set(best.layout.rules) and "batch" in best.layout.rules, best

@@ -14,7 +14,7 @@
 * **outputs host temporaries**: the program's results are allocated first, and a temporary that
   dies before a result is written lives in that result's buffer (the backward pass's activations
   in the gradients' buffers). Results written by all-reduces count from the first of them: XLA
-  combines those all-reduces into one;
+  combines those all-reduces into one (but a scalar's, a loss: XLA reduces it on its own);
 * a sub-program (a loop body, a called function) adds its own peak while it runs.
 
 Not modelled: XLA's scheduler reordering ops (program order is kept), layout copies XLA inserts
@@ -36,6 +36,7 @@ _IN_PLACE = frozenset(("scatter-add", "scatter_add", "scatter", "dynamic_update_
                        "mul", "div", "max", "min", "neg", "abs", "exp", "log", "tanh", "logistic", "sqrt",
                        "rsqrt", "square", "integer_pow", "select_n", "convert_element_type"))
 _REDUCES = frozenset(("psum", "psum_invariant", "psum_scatter", "reduce_scatter"))
+_SCALAR = 64   # bytes: a result this small (a loss) is all-reduced on its own, not combined
 _COLLECTIVES = _REDUCES | {"all_gather", "all_gather_invariant", "all_to_all", "ppermute", "pmax", "pmin"}
 
 
@@ -137,8 +138,8 @@ def _buffers(jaxpr):
                 reduced.append(_reduces(eqn))
             elif v in is_kept and v in last and v not in zeros:
                 temps.append(Buffer(nbytes(v.aval), k, last[v], _kind(eqn), tuple(v.aval.shape)))
-    first = min((k for (_, k), red in zip(outputs, reduced) if red), default=None)
-    outputs = [(size, first if red else k) for (size, k), red in zip(outputs, reduced)]
+    first = min((k for (size, k), red in zip(outputs, reduced) if red and size > _SCALAR), default=None)
+    outputs = [(size, first if red and size > _SCALAR else k) for (size, k), red in zip(outputs, reduced)]
     return temps, outputs, len(jaxpr.eqns)
 
 

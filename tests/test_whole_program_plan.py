@@ -263,3 +263,20 @@ def test_gradients_are_planned_at_their_price(text, moved):
     assert b["explicit"] <= b["gspmd"], b
     assert explain_vs_hlo(fn, mesh, layout, *args, **kw) == (moved, moved)
     assert_same(md.lower(fn, mesh, layout, **kw)(*args), jax.jit(fn)(*args), rtol=5e-2, atol=5e-2)   # bf16
+
+
+def test_a_candidate_asking_for_a_pending_sum_its_operand_does_not_carry_is_priced_as_what_it_gets():
+    """take(v[c:x], ids[c]) may leave the looked-up rows as a pending sum over x (no bytes there);
+    a reshape's candidate entering 'pending over x' was tried on the planning trace's operand,
+    which carries no sum, so it ran on the value made whole: its entry is that, and reaching it
+    from the pending rows is the all-reduce it is (the plan had priced it 0 and moved 84 B where
+    gspmd gathers the rows: 56 B)."""
+    r = np.random.default_rng(0)
+    v = md.named(jnp.asarray(r.standard_normal(8), jnp.float32), "c")
+    ids = md.named(jnp.asarray(r.integers(-3, 19, 8), jnp.int32), "c")
+
+    def fn(v, ids):
+        rows = md.reshape(md.take(v * v, ids, "c"), "p2:2 q4:4")
+        both = md.slice(md.concat([rows, rows], "q4"), "q4", 3, 4)
+        return rows, both, md.maximum(md.abs(v * v), md.abs(v * v))
+    promises_kept(fn, md.Mesh({"x": 8, "y": 1}), md.Layout({"c": ("x", "y")}), v, ids, moved={"all-gather": 56})

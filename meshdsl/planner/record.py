@@ -193,6 +193,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     leaves = list(leaves)
     for i, x, pl in zip(named, xs, entry):
         leaves[i] = _relay(ctx, x, pl)
+    entry = tuple(ctx.placement(leaves[i]) for i in named)   # as relaid: a pending sum x does not carry is not claimed
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
     start = len(ctx.rec.records), len(ctx.rec.casts)
     met: list = []

@@ -9,7 +9,9 @@ floor under which ``md.search`` rejects a layout without costing it.
   by. A buffer's dims are not known, only its shape: an axis of size ``s`` may be split by every
   placed dim whose size divides ``s`` (the dim itself, or a merge holding it), the buffer by no
   more than the placed dims fitting one of its axes together. Where two dims have one size this
-  divides by both: the estimate errs low. Measured against the costed peak on every layout of
+  divides by both: the estimate errs low. A rename keeps the split. A layout splitting a dim an
+  ``md.scan`` runs over or an attention's positions is not screened (its pipeline or context
+  parallel variants hold otherwise). Measured against the costed peak on every layout of
   the t5-v1_1-xxl search (``bench/search_speed.py``) and of tests/test_search.py, it never
   exceeded it; ``md.search(..., screen=False)`` costs every layout anyway.
 """
@@ -48,7 +50,10 @@ class Held:
         # the dims of each value the program holds: dims sharing one may not share an axis
         self.dim_sets = recorder.dim_sets | {frozenset(d.name for d in x.dims) for x in self.leaves if is_named(x)}
         self.sizes = {d.name: d.size for x in self.leaves if is_named(x) for d in x.dims}
-        self.shapes = {s: dims for s, dims in recorder.shapes.items()}   # shape -> dims of the named values of it
+        self.sizes.update({d: size for shape, dims in recorder.shapes.items() for names in dims
+                           for d, size in zip(names, shape)})
+        self.shapes = recorder.shapes             # shape -> the dims of the named values of it
+        self.renamed, self.varying = recorder.renamed, recorder.varying
         self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened
 
     def per_device(self, mesh, layout) -> int:
@@ -67,10 +72,18 @@ class Held:
     def screen(self, mesh, layout, floor: int) -> int:
         """The screen's estimate of the layout's peak per device (``floor``: its arguments and
         outputs); ``floor`` itself where the unsharded program cannot be traced."""
-        temps = self.temporaries(mesh)
-        splits = {d: math.prod(mesh.shape[a] for a in axes) for d, axes in layout.rules.items()
-                  if axes and d in self.sizes}
+        splits = {d: math.prod(mesh.shape[a] for a in axes) for d, axes in layout.rules.items() if axes}
         splits = {d: k for d, k in splits.items() if k > 1}
+        grown = True
+        while grown:   # a rename keeps the split (through chains of renames)
+            before = len(splits)
+            splits.update({d: splits[old] for old, new in self.renamed.items() if old in splits
+                           for d in new if d not in splits and d not in layout.rules})
+            grown = len(splits) > before
+        if set(splits) & self.varying:
+            return floor   # a pipeline or context parallelism: costed with its variants, not screened
+        splits = {d: k for d, k in splits.items() if d in self.sizes}
+        temps = self.temporaries(mesh)
         return floor + sum(b.size // _most_split(b.shape, splits, self.sizes, self.shapes) for b in temps)
 
     def temporaries(self, mesh) -> list:

@@ -174,7 +174,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
         attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
             strategy by bytes), also each of these forced (``md.lower(attention=)``).
-        dtype, overlap: the matmul dtype and the overlap of the time model (:meth:`meshdsl.Report.time`).
+        dtype: the matmul dtype of the time model (:meth:`meshdsl.Report.time`; ``overlap`` too).
+        overlap: the overlap of compute and communication.
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
             memory model is within 10% of the compiled peak where measured, ``docs/cost_model.md``).
         mesh_axes: for a device count, the most axes of a factorisation (1 to 3: ``data``,

@@ -151,7 +151,7 @@ class DimsRecorder(GlobalContext):
     """The unsharded reference that also notes the dims of every value a named op returns
     (``dim_sets``): which dims share a tensor, so a layout must not split them over one axis;
     ``shapes``: shape -> the dims (names, in order) of the values of that shape; ``renamed``:
-    dim -> the names a rename gave it; ``varying``: dims whose split makes the program run
+    dim -> the names a rename gave it; ``variant_dims``: dims whose split makes the program run
     otherwise than its values' placements say (those an ``md.scan`` may run over - a pipeline -,
     an attention's positions - context parallelism)."""
 
@@ -160,10 +160,10 @@ class DimsRecorder(GlobalContext):
         self.dim_sets: set = set()
         self.shapes: dict = {}
         self.renamed: dict = {}
-        self.varying: set = set()
+        self.variant_dims: set = set()
 
     def apply(self, name: str, rule, args, kwargs):
-        self._note(name, args, kwargs)
+        self._note(name, rule, args, kwargs)
         result = rule(self, *args, **kwargs)
         for leaf in jax.tree_util.tree_leaves(result, is_leaf=is_named):
             if is_named(leaf):
@@ -171,19 +171,17 @@ class DimsRecorder(GlobalContext):
                 self.shapes.setdefault(tuple(d.size for d in leaf.dims), set()).add(tuple(d.name for d in leaf.dims))
         return result
 
-    def _note(self, name, args, kwargs) -> None:
+    def _note(self, name, rule, args, kwargs) -> None:
         named = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_named) if is_named(x)]
         if name == "rename" and len(args) >= 2:
             mapping = args[1] if isinstance(args[1], dict) else {args[1]: args[2]} if len(args) > 2 else {}
             for old, new in mapping.items():
                 self.renamed.setdefault(old, set()).add(new)
-        elif name == "scan" and len(args) == 1 and len(args[0]) == 2:   # (carry leaves, scanned leaves)
-            scanned = [x for x in jax.tree_util.tree_leaves(args[0][1], is_leaf=is_named) if is_named(x)]
-            if scanned:   # the dim scanned over is one every scanned value holds
-                self.varying |= set.intersection(*(set(x.names) for x in scanned))
+        elif name == "scan" and getattr(rule, "dim", None):
+            self.variant_dims.add(rule.dim)
         elif name == "attention" and len(named) >= 2:
             q, k = named[:2]
-            self.varying |= ({kwargs.get("over", "kv_length"), kwargs.get("length")} - {None}) | (set(q.names) - set(k.names))
+            self.variant_dims |= ({kwargs.get("over", "kv_length"), kwargs.get("length")} - {None}) | (set(q.names) - set(k.names))
 
 
 class LayoutContext(GlobalContext):

@@ -24,7 +24,6 @@ import jax
 
 from . import jaxpr_stats, liveness
 from .contexts import DimsRecorder
-from .errors import MeshDSLError
 from .jaxcompat import fresh
 from .layout import Layout, effective
 from .lower import lower
@@ -53,7 +52,7 @@ class Held:
         self.sizes.update({d: size for shape, dims in recorder.shapes.items() for names in dims
                            for d, size in zip(names, shape)})
         self.shapes = recorder.shapes             # shape -> the dims of the named values of it
-        self.renamed, self.varying = recorder.renamed, recorder.varying
+        self.renamed, self.variant_dims = recorder.renamed, recorder.variant_dims
         self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened
 
     def per_device(self, mesh, layout) -> int:
@@ -80,7 +79,7 @@ class Held:
             splits.update({d: splits[old] for old, new in self.renamed.items() if old in splits
                            for d in new if d not in splits and d not in layout.rules})
             grown = len(splits) > before
-        if set(splits) & self.varying:
+        if set(splits) & self.variant_dims:
             return floor   # a pipeline or context parallelism: costed with its variants, not screened
         splits = {d: k for d, k in splits.items() if d in self.sizes}
         temps = self.temporaries(mesh)
@@ -93,7 +92,7 @@ class Held:
             try:
                 closed, _, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
                 self._temporaries = liveness.at_peak(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
-            except MeshDSLError:
+            except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
                 self._temporaries = []
         return self._temporaries
 

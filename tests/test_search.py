@@ -157,6 +157,31 @@ def test_the_screen_errs_low_and_rejects_before_tracing_only_layouts_the_costing
     assert [(str(c.layout), c.time) for c in screened] == [(str(c.layout), c.time) for c in exact]
 
 
+def test_layouts_making_a_pipeline_or_context_parallelism_are_costed_not_screened():
+    """Splitting the dim an md.scan runs over (a pipeline: microbatched variants hold less) or an
+    attention's positions (the ring holds less than gathering the keys) is costed with those
+    variants: the screen gives such a layout its arguments and outputs alone. A rename keeps the
+    split (the keys' positions are the queries' renamed)."""
+    stack = importlib.import_module("test_pipeline")
+    args = (_arg("batch:64 d_model:256"), _arg("layers:8 d_model:256 d_ff:1024", True),
+            _arg("layers:8 d_ff:1024 d_model:256", True))
+    mesh = md.Mesh.abstract({"pipe": 4, "data": 2})
+    held = FLOOR.Held(stack.loss_and_grads, args)
+    for rules, screened in (("layers:pipe;batch:data", False), ("batch:data", True)):
+        layout = md.Layout.parse(rules)
+        floor = held.per_device(mesh, layout)
+        assert (held.screen(mesh, layout, floor) > floor) == screened, rules
+
+    def attend(x):
+        kv = md.rename(x, {"length": "kv_length"})
+        return md.attention(x, kv, kv, causal=True)
+    x = _arg("batch:4 length:256 heads:2 d_kv:16")
+    held = FLOOR.Held(attend, (x,))
+    assert {"length", "kv_length"} <= held.variant_dims and held.renamed == {"length": {"kv_length"}}
+    ctx = md.Mesh.abstract({"ctx": 4})
+    assert held.screen(ctx, md.Layout.parse("length:ctx"), 0) == 0 < held.screen(ctx, md.Layout.parse("batch:ctx"), 0)
+
+
 def test_a_tiny_batch_with_a_huge_ffn_is_tensor_parallel():
     """batch 8, d_ff 256k: the weights dominate (memory traffic and their gradient's all-reduce
     under data parallelism); splitting d_ff over every device is fastest."""

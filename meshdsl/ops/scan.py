@@ -62,6 +62,7 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
         return loop.run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where)
 
     run.relays = sum(map(_is_named, c_leaves))   # the carry enters in its layout placement, relaid by the loop
+    run.dim = dim   # what it scans over (a layout splitting it makes a pipeline)
 
     with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
         carry, ys = ctx.apply("scan", run, (c_leaves, x_leaves), {})

@@ -172,15 +172,14 @@ class DimsRecorder(GlobalContext):
         return result
 
     def _note(self, name, rule, args, kwargs) -> None:
-        named = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_named) if is_named(x)]
         if name == "rename" and len(args) >= 2:
             mapping = args[1] if isinstance(args[1], dict) else {args[1]: args[2]} if len(args) > 2 else {}
             for old, new in mapping.items():
                 self.renamed.setdefault(old, set()).add(new)
         elif name == "scan" and getattr(rule, "dim", None):
             self.variant_dims.add(rule.dim)
-        elif name == "attention" and len(named) >= 2:
-            q, k = named[:2]
+        elif name == "attention" and len(args) >= 2 and is_named(args[0]) and is_named(args[1]):
+            q, k = args[:2]
             self.variant_dims |= ({kwargs.get("over", "kv_length"), kwargs.get("length")} - {None}) | (set(q.names) - set(k.names))
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -146,13 +147,12 @@ def live(jaxpr):
     computation repeated by an aborted trace (``md.scan`` retrying a step, its records rolled back)
     must not stand in for the live one it repeats (explain matches collectives by name scope).
     The latest program's answer is kept (the planner and explain both ask for it)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    if _LIVE[0] is not jaxpr:
-        _LIVE[:] = [jaxpr, dce(cse(dce(inline(jaxpr))))]
-    return _LIVE[1]
+    return _live(getattr(jaxpr, "jaxpr", jaxpr))
 
 
-_LIVE: list = [None, None]   # the latest program given to live() and its answer
+@functools.lru_cache(maxsize=1)   # a jaxpr is immutable and hashed by identity
+def _live(jaxpr):
+    return dce(cse(dce(inline(jaxpr))))
 
 
 _GATHER_PARAMS = ("all_gather_dimension", "axis_name", "axis_size", "tiled")

@@ -25,12 +25,13 @@ import jax
 from . import jaxpr_stats, liveness
 from .contexts import DimsRecorder
 from .jaxcompat import fresh
+from .jaxpr_stats import nbytes
 from .layout import Layout, effective
 from .lower import lower
 from .named import is_named
 from .tracing import using
 
-__all__ = ["Held", "nbytes"]
+__all__ = ["Held"]
 
 
 class Held:
@@ -113,7 +114,3 @@ def _most_split(shape, splits, sizes, named) -> int:
     per_axis = [min(s, math.prod(k for d, k in splits.items() if s % sizes[d] == 0)) for s in shape]
     fitting = math.prod(k for d, k in splits.items() if any(s % sizes[d] == 0 for s in shape))
     return max(1, min(math.prod(per_axis), fitting))
-
-
-def nbytes(x) -> int:
-    return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize

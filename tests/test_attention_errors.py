@@ -10,6 +10,7 @@ import meshdsl as md
 from helpers import raises
 from test_attention import B, H, L, MESH, _arrays
 
+
 def test_keys_without_the_over_dim_are_refused_naming_it():
     q, k, v = _arrays()
     with raises(md.ShapeError, r"attention at .*: k \[batch:2 kv_length:24 heads:4 d_kv:8\] has no dim "

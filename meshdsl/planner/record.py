@@ -267,17 +267,6 @@ def _backward_guess(ctx, start) -> float:
 
 
 def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:
-    """The strategies the rule shows for ``tries`` (entry placements, options), each in a sandbox;
-    a try whose operands would enter as the default's, or as an earlier try's, is not run again
-    (a pending sum an operand does not carry is not an entry of its own)."""
-    here = tuple(ctx.placement(x) for x in xs)
-    seen, found = {(here, ())}, []
-    for entry, options in tries:
-        key = (tuple(Placement(pl.axes, pl.pending & ctx.pending(x)) for x, pl in zip(xs, entry)),
-               tuple(sorted(dict(options).items())))
-        if key not in seen:
-            seen.add(key)
-            found.append(_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options))
+    """The strategies the rule shows for ``tries`` (entry placements, options), each in a sandbox."""
+    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
     return [f for f in found if f is not None]
-
-

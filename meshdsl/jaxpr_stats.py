@@ -165,6 +165,11 @@ def _as_xla_sees(text: str) -> str:
     return re.sub(r"\s*axis_index_groups=None", "", text)
 
 
+def _as_xla_names(name: str) -> str:
+    """A primitive's name as :func:`_as_xla_sees` prints it (an invariant gather is a gather)."""
+    return "all_gather" if name == "all_gather_invariant" else name
+
+
 class _ProgramKey:
     """A sub-program as :func:`cse` compares it: hashed by its equations' primitives and its
     inputs' types, equal where the programs print alike (:func:`_as_xla_sees`); printed only
@@ -175,7 +180,7 @@ class _ProgramKey:
     def __init__(self, program):
         jaxpr = getattr(program, "jaxpr", program)
         self.program, self._text = program, None
-        self._hash = hash((len(jaxpr.eqns), tuple(e.primitive.name for e in jaxpr.eqns),
+        self._hash = hash((len(jaxpr.eqns), tuple(_as_xla_names(e.primitive.name) for e in jaxpr.eqns),
                            tuple((getattr(v.aval, "shape", None), str(getattr(v.aval, "dtype", ""))) for v in jaxpr.invars)))
 
     def text(self) -> str:

@@ -206,3 +206,20 @@ def test_a_max_and_a_sum_of_a_constant_that_xla_folds_are_not_counted():
         zeros = md.slice(md.pad(v, "c", 1, 15), "c", 11, 8)
         return md.logsumexp(zeros, "d")
     _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("y", "x")}), v, moved={})
+
+
+def test_campaign_two_attentions_reading_one_value_gather_it_once():
+    """Two attentions read v[c d] (c split over x), one over c and one over d: the first gathers
+    its keys through the attention's own map (a gather typed varying), the second its features
+    (typed invariant), both of v along c. XLA merges them into one all-gather; explain compared
+    the two gathers' programs by a hash of their primitives' names, which told the two types
+    apart, and counted two (448 B where the compiled program moves 224 B)."""
+    v = _normal((8, 8), "c d")
+
+    def attend(v, length, features):
+        kv = md.rename(v, {length: "kv_" + length})
+        return md.attention(v, kv, kv, over="kv_" + length, length=length, features=features, causal=True)
+
+    def fn(v):
+        return attend(v, "c", "d"), -attend(v, "d", "c")
+    _kept(fn, md.Mesh({"x": 8}), md.Layout({"c": "x"}), v, moved={"all-gather": 224})

@@ -45,16 +45,18 @@ def _differentiable(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def attributed_vjp(ctx, forward, backward, primal=None):
+def attributed_vjp(ctx, forward, backward, primal=None, priced=None):
     """A ``jax.custom_vjp`` function ``f(*args) = forward(*args)[0]`` (or ``primal(*args)``, the
     same value computed without what only the gradient needs) whose rules run attributed to the
     op being lowered now: ``forward(*args) -> (out, residuals)`` (jax may run it later, e.g.
     differentiating a scan body: same origin) and ``backward(residuals, ct) -> cotangents``
     (recorded in the ``backward`` phase). Every hand-written derivative of the rewriter uses it,
     so what it emits is attributed to the user's op and line. A candidate only priced
-    (:func:`meshdsl.jaxcompat.pricing`) is never differentiated: it runs the primal alone."""
+    (:func:`meshdsl.jaxcompat.pricing`) is never differentiated: it runs the primal alone, or
+    ``priced`` where given (the result's shapes and types without computing it: for a local
+    computation that moves nothing, a blockwise attention, tracing it is most of a candidate's cost)."""
     if pricing():
-        return primal if primal is not None else (lambda *args: forward(*args)[0])
+        return priced or primal or (lambda *args: forward(*args)[0])
     op, multiplier, phase, sandbox = ctx.rec.capture()
 
     @jax.custom_vjp

@@ -361,6 +361,15 @@ def attend(spec, q, c: Chunk, q_positions, block=None, q_block=None):
     return finish(spec, forward_chunk(spec, q, c, q_positions, (m, l, None), block, q_block), c.v.dtype)
 
 
+def attend_types(spec, q, c: Chunk, q_positions):
+    """What :func:`attend` returns, as zeros of its shapes and types (the mesh axes each varies
+    over included) without computing it: what a candidate only priced needs."""
+    size = {**dict(zip(spec.q, q.shape)), **dict(zip(spec.k, c.k.shape)), **dict(zip(spec.v, c.v.shape))}
+    reads = (q, c.k, c.v, c.bias, c.mask, c.positions, q_positions, *jax.tree_util.tree_leaves(c.table))
+    return (_like(jnp.zeros([size[n] for n in spec.out], c.v.dtype), *reads),   # the loop's carry: both
+            _like(jnp.zeros([size[n] for n in spec.stats], jnp.float32), *reads))   # read everything
+
+
 def attend_backward(spec, q, c: Chunk, q_positions, out, lse, dout, dlse, block=None, q_block=None):
     """``(dq, dk, dv, dbias)`` of :func:`attend`."""
     delta = jnp.einsum(f"{spec.letters(spec.out, spec.out)}->{spec.letters(spec.stats)}",

@@ -152,7 +152,8 @@ def live(jaxpr):
 
 @functools.lru_cache(maxsize=1)   # a jaxpr is immutable and hashed by identity
 def _live(jaxpr):
-    return dce(cse(dce(inline(jaxpr))))
+    merged, predicates_dropped = _cse(dce(inline(jaxpr)))
+    return dce(merged) if predicates_dropped else merged   # else merging left nothing dead
 
 
 _GATHER_PARAMS = ("all_gather_dimension", "axis_name", "axis_size", "tiled")
@@ -222,7 +223,13 @@ def cse(jaxpr):
     identical einsums and their all-reduces) runs it once once XLA has merged them. A select
     between one value and itself is that value (XLA's simplifier: the predicate, and whatever
     only it needed, is dropped)."""
-    subst, seen, eqns = {}, {}, []
+    return _cse(jaxpr)[0]
+
+
+def _cse(jaxpr):
+    """:func:`cse`, and whether a select's predicate went unused (merging equations leaves none
+    dead: a repeat reads what the equation it repeats reads)."""
+    subst, seen, eqns, selects = {}, {}, [], False
 
     def key_of(v):
         if isinstance(v, jcore.Literal):
@@ -252,6 +259,7 @@ def cse(jaxpr):
         if eqn.primitive.name == "select_n" and len({key_of(v) for v in cases}) == 1 and \
                 not isinstance(cases[0], jcore.Literal):
             subst[eqn.outvars[0]] = subst.get(cases[0], cases[0])  # where(p, x, x) is x: p unused
+            selects = True
             continue
         key = _canonical(eqn, [key_of(v) for v in eqn.invars],
                          {k: param_key(v) for k, v in eqn.params.items()})
@@ -263,9 +271,9 @@ def cse(jaxpr):
         seen[key] = new
         eqns.append(new)
     if not subst:
-        return jaxpr
+        return jaxpr, False
     outvars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in jaxpr.outvars]
-    return jaxpr.replace(eqns=eqns, outvars=outvars)
+    return jaxpr.replace(eqns=eqns, outvars=outvars), selects
 
 
 def inline(jaxpr):

@@ -11,7 +11,8 @@ import pytest
 
 import meshdsl as md
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
-from meshdsl import balance
+from meshdsl import balance, flash
+from meshdsl.jaxcompat import varying_axes
 from meshdsl.layers.position import relative_position_bucket
 
 B, L, H, D = 2, 24, 4, 8
@@ -388,3 +389,28 @@ def test_context_parallelism_composes_with_data_megatron_pipeline_and_zero3(name
     args = _model_args()
     fn = _model(causal=causal)
     assert_same(md.lower(fn, md.Mesh(mesh), layout, attention=strategy)(*args), fn(*args), 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_priced_candidate_stands_in_for_attention_with_its_results_shapes_and_types(with_bias):
+    """The planner prices a candidate without computing the blockwise attention: what stands in
+    for it has the shapes, dtypes and mesh axes each result varies over of what it computes (the
+    queries, the keys and the values each typed varying over another axis)."""
+    spec = flash.Spec(("b", "t", "f"), ("b", "s", "f"), ("b", "s", "g"), ("b", "t", "g"), "t", "s", ("f",),
+                      0.5, True, ("b", "t", "s") if with_bias else None)
+    mesh = jax.make_mesh((2, 2, 2), ("x", "y", "z"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    seen = []
+
+    def both(q, k, v, bias):
+        q, k, v = (jax.lax.pcast(a, axis, to="varying") for a, axis in ((q, "x"), (k, "y"), (v, "z")))
+        chunk = flash.Chunk(k, v, bias if with_bias else None, None, jnp.arange(6))
+        for out in (flash.attend(spec, q, chunk, jnp.arange(4), 2, 2), flash.attend_types(spec, q, chunk, jnp.arange(4))):
+            seen.append([(a.shape, a.dtype, varying_axes(a)) for a in out])
+        return q
+
+    P = jax.sharding.PartitionSpec
+    jax.make_jaxpr(jax.shard_map(both, mesh=mesh, in_specs=P(), out_specs=P("x"), check_vma=True))(
+        *(jnp.zeros(s) for s in ((3, 4, 5), (3, 6, 5), (3, 6, 7), (3, 4, 6))))
+    real, priced = seen
+    assert real == priced
+    assert real[0][2] == real[1][2] == {"x", "y", "z"}

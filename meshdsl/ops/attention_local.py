@@ -80,7 +80,11 @@ def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, stra
                                       dout.astype(vl.dtype), dlse, block, block)
         return (*grads, None, None, None)
 
-    out, lse = C.attributed_vjp(ctx, forward, backward)(ql, kl, vl, b, m, qp, kp)
+    def types(ql, kl, vl, b, m, qp, kp):
+        out, lse = flash.attend_types(spec, ql, chunk(spec, kl, vl, b, m, kp), qp)
+        return out.astype(out_dtype), lse
+
+    out, lse = C.attributed_vjp(ctx, forward, backward, priced=types)(ql, kl, vl, b, m, qp, kp)
     if split:
         out = _combine(ctx, spec, out, lse, split).astype(v.dtype)
     return ctx.out(out, Shape(dims[n] for n in spec.out), axes)

@@ -13,16 +13,16 @@ Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
+from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "varying_axes", "differentiated"]
+           "varying_axes", "differentiated", "forget_staged"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
@@ -117,6 +117,15 @@ def fresh():
 def _forget_users_traces() -> None:
     for cache in _TRACE_CACHES:
         cache.cache_clear()
+
+
+def forget_staged() -> None:
+    """Empty jax's staging caches (what it traced, keyed by function and argument types; the
+    executables a jitted function compiled stay). A search traces each layout at other local
+    shapes, so nothing of one is reused by the next, and kept they grew by ~7 MB a T5-xxl layout
+    (743 MB after 59 layouts; 330 MB emptied after each)."""
+    clear = getattr(_util, "clear_all_caches", None)
+    (clear or jax.clear_caches)()
 
 
 @contextlib.contextmanager

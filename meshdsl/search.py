@@ -48,6 +48,7 @@ from . import search_space as space
 from .errors import LayoutError, MeshDSLError
 from .explain import Report, explain
 from .hardware import Hardware
+from .jaxcompat import forget_staged
 from .layout import Layout
 from .mesh import Mesh
 from .ops.attention import STRATEGIES as ATTENTION
@@ -294,6 +295,8 @@ class _Costing:
             except MeshDSLError as e:
                 self.traced[shape] = (rename, e)
                 return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+            finally:
+                forget_staged()   # the next layout traces other local shapes
             self.traced.setdefault(shape, (rename, report))
         elif isinstance(report, MeshDSLError):
             self.retimed += 1

@@ -57,12 +57,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
-import warnings
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any
+
+from .hlo_text import (
+    CALLEE_RE,
+    DTYPE_BYTES,
+    OPNAME_RE,
+    TRIP_RE,
+    attr,
+    group_shape,
+    operand_shape,
+    parse_computations,
+    shape_bytes,
+    shape_str,
+)
 
 __all__ = [
     "DTYPE_BYTES",
@@ -83,248 +94,6 @@ KINDS = (
     "collective-permute",
     "collective-broadcast",
 )
-
-# Bytes per element. Sub-byte types count as fractions.
-DTYPE_BYTES = {
-    "pred": 1, "s1": 0.125, "u1": 0.125, "s2": 0.25, "u2": 0.25,
-    "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-    "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
-    "f4e2m1fn": 0.5, "f8e3m4": 1, "f8e4m3": 1, "f8e4m3fn": 1,
-    "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2": 1, "f8e5m2fnuz": 1,
-    "f8e8m0fnu": 1, "token": 0, "opaque": 0,
-}
-
-# --------------------------------------------------------------------------
-# Shapes
-# --------------------------------------------------------------------------
-
-_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Array:
-    dtype: str
-    dims: tuple
-
-    @property
-    def nbytes(self) -> float:
-        return DTYPE_BYTES.get(self.dtype, 0) * math.prod(self.dims)
-
-    def __str__(self) -> str:
-        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
-
-
-# A shape is an _Array or a tuple of shapes.
-Shape = Union[_Array, tuple]  # noqa: UP007 (runtime alias, py3.8+)
-
-
-def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
-    """Index of the bracket closing the one at ``text[start]``."""
-    depth = 0
-    for i in range(start, len(text)):
-        c = text[i]
-        if c == open_c:
-            depth += 1
-        elif c == close_c:
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced {open_c!r} in {text[start:start + 80]!r}")
-
-
-def _split_top(text: str, sep: str = ",") -> list:
-    """Split on ``sep`` outside (), [], {}."""
-    parts, depth, cur = [], 0, []
-    for c in text:
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        if c == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-    if cur or parts:
-        parts.append("".join(cur))
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _parse_shape(text: str) -> Shape:
-    """Parse ``f32[8,32]{1,0}`` or ``(f32[2]{0}, (s32[], bf16[4]))``."""
-    text = text.strip()
-    if text.startswith("("):
-        end = _matching(text, 0, "(", ")")
-        return tuple(_parse_shape(p) for p in _split_top(text[1:end]))
-    m = _ARRAY_RE.match(text)
-    if not m:
-        if text.startswith(("token", "opaque")):
-            return _Array("token", ())
-        raise ValueError(f"cannot parse shape {text!r}")
-    dims = tuple(int(d.replace("<=", "")) for d in m.group(2).split(",") if d.strip())
-    return _Array(m.group(1), dims)
-
-
-def shape_bytes(shape: Shape | str) -> float:
-    """Total bytes of a shape (tuples summed). Accepts HLO shape text."""
-    if isinstance(shape, str):
-        shape = _parse_shape(shape)
-    if isinstance(shape, _Array):
-        return shape.nbytes
-    return sum(shape_bytes(s) for s in shape)
-
-
-def _shape_str(shape: Shape) -> str:
-    if isinstance(shape, _Array):
-        return str(shape)
-    return "(" + ", ".join(_shape_str(s) for s in shape) + ")"
-
-
-# --------------------------------------------------------------------------
-# HLO text parsing
-# --------------------------------------------------------------------------
-
-_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->\s*.*\{\s*$")
-_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE_RE = re.compile(r"\s*([a-z][\w\-]*)\(")
-_CALLEE_RE = re.compile(
-    r"\b(calls|body|condition|to_apply|true_computation|false_computation|"
-    r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
-_OPNAME_RE = re.compile(r'op_name="([^"]*)"')
-_COMMENT_RE = re.compile(r"/\*.*?\*/")
-_IOTA_RE = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-# Shardy-style "mesh axes" groups, e.g.
-#   mesh['axis_0'=2,'axis_1'=4] {'axis_1'}
-#   mesh[x=8,y=8,z=16] {x:(2)4,y:(2)4}            (sub-axes: (pre_size)size)
-#   mesh[x=2,y=4], device_ids=(...) {y}
-_MESH_GROUPS_RE = re.compile(
-    r"mesh\[([^\]]*)\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}")
-
-
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    shape: Shape
-    opcode: str
-    operands: list
-    attrs: str
-    computation: str
-
-
-def _parse_instruction(line: str, comp: str) -> _Instr | None:
-    m = _INSTR_RE.match(line)
-    if not m:
-        return None
-    name, rest = m.group(2), m.group(3)
-    rest = rest.lstrip()
-    if rest.startswith("("):
-        end = _matching(rest, 0, "(", ")")
-    else:
-        sp = rest.find(" ")
-        if sp < 0:
-            return None
-        end = sp - 1
-    shape_txt, rest = rest[:end + 1], rest[end + 1:]
-    om = _OPCODE_RE.match(rest)
-    if not om:
-        return None
-    opcode = om.group(1)
-    open_idx = om.end() - 1
-    close_idx = _matching(rest, open_idx, "(", ")")
-    operands = _split_top(rest[open_idx + 1:close_idx])
-    try:
-        shape = _parse_shape(shape_txt)
-    except ValueError:
-        shape = ()
-    return _Instr(name, shape, opcode, operands, rest[close_idx + 1:], comp)
-
-
-def _operand_shape(tok: str, symbols: dict) -> Shape:
-    """An operand is ``%name`` or, in some printers, ``f32[4]{0} %name``."""
-    tok = tok.strip()
-    if tok.startswith("%") or re.match(r"^[\w.\-]+$", tok):
-        return symbols.get(tok.lstrip("%"), ())
-    try:
-        return _parse_shape(tok)
-    except ValueError:
-        return symbols.get(tok.split()[-1].lstrip("%"), ())
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    """Raw value of ``key=...`` (handles nested braces / iota forms)."""
-    m = re.search(r"\b" + re.escape(key) + r"=", attrs)
-    if not m:
-        return None
-    i = m.end()
-    if i < len(attrs) and attrs[i] == "{":
-        return attrs[i:_matching(attrs, i, "{", "}") + 1]
-    for pattern in (_IOTA_RE, _MESH_GROUPS_RE):
-        special = pattern.match(attrs, i)
-        if special:
-            return special.group(0)
-    j = i
-    while j < len(attrs) and attrs[j] not in ", ":
-        j += 1
-    return attrs[i:j]
-
-
-def _group_shape(raw: str | None, total_devices: int) -> tuple:
-    """replica_groups -> (group_size, num_groups)."""
-    m = _MESH_GROUPS_RE.match(raw.strip()) if raw else None
-    if m:
-        sizes = {}
-        for ax in _split_top(m.group(1)):
-            name, _, size = ax.rpartition("=")
-            sizes[name.strip().strip("'\"")] = int(size)
-        group = 1
-        for ax in _split_top(m.group(2)):
-            sub = re.match(r"(.+?):\((\d+)\)(\d+)$", ax)
-            group *= int(sub.group(3)) if sub else sizes[ax.strip().strip("'\"")]
-        return group, math.prod(sizes.values()) // group
-    groups = _parse_groups(raw, total_devices)
-    if not groups or not groups[0]:
-        warnings.warn(f"hlo_comm: cannot parse replica_groups={raw!r}; "
-                      f"assuming one group of all {total_devices} devices")
-        return max(total_devices, 1), 1
-    return len(groups[0]), len(groups)
-
-
-def _parse_groups(raw: str | None, total_devices: int) -> list:
-    """replica_groups (explicit or iota form) -> list of groups (lists of ids)."""
-    if raw is None or raw.strip() in ("{}", "{{}}", ""):
-        return [list(range(total_devices))] if total_devices else []
-    raw = raw.strip()
-    m = _IOTA_RE.match(raw)
-    if m:  # iota format: [G,N]<=[dims]T(perm)
-        out_dims = [int(x) for x in m.group(1).split(",")]
-        rdims = [int(x) for x in m.group(2).split(",")]
-        perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else list(range(len(rdims)))
-        ids = _iota_transpose(rdims, perm)
-        size = out_dims[-1]
-        return [ids[i:i + size] for i in range(0, len(ids), size)]
-    inner = raw[1:-1] if raw.startswith("{") else raw
-    groups = []
-    for g in re.findall(r"\{([^{}]*)\}", inner):
-        groups.append([int(x) for x in g.split(",") if x.strip()])
-    return groups
-
-
-def _iota_transpose(dims: list, perm: list) -> list:
-    """Flattened ``transpose(reshape(iota(prod(dims)), dims), perm)``."""
-    n = math.prod(dims)
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
-    pdims = [dims[p] for p in perm]
-    pstrides = [strides[p] for p in perm]
-    out = []
-    for flat in range(n):
-        idx, rem = 0, flat
-        for d, s in zip(reversed(pdims), reversed(pstrides)):
-            idx += (rem % d) * s
-            rem //= d
-        out.append(idx)
-    return out
 
 
 # --------------------------------------------------------------------------
@@ -451,42 +220,13 @@ def _canonical(opcode: str) -> str | None:
     return None
 
 
-def parse_hlo_text(text: str) -> CommReport:
-    """Parse HLO module text (as printed by ``compiled.as_text()``)."""
-    header = next((ln for ln in text.splitlines() if ln.startswith("HloModule")), "")
-    mname = re.match(r"HloModule\s+([\w.\-]+)", header)
-    np_ = re.search(r"\bnum_partitions=(\d+)", header)
-    nr_ = re.search(r"\breplica_count=(\d+)", header)
-    num_partitions = int(np_.group(1)) if np_ else 1
-    replica_count = int(nr_.group(1)) if nr_ else 1
-    total = num_partitions * replica_count
-
-    comps: dict = {}          # computation -> list[_Instr]
-    entry = None
-    cur = None
-    for line in text.splitlines():
-        # XLA marks long tuples with /*index=N*/ comments; they would hide an element's shape.
-        line = _COMMENT_RE.sub("", line)
-        if cur is None:
-            m = _COMP_RE.match(line)
-            if m and not line.startswith("HloModule"):
-                cur = m.group(2)
-                comps[cur] = []
-                if m.group(1):
-                    entry = cur
-            continue
-        if line.strip() == "}":
-            cur = None
-            continue
-        ins = _parse_instruction(line, cur)
-        if ins is not None:
-            comps[cur].append(ins)
-
-    # Executions per computation (while trip counts along the call graph).
+def _executions(comps: dict, entry: str | None) -> tuple:
+    """Executions per computation (while trip counts along the call graph): (computation -> count,
+    computation -> inside a while loop whose trip count XLA does not know)."""
     edges: dict = {c: [] for c in comps}   # caller -> [(callee, factor, unknown)]
     for cname, instrs in comps.items():
         for ins in instrs:
-            for key, val in _CALLEE_RE.findall(ins.attrs):
+            for key, val in CALLEE_RE.findall(ins.attrs):
                 if key == "to_apply":
                     continue  # reducers: scalar code, never collectives
                 for callee in re.findall(r"%?([\w.\-]+)", val.strip("{}")):
@@ -494,7 +234,7 @@ def parse_hlo_text(text: str) -> CommReport:
                         continue
                     factor, unknown = 1, False
                     if ins.opcode == "while" and key == "body":
-                        t = _TRIP_RE.search(ins.attrs)
+                        t = TRIP_RE.search(ins.attrs)
                         factor, unknown = (int(t.group(1)), False) if t else (1, True)
                     edges[cname].append((callee, factor, unknown))
     mult: dict = {}
@@ -511,43 +251,64 @@ def parse_hlo_text(text: str) -> CommReport:
     roots = [entry] if entry else list(comps)
     for r in roots:
         visit(r, 1, False, ())
+    return mult, unknown_loop
 
+
+def _collectives(cname: str, instrs: list, total: int, mult: dict, unknown_loop: dict) -> list:
+    """The collectives of computation ``cname`` (``total`` devices, executions from ``_executions``)."""
+    collectives = []
+    symbols = {i.name: i.shape for i in instrs}
+    done_of = {}
+    for i in instrs:
+        if i.opcode.endswith("-done") and i.operands:
+            done_of[i.operands[0].split()[-1].lstrip("%")] = i
+    for ins in instrs:
+        kind = _canonical(ins.opcode)
+        if kind is None:
+            continue
+        op_shapes = tuple(operand_shape(o, symbols) for o in ins.operands)
+        operand_bytes = sum(shape_bytes(s) for s in op_shapes)
+        res_shape = ins.shape
+        if ins.opcode.endswith("-start"):
+            done = done_of.get(ins.name)
+            if done is not None:
+                res_shape = done.shape
+            elif kind in ("all-gather", "collective-permute") and isinstance(res_shape, tuple) \
+                    and len(res_shape) >= 2:
+                res_shape = res_shape[1]
+        result_bytes = shape_bytes(res_shape)
+        if kind == "collective-permute":
+            pairs = re.findall(r"\{(\d+),(\d+)\}", attr(ins.attrs, "source_target_pairs") or "")
+            group_size, num_groups = (2 if pairs else 1), len(pairs)
+        else:
+            group_size, num_groups = group_shape(attr(ins.attrs, "replica_groups"), total)
+        opn = OPNAME_RE.search(ins.attrs)
+        collectives.append(Collective(
+            kind=kind, opcode=ins.opcode, name=ins.name, computation=cname,
+            operand_shape=shape_str(op_shapes[0]) if len(op_shapes) == 1 else shape_str(op_shapes),
+            result_shape=shape_str(res_shape),
+            operand_bytes=operand_bytes, result_bytes=result_bytes,
+            group_size=group_size, num_groups=num_groups,
+            multiplier=max(mult.get(cname, 1), 1), op_name=opn.group(1) if opn else "",
+            unknown_trip_count=unknown_loop.get(cname, False)))
+    return collectives
+
+
+def parse_hlo_text(text: str) -> CommReport:
+    """Parse HLO module text (as printed by ``compiled.as_text()``)."""
+    header = next((ln for ln in text.splitlines() if ln.startswith("HloModule")), "")
+    mname = re.match(r"HloModule\s+([\w.\-]+)", header)
+    np_ = re.search(r"\bnum_partitions=(\d+)", header)
+    nr_ = re.search(r"\breplica_count=(\d+)", header)
+    num_partitions = int(np_.group(1)) if np_ else 1
+    replica_count = int(nr_.group(1)) if nr_ else 1
+    total = num_partitions * replica_count
+
+    comps, entry = parse_computations(text)
+    mult, unknown_loop = _executions(comps, entry)
     collectives = []
     for cname, instrs in comps.items():
-        symbols = {i.name: i.shape for i in instrs}
-        done_of = {}
-        for i in instrs:
-            if i.opcode.endswith("-done") and i.operands:
-                done_of[i.operands[0].split()[-1].lstrip("%")] = i
-        for ins in instrs:
-            kind = _canonical(ins.opcode)
-            if kind is None:
-                continue
-            op_shapes = tuple(_operand_shape(o, symbols) for o in ins.operands)
-            operand_bytes = sum(shape_bytes(s) for s in op_shapes)
-            res_shape = ins.shape
-            if ins.opcode.endswith("-start"):
-                done = done_of.get(ins.name)
-                if done is not None:
-                    res_shape = done.shape
-                elif kind in ("all-gather", "collective-permute") and isinstance(res_shape, tuple) \
-                        and len(res_shape) >= 2:
-                    res_shape = res_shape[1]
-            result_bytes = shape_bytes(res_shape)
-            if kind == "collective-permute":
-                pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(ins.attrs, "source_target_pairs") or "")
-                group_size, num_groups = (2 if pairs else 1), len(pairs)
-            else:
-                group_size, num_groups = _group_shape(_attr(ins.attrs, "replica_groups"), total)
-            opn = _OPNAME_RE.search(ins.attrs)
-            collectives.append(Collective(
-                kind=kind, opcode=ins.opcode, name=ins.name, computation=cname,
-                operand_shape=_shape_str(op_shapes[0]) if len(op_shapes) == 1 else _shape_str(op_shapes),
-                result_shape=_shape_str(res_shape),
-                operand_bytes=operand_bytes, result_bytes=result_bytes,
-                group_size=group_size, num_groups=num_groups,
-                multiplier=max(mult.get(cname, 1), 1), op_name=opn.group(1) if opn else "",
-                unknown_trip_count=unknown_loop.get(cname, False)))
+        collectives.extend(_collectives(cname, instrs, total, mult, unknown_loop))
     return CommReport(mname.group(1) if mname else "?", num_partitions, replica_count, collectives)
 
 

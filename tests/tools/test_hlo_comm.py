@@ -2,7 +2,7 @@
 
 The tool lives in the package as ``meshdsl.hlo_comm``.
 """
-from meshdsl import hlo_comm
+from meshdsl import hlo_comm, hlo_text
 
 ASYNC_HLO = """\
 HloModule m, is_scheduled=true, num_partitions=8
@@ -69,14 +69,14 @@ def test_async_forms_and_iota_groups():
 
 
 def test_iota_transpose():
-    groups = hlo_comm._parse_groups("[2,4]<=[4,2]T(1,0)", 8)
+    groups = hlo_text.parse_groups("[2,4]<=[4,2]T(1,0)", 8)
     assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert hlo_comm._parse_groups("[4,2]<=[8]", 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert hlo_comm._parse_groups("{{0,4},{1,5}}", 8) == [[0, 4], [1, 5]]
+    assert hlo_text.parse_groups("[4,2]<=[8]", 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert hlo_text.parse_groups("{{0,4},{1,5}}", 8) == [[0, 4], [1, 5]]
 
 
 def test_mesh_axes_groups():
-    f = hlo_comm._group_shape
+    f = hlo_text.group_shape
     assert f("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 8) == (4, 2)
     assert f("mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}", 8) == (8, 1)
     assert f("mesh[x=8,y=8,z=16] {x:(2)4,y:(2)4}", 1024) == (16, 64)

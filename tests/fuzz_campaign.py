@@ -4,7 +4,7 @@ every failure kept (not only the first, as a hypothesis test would) and counted 
     python tests/fuzz_campaign.py --minutes 60 --seed 1 --out runs/fuzz-campaign
     python tests/fuzz_campaign.py --minutes 10 --ops attention,einsum,rename --out runs/fuzz-attention
 
-Each case is one random program (``fuzz_draw.programs`` over all ops, 1-D and 2-D meshes,
+Each case is one random program (``fuzz_draw.programs`` over all ops, 1-D, 2-D and 3-D meshes,
 ``params=`` rules, the three ``param_gather`` modes) and one of two checks, drawn in turn:
 
 * ``values``: an invalid layout must raise ``md.MeshDSLError``; a valid one must give the

@@ -4,6 +4,7 @@ values made earlier (:mod:`fuzz_programs` holds the program model and its interp
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -24,7 +25,8 @@ def _elems(names):
 def _axes_choice(draw, mesh):
     names = list(mesh)
     options = [(), (), (), ()] + [(a,) for a in names]
-    if len(names) == 2:
+    options += list(itertools.permutations(names, 2))   # two axes on one dim, in either order
+    if len(names) == 3:
         options += [tuple(names), tuple(reversed(names))]
     return draw(st.sampled_from(options))
 

@@ -31,7 +31,7 @@ _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 # answers their questions): a function of the user's traced by one of the rewriter's traces must
 # not be replayed from the cache by another. The caches are emptied whole: picking jax's own
 # functions (jnp's jitted helpers) out to keep them read every key, and the caches grow with every
-# layout traced (a search over T5-xxl: 30 ms a trace, 12 s of 77); they hit little across traces
+# layout traced (a search over T5-xxl: 30 ms a trace, 13 s of 77); they hit little across traces
 # (other local shapes).
 _TRACE_CACHES = (_pe.trace_to_jaxpr, _ad_checkpoint._trace_to_jaxpr)
 

@@ -220,6 +220,8 @@ def take_block(ctx, x, axes, dim: int, tensor: str = ""):
         else:
             x = _linear(ctx, x, lambda v, a=a, block=block: _slice_block(_raw_vary(v, (a,)), (a,), dim, block),
                         lambda ct, a=a: all_gather(ctx, ct, (a,), dim, invariant=True, tensor=tensor))
+            if _differentiable(x):
+                ctx.rec.sliced(x, (a,))
     return x
 
 

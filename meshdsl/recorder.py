@@ -91,6 +91,15 @@ class Recorder:
             b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
             self.casts.append(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)) * self.multiplier)
 
+    def sliced(self, block, axes) -> None:
+        """A differentiated value replicated over ``axes`` was sliced to this device's ``block``
+        (no data moves): the backward all-gathers the blocks' cotangents there (priced before it
+        is emitted, as :meth:`cast` prices a cast's psum)."""
+        if self.tracing and self.sandbox not in self._closed:
+            b = cost.array_bytes(block.shape, block.dtype, self.mesh.platform)
+            n = self.mesh.axes_size(axes)
+            self.casts.append(cost.moved_bytes("all-gather", b, b * n, n) * self.multiplier)
+
     def backward_bytes(self, nbytes: float) -> None:
         """The op being lowered has a hand-written backward that moves ``nbytes`` per execution
         beyond its forward collectives' duals (a ring rotating gradients as well as keys): the

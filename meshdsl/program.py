@@ -14,17 +14,15 @@ compiles. Traced, it runs the user's ``fn`` either
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import jaxcompat, jaxpr_stats, param_gather
+from . import gcpause, jaxcompat, jaxpr_stats, param_gather
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
@@ -245,20 +243,7 @@ def _moved(closed, ctx) -> float:
 
 def _traced(run, avals):
     """``run`` traced to a jaxpr, as a trace of its own: what jax traced in an earlier trace (a
-    jax.checkpoint'ed function) runs its rules again (:func:`meshdsl.jaxcompat.fresh`). Python's
-    cyclic garbage collector waits until the trace ends: a trace makes many objects and few
-    garbage cycles, and the collections it would trigger scan them all (half of a T5-xxl
-    trace's time where measured)."""
-    with jaxcompat.fresh(), _gc_paused():
+    jax.checkpoint'ed function) runs its rules again (:func:`meshdsl.jaxcompat.fresh`), Python's
+    cyclic garbage collector paused (:mod:`meshdsl.gcpause`)."""
+    with jaxcompat.fresh(), gcpause.paused():
         return jax.make_jaxpr(run)(*avals)
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

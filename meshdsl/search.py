@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 
+from . import gcpause
 from . import search_space as space
 from .errors import LayoutError, MeshDSLError
 from .explain import Report, explain
@@ -192,9 +193,18 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     meshes = space.meshes(mesh_or_device_count, mesh_axes)
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
     held = {id(p): Held(p, args) for _, p in programs}
-    dim_sets, seen = set().union(*(h.dim_sets for h in held.values())), set()
+    dim_sets = set().union(*(h.dim_sets for h in held.values()))
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
+    with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
+        _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options)
+    ranked = _ranked(run.ranked)
+    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
+
+
+def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options) -> None:
+    """Every layout of ``meshes`` for each program, costed or rejected by ``run``."""
+    seen: set = set()
     for mesh in meshes:
         for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
             same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
@@ -209,8 +219,6 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
                 report = run.cost(cand, program, held[id(program)])
                 if report is not None:
                     run.variants(cand, program, held[id(program)], report)
-    ranked = _ranked(run.ranked)
-    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
 
 
 def _hardware_and_budget(hardware, memory_budget) -> tuple:
@@ -297,6 +305,7 @@ class _Costing:
                 return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
             finally:
                 forget_staged()   # the next layout traces other local shapes
+                gcpause.collect_young()
             self.traced.setdefault(shape, (rename, report))
         elif isinstance(report, MeshDSLError):
             self.retimed += 1

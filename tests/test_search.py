@@ -2,6 +2,7 @@
 over-budget ones rejected with the reason, equivalent layouts costed once; the chosen layout
 compiles to the predicted bytes within the budget; known regimes find their known answers."""
 
+import gc
 import importlib
 import re
 
@@ -68,6 +69,24 @@ def test_a_layout_that_splits_a_dim_the_axes_do_not_divide_is_pruned_before_cost
     result = md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *_mlp(4, 64, 256))
     assert [c.why for c in result.rejected] == ["pruned: batch:4 does not divide by data (8)"]
     assert result.costed == 3   # nothing, d_model:data, d_ff:data
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_search_leaves_the_garbage_collector_as_it_found_it(collecting):
+    """The search pauses Python's garbage collector while it costs layouts (collecting after each
+    traced layout), and restores it after, also when a layout fails to trace."""
+    def broken(x, w1, w2):
+        raise TypeError("a user's bug")
+    was = gc.isenabled()
+    try:
+        gc.enable() if collecting else gc.disable()
+        md.search(_mlp_grads, md.Mesh.abstract({"data": 8}), *_mlp(8, 64, 256))
+        assert gc.isenabled() == collecting
+        with pytest.raises(TypeError):
+            md.search(broken, md.Mesh.abstract({"data": 8}), *_mlp(8, 64, 256))
+        assert gc.isenabled() == collecting
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 def test_equivalent_layouts_of_a_device_count_are_costed_once():

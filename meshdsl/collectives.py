@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from .jaxcompat import pricing, varying_axes
+from .jaxcompat import differentiated, pricing, varying_axes
 
 __all__ = ["psum", "pmax", "pmin", "cast", "cast_gathered", "psum_scatter", "all_gather", "take_block",
            "all_to_all", "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
@@ -109,6 +109,13 @@ def axis_index(axes) -> jax.Array:
     return jax.lax.axis_index(tuple(axes)) if len(axes) > 1 else jax.lax.axis_index(axes[0])
 
 
+def _gets_gradient(ctx, x) -> bool:
+    """Will the backward pass send ``x`` a cotangent? (A value differentiated; in a loop body,
+    which jax differentiates once it is traced, any float value: it cannot tell yet.) A constant
+    (a literal scale) gets none: its cast or slice has no backward to price."""
+    return _differentiable(x) and (differentiated(x) or ctx.rec.multiplier > 1)
+
+
 def _raw_vary(x, axes):
     need = tuple(a for a in axes if a not in varying_axes(x))
     return jax.lax.pcast(x, need, to="varying") if need else x
@@ -120,7 +127,7 @@ def cast(ctx, x, axes, tensor: str = "", *, grad: bool = True):
     axes = tuple(a for a in axes if a not in varying_axes(x))
     if not axes:
         return x
-    if grad and _differentiable(x):
+    if grad and _gets_gradient(ctx, x):
         ctx.rec.cast(x, axes)
     return _linear(ctx, x, lambda v: jax.lax.pcast(v, axes, to="varying"),
                    lambda ct: psum(ctx, ct, axes, tensor + " gradient of a value replicated there"))
@@ -220,7 +227,7 @@ def take_block(ctx, x, axes, dim: int, tensor: str = ""):
         else:
             x = _linear(ctx, x, lambda v, a=a, block=block: _slice_block(_raw_vary(v, (a,)), (a,), dim, block),
                         lambda ct, a=a: all_gather(ctx, ct, (a,), dim, invariant=True, tensor=tensor))
-            if _differentiable(x):
+            if _gets_gradient(ctx, x):
                 ctx.rec.sliced(x, (a,))
     return x
 

@@ -282,15 +282,15 @@ def test_a_candidate_asking_for_a_pending_sum_its_operand_does_not_carry_is_pric
     promises_kept(fn, md.Mesh({"x": 8, "y": 1}), md.Layout({"c": ("x", "y")}), v, ids, moved={"all-gather": 56})
 
 
-def test_the_plan_prices_the_backward_gather_of_a_rules_own_slice_of_a_replicated_value():
-    """einsum(v[d], w[d c a]) with w stored split over d: the rule slices the replicated v to w's
-    blocks (no data moves), and the backward all-gathers v's cotangent; so does the divide's slice
-    of square(v) + 1. The plan priced the slices' backward at nothing and said 7 B where the
-    program moves 56 B; it now says what the program moves. (gspmd moves 28 B: it computes
-    square(v) + 1 split too and gathers the summed cotangent once; the plan has no candidate
-    running an op on values in the layout's placement split the way another reader of them is.)"""
+def test_a_replicated_value_sliced_by_two_readers_is_read_as_one_copy_and_its_gradient_gathered_once():
+    """einsum(v[d], w[d c a]) with w stored split over d, and square(v) + 1 divided into the
+    einsum's result: gspmd computes both split along d and gathers v's summed cotangent once
+    (28 B). The plan once had the einsum's rule slice v on its own (a slice whose backward
+    all-gather it priced at nothing) and square(v) run whole, its quotient sliced apart: two
+    gathers, 56 B. Now a slice's backward gather is priced, and an op reading a value may enter
+    where another reader of it does (square(v) split like the einsum's v: one copy, one gather)."""
     v = _normal((8,), "d", 0)
-    w = _normal((8, 8, 16), "d c a", 1, param=True)
+    w = md.param(_normal((8, 8, 16), "d c a", 1) * 0.05)   # y of order one: tanh not saturated
 
     def step(v, w):
         def loss(v, w):
@@ -298,7 +298,7 @@ def test_the_plan_prices_the_backward_gather_of_a_rules_own_slice_of_a_replicate
             return (md.sum(md.tanh(y)) + md.sum(md.tanh(md.minimum(y, y) / (md.square(v) + 1.0)))).array
         return jax.grad(loss, argnums=(0, 1))(v, w)
     mesh, layout = md.Mesh({"x": 8}), md.Layout({}, params={"d": "x"})
-    report = md.explain(step, mesh, layout, v, w, param_gather="auto")
-    assert report.decisions() and all(d["bytes"] == report.total_bytes for d in report.decisions()), \
-        (report.decisions(), report.total_bytes)
-    assert explain_vs_hlo(step, mesh, layout, v, w, param_gather="auto") == ({"all-gather": 56.0},) * 2
+    promises_kept(step, mesh, layout, v, w, param_gather="auto", moved={"all-gather": 28.0})
+    square = next(d for d in md.explain(step, mesh, layout, v, w, param_gather="auto").decisions()
+                  if d["op"].startswith("square"))
+    assert square["chosen"] == "operands [d:x]", square

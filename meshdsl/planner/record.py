@@ -60,6 +60,7 @@ class Recording:
         self.entered: dict = {}    # value id -> placement where first met (not made by an op)
         self.placed: dict = {}     # value id -> placement where made or first met
         self.gives: dict = {}      # value id -> the other placements its op's strategies give it
+        self.read_at: dict = {}    # value id -> the placements the ops reading it so far may read it in
         self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
         self.count = 0             # outermost ops so far
         self.ended = 0             # records made when the latest op recorded ended
@@ -118,7 +119,8 @@ class Recording:
                 self._forced.pop()
         explore = xs and name not in _PINNED and ctx.frame is None
         operands = [self.vid(ctx, x) for x in xs]
-        upstream = [self.gives.get(v, ()) for v in operands]
+        # where its producer may give each operand, or another reader may read it (one copy for both)
+        upstream = [tuple(dict.fromkeys(self.gives.get(v, ()) + self.read_at.get(v, ()))) for v in operands]
         tries = op_tries(ctx, rule, xs, args, kwargs, upstream) if explore else \
             loop_tries(ctx, rule, xs) if xs and ctx.frame is None else []
         others = _try_all(ctx, rule, leaves, tree, named, xs, tries)
@@ -146,6 +148,9 @@ class Recording:
         results = [self.vid(ctx, y, made=True) for y in outs]
         for slot, v in enumerate(results):
             self.gives[v] = tuple(dict.fromkeys(f.gives[slot] for f in strategies[1:] if f.gives[slot] != default.gives[slot]))
+        for slot, v in enumerate(operands):
+            self.read_at[v] = tuple(dict.fromkeys(self.read_at.get(v, ()) + tuple(
+                f.entry[slot] for f in strategies if f.entry[slot] != self.placed[v])))
         self.ops.insert(len(self.ops) - (self.count - k - 1), OpRecord(
             name, ctx.rec.op[1] if ctx.rec.op else "", operands, results, strategies,
             any(differentiated(x.raw) for x in xs), range(k + 1, self.count)))

@@ -148,9 +148,9 @@ class Recording:
         results = [self.vid(ctx, y, made=True) for y in outs]
         for slot, v in enumerate(results):
             self.gives[v] = tuple(dict.fromkeys(f.gives[slot] for f in strategies[1:] if f.gives[slot] != default.gives[slot]))
-        for slot, v in enumerate(operands):
+        for slot, v in enumerate(operands):   # a reader slicing it (no data moves): another may share the copy
             self.read_at[v] = tuple(dict.fromkeys(self.read_at.get(v, ()) + tuple(
-                f.entry[slot] for f in strategies if f.entry[slot] != self.placed[v])))
+                f.entry[slot] for f in strategies if _sliced(self.placed[v], f.entry[slot]))))
         self.ops.insert(len(self.ops) - (self.count - k - 1), OpRecord(
             name, ctx.rec.op[1] if ctx.rec.op else "", operands, results, strategies,
             any(differentiated(x.raw) for x in xs), range(k + 1, self.count)))
@@ -215,6 +215,12 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
                          tuple(reads))
+
+
+def _sliced(held: Placement, entry: Placement) -> bool:
+    """Is ``entry`` ``held`` with more of its dims split (a local slice of it, nothing moved)?"""
+    return entry != held and entry.pending == held.pending and len(entry.axes) == len(held.axes) and \
+        all(tuple(e[:len(h)]) == tuple(h) for h, e in zip(held.axes, entry.axes))
 
 
 def _distinct(strategies) -> list:

@@ -3,7 +3,8 @@ candidates of its rule's decision points (:mod:`meshdsl.planner.record` runs eac
 
 * :func:`op_tries`: an op's operands entering where they are, in the layout's placement, with their
   pending sums reduced in place, aligned with another operand, with one dim of one operand brought
-  to the layout's placement or gathered, or where a candidate of their producer puts them; under
+  to the layout's placement or gathered, where a candidate of their producer puts them, or where
+  another reader of them slices them (one copy: its gradient gathered once); under
   ``param_gather`` keep / regather, a parameter stored split entering gathered; and the rule's
   declared decision points (``rule.options``).
 * :func:`loop_tries`: a loop (its body traced again per candidate): its operands' pending sums
@@ -25,7 +26,8 @@ _MAX_CANDIDATES = 10
 def op_tries(ctx, rule, xs, args, kwargs, upstream) -> list:
     """``(entry placements, options)`` of the op's other candidates: other entry placements, and
     the rule's other candidates at its decision points (``rule.options(*args, **kwargs)``).
-    ``upstream``: per operand, the other placements its producer may give it."""
+    ``upstream``: per operand, the other placements its producer may give it or another reader
+    slices it to."""
     here = tuple(ctx.placement(x) for x in xs)
     # an op moving data along a dim may read a copy gathered for others (outside loop bodies:
     # there the trace would carry every priced candidate as dead code into the loop's derivative)

@@ -194,7 +194,8 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
             options += [o for o in (plan(False, current=whole), plan(False, spread=True, current=whole)) if o is not None]
         return options
 
-    safe = [o for o in (plan(False), plan(True), plan(False, spread=True)) if o is not None]
+    safe = [o for o in (plan(False), plan(True), plan(False, spread=True), _into_layout(ctx, groups, current))
+            if o is not None]
     bet = plan(False, to_first=True)   # see _plan
     options = with_parked(safe + ([bet] if bet is not None and bet not in safe else []))
     # Ties: hoping, the option that leaves less to move if the result does move (one reading a
@@ -268,6 +269,28 @@ def _spread(ctx, old_g, new_g, current):
             merged += axes
         return [tuple(merged)]
     return None
+
+
+def _into_layout(ctx, groups, current):
+    """The result made where the layout places it, each dim split into several taking the
+    layout's axes of the new dims, in order, beforehand (``d:x`` into ``p2:y q4:x``: ``d`` over
+    ``y, x`` first, one redistribution, then each element is where the result wants it: the
+    inverse of :func:`_spread`); dims kept stay where they are. ``None`` where a group merges."""
+    src, out = {}, {}
+    for old_g, new_g in groups:
+        if len(old_g) != 1 or not new_g:
+            return None
+        if len(new_g) == 1:
+            src[old_g[0].name] = out[new_g[0].name] = current[old_g[0].name]
+            continue
+        want = [tuple(ctx.layout_axes(d.name)) for d in new_g]
+        axes = tuple(a for w in want for a in w)
+        if not axes or _spread(ctx, old_g, new_g, {old_g[0].name: axes}) != want:
+            return None
+        src[old_g[0].name] = axes
+        out.update((d.name, w) for d, w in zip(new_g, want))
+    used = [a for axes in src.values() for a in axes]
+    return (src, out) if len(used) == len(set(used)) else None
 
 
 def _parked(ctx, x, groups, current, option):

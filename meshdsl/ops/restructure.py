@@ -194,8 +194,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
             options += [o for o in (plan(False, current=whole), plan(False, spread=True, current=whole)) if o is not None]
         return options
 
-    safe = [o for o in (plan(False), plan(True), plan(False, spread=True), _into_layout(ctx, groups, current))
-            if o is not None]
+    safe = [o for o in (plan(False), plan(True), plan(False, spread=True), _into_layout(ctx, groups, current)) if o]
     bet = plan(False, to_first=True)   # see _plan
     options = with_parked(safe + ([bet] if bet is not None and bet not in safe else []))
     # Ties: hoping, the option that leaves less to move if the result does move (one reading a

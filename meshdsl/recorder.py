@@ -56,7 +56,7 @@ class Recorder:
         self.phase = "forward"
         self.tracing = True            # False once the trace is over: late backward rules record nothing
         self._tags = 0
-        self.casts: list = []          # backward bytes of each cast to varying (its psum), for the planner
+        self.casts: list = []          # backward bytes priced before emitted (casts, slices, own backwards)
         self.sandbox = None            # the planner's sandbox being traced now (an int), if any
         self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
         self._sandboxes = 0
@@ -85,20 +85,16 @@ class Recorder:
             count=self.multiplier, phase=self.phase, tensor=tensor, tag=tag))
 
     def cast(self, x, axes) -> None:
-        """A differentiated value ``x`` was cast to varying over ``axes``: the backward pass sums
-        its cotangent there (an all-reduce the planner prices before it is emitted)."""
-        if self.tracing and self.sandbox not in self._closed:
-            b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
-            self.casts.append(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)) * self.multiplier)
+        """A value ``x`` that gets a gradient was cast to varying over ``axes``: the backward pass
+        sums its cotangent there (an all-reduce the planner prices before it is emitted)."""
+        b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
+        self.backward_bytes(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)))
 
     def sliced(self, block, axes) -> None:
-        """A differentiated value replicated over ``axes`` was sliced to this device's ``block``
-        (no data moves): the backward all-gathers the blocks' cotangents there (priced before it
-        is emitted, as :meth:`cast` prices a cast's psum)."""
-        if self.tracing and self.sandbox not in self._closed:
-            b = cost.array_bytes(block.shape, block.dtype, self.mesh.platform)
-            n = self.mesh.axes_size(axes)
-            self.casts.append(cost.moved_bytes("all-gather", b, b * n, n) * self.multiplier)
+        """A value that gets a gradient, replicated over ``axes``, was sliced to this device's
+        ``block`` (no data moves): the backward all-gathers the blocks' cotangents there."""
+        b, n = cost.array_bytes(block.shape, block.dtype, self.mesh.platform), self.mesh.axes_size(axes)
+        self.backward_bytes(cost.moved_bytes("all-gather", b, b * n, n))
 
     def backward_bytes(self, nbytes: float) -> None:
         """The op being lowered has a hand-written backward that moves ``nbytes`` per execution

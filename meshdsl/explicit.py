@@ -285,10 +285,12 @@ class ExplicitContext(LayoutContext):
         owner = jaxcompat.enclosing_trace(source, trace)
         full = (id(source), key, id(jaxcompat.stands_for(owner)))
         hit = self._cache.get(full)
-        if hit is not None and key[0] == "relayout" and not key[4] and self.planner is not None:
-            self._read_copy(source, key[2])
+        # a copy other ops may share: a relayout (by its target) or a cast to varying
+        shared = key[2] if key[0] == "relayout" and not key[4] else key if key[0] == "cast" else None
+        if hit is not None and shared is not None and self.planner is not None:
+            self._read_copy(source, shared)
         if hit is None:
-            n_records = len(self.rec.records)
+            n_records, n_casts = len(self.rec.records), len(self.rec.casts)
             if owner is trace:
                 hit = make()
             else:
@@ -303,10 +305,13 @@ class ExplicitContext(LayoutContext):
             self._cache_log.append(full)
             if key[0] == "relayout" and not key[4]:
                 self._relaid.setdefault(id(source), set()).add(key[2])
-                if self.planner is not None:
-                    made = self.rec.records[n_records:]
-                    cost = sum(r.total_bytes for r in made) + (dual_bytes(made) if differentiated(source) else 0.0)
-                    self._copies[(id(source), key[2])] = (self.planner.current, cost)
+            if shared is not None and self.planner is not None:
+                made = self.rec.records[n_records:]
+                # its collectives, their duals where the source is differentiated, its casts' psums
+                cost = sum(r.total_bytes for r in made) + (dual_bytes(made) if differentiated(source) else 0.0) \
+                    + sum(self.rec.casts[n_casts:])
+                self._copies[(id(source), shared)] = (self.planner.current, cost)
+                self.planner.made((id(source), shared))
 
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit

@@ -302,3 +302,20 @@ def test_a_replicated_value_sliced_by_two_readers_is_read_as_one_copy_and_its_gr
     square = next(d for d in md.explain(step, mesh, layout, v, w, param_gather="auto").decisions()
                   if d["op"].startswith("square"))
     assert square["chosen"] == "operands [d:x]", square
+
+
+def test_a_cast_one_op_makes_is_free_to_another_reader_only_while_the_plan_keeps_it():
+    """x[d a b] and a parameter w[d], both whole, next to an input split over x that no op
+    reads: multiply(x, w) and add(w, x) each may type their operands varying over x (so that a
+    parameter's gradient is summed where it is read) or not. The first op's cast of x is shared
+    by the second (one copy); the plan once priced the second's reading of it at nothing, kept
+    its cast while the first op dropped its own, and the program all-reduced x's and w's
+    gradients (14392 B where gspmd moves nothing). A copy another op makes is now free only
+    under a strategy of that op that makes it."""
+    x, w = _normal((8, 16, 16), "d a b", 0), _normal((8,), "d", 1, param=True)
+    unread = _normal((16, 8, 16), "a d e", 2)
+
+    def step(x, unread, w):
+        loss = lambda x, unread, w: (md.sum(x * w) + md.sum(w + x)).array
+        return jax.grad(loss, argnums=(0, 1, 2))(x, unread, w)
+    promises_kept(step, md.Mesh({"x": 8}), md.Layout({"e": "x"}), x, unread, w, moved={})

@@ -20,6 +20,9 @@ implies). One relay of a value to one placement is shared by every consumer read
   + sum over values v, over the distinct placements T its chosen consumers need, of
         relay(v, placement its producer gives, T)
 
+  + sum over **shared copies** (a strategy reading a copy another op's strategy made: a gathered
+    or cast operand both read) of the copy's bytes, where the maker takes a strategy not making it
+
 and :func:`meshdsl.planner.solve.solve` minimises it over one strategy per node. Strategy 0 of
 each node is its default (the rule's own choice): a tie keeps it.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable
 
-__all__ = ["Strategy", "Node", "Graph"]
+__all__ = ["Strategy", "Node", "Graph", "SharedCopy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,18 @@ class Node:
                                  f"{len(self.results)} results")
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedCopy:
+    """Node ``reader``'s strategy ``strategy`` reads a copy node ``maker`` makes under its
+    strategies ``makers`` only: under any other, the reader makes it (``cost`` bytes)."""
+
+    reader: int
+    strategy: int
+    maker: int
+    makers: frozenset
+    cost: float
+
+
 class Graph:
     """Nodes in program order; ``relay(value, src, dst)`` prices moving a value between keys."""
 
@@ -70,6 +85,7 @@ class Graph:
         self.relay_fn = relay
         self.producer: dict = {}    # value id -> (node index, result slot)
         self.consumers: dict = {}   # value id -> [(node index, operand slot)]
+        self.shared: list[SharedCopy] = []
         self._relay_cache: dict = {}
 
     def add(self, node: Node) -> int:
@@ -103,7 +119,7 @@ class Graph:
             src = self.nodes[p].strategies[choice[p]].gives[slot]
             wanted = {self.nodes[c].strategies[choice[c]].needs[j] for c, j in self.consumers.get(v, ())}
             total += sum(self.relay(v, src, t) for t in wanted)
-        return total
+        return total + sum(c.cost for c in self.shared if choice[c.reader] == c.strategy and choice[c.maker] not in c.makers)
 
     def components(self) -> list[list[int]]:
         """Node indices of each connected part (nodes joined by a value), in program order."""
@@ -118,6 +134,8 @@ class Graph:
         for v, (p, _) in self.producer.items():
             for c, _ in self.consumers.get(v, ()):
                 parent[find(c)] = find(p)
+        for c in self.shared:
+            parent[find(c.reader)] = find(c.maker)
         groups: dict = {}
         for k in range(len(self.nodes)):
             groups.setdefault(find(k), []).append(k)

@@ -17,7 +17,7 @@ import math
 
 from ..cost import element_bytes, moved_bytes
 from ..relayout import relayout_bytes
-from .graph import Graph, Node, Strategy
+from .graph import Graph, Node, SharedCopy, Strategy
 from .solve import Solution, solve
 
 __all__ = ["build", "choose", "decisions", "Plan"]
@@ -46,6 +46,7 @@ def build(ctx, recording) -> tuple[Graph, dict]:
     for v, pl in recording.entered.items():
         graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered")]))
     live = _live(recording)
+    node_of = {}
     for k, op in enumerate(recording.ops):
         if k not in live:
             continue   # nothing it makes reaches an output: the compiler drops it
@@ -56,12 +57,46 @@ def build(ctx, recording) -> tuple[Graph, dict]:
         strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0)
                                + sum(cost for maker, cost, _ in f.reads if maker not in live), detail=f,
                                label=_label(ctx, recording, op, f)) for f in op.strategies]
-        nodes[graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))] = k
+        node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
+        nodes[node_of[k]] = k
+        _share_copies(graph, node_of, op.strategies)
     for v, pl in recording.sinks:
         if v in graph.producer:
             _replicate_at(ctx, graph, recording.values[v], v, pl)
             graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
     return graph, nodes
+
+
+def _share_copies(graph, node_of, found) -> None:
+    """The copies the strategies ``found`` of the node just added read from a live op: free
+    only where that op takes a strategy making them (it may take one that does not: a cast its
+    default makes and the plan's candidate leaves out). A reader computing from the maker's
+    results follows the maker's choice (an op reading what an op left uncast computed is not
+    cast either: :meth:`meshdsl.explicit.ExplicitContext.vary`): its copy stays free."""
+    reader = len(graph.nodes) - 1
+    for s, f in enumerate(found):
+        for maker, cost, copy in f.reads:
+            if maker not in node_of or not cost or _reads_from(graph, reader, node_of[maker]):
+                continue
+            m = node_of[maker]
+            makers = frozenset(i for i, st in enumerate(graph.nodes[m].strategies) if copy in st.detail.makes)
+            if len(makers) < len(graph.nodes[m].strategies):
+                graph.shared.append(SharedCopy(reader, s, m, makers, cost))
+
+
+def _reads_from(graph, reader: int, maker: int) -> bool:
+    """Does node ``reader`` compute from a result of node ``maker`` (through any ops between)?"""
+    stack, seen = [reader], set()
+    while stack:
+        k = stack.pop()
+        for v in graph.nodes[k].operands:
+            p = graph.producer[v][0]
+            if p == maker:
+                return True
+            if p > maker and p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return False
 
 
 def _replicate_at(ctx, graph, value, v, pl) -> None:

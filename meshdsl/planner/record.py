@@ -64,7 +64,7 @@ class Recording:
         self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
         self.count = 0             # outermost ops so far
         self.ended = 0             # records made when the latest op recorded ended
-        self._forced: list = []    # (options, candidates per decision point met, copies read) of the rules running now
+        self._forced: list = []    # (options, candidates per decision point met, copies read, copies made) of the rules running now
         self._ids: dict = {}       # id(local array) -> value id
         self._keep: list = []
 
@@ -112,7 +112,7 @@ class Recording:
                 return rule(ctx, *args, **kwargs)
             return _run(ctx, rule, leaves, tree, named, xs, found.entry, found.options)[0]
         if pricing():   # an op of a loop body a candidate of the loop traces again: its own choices
-            self._forced.append(({}, [], []))   # (its decision points are its own, not the loop's)
+            self._forced.append(({}, [], [], []))   # (its decision points are its own, not the loop's)
             try:
                 return rule(ctx, *args, **kwargs)
             finally:
@@ -168,12 +168,18 @@ class Recording:
         if self._forced and (maker, cost, copy) not in self._forced[-1][2]:
             self._forced[-1][2].append((maker, cost, copy))
 
+    def made(self, copy) -> None:
+        """The rule running now made ``copy`` (a key): a later op reading it reads it free where
+        this op takes a strategy that makes it."""
+        if self._forced:
+            self._forced[-1][3].append(copy)
+
     def option(self, ctx, count: int) -> int:
         """The candidate the next decision point of the rule running now takes (0: the rule's
         default): its decision points are numbered in the order the rule meets them."""
         if not self._forced:
             return 0
-        options, met, _ = self._forced[-1]
+        options, met, _, _ = self._forced[-1]
         met.append(count)
         return options.get(len(met) - 1, 0)
 
@@ -190,6 +196,7 @@ class Found:
     vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
     points: tuple = ()     # candidates of each decision point the rule met, in order
     reads: tuple = ()      # (op number, bytes, copy) of the copies other ops made that the rule read
+    makes: frozenset = frozenset()   # the copies (keys) the rule made
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -203,8 +210,9 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     start = len(ctx.rec.records), len(ctx.rec.casts)
     met: list = []
     reads: list = []
+    makes: list = []
     ctx._narrowing = False
-    ctx.planner._forced.append((dict(options), met, reads))
+    ctx.planner._forced.append((dict(options), met, reads, makes))
     try:
         result = rule(ctx, *args, **kwargs)
     finally:
@@ -214,7 +222,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
-                         tuple(reads))
+                         tuple(reads), frozenset(makes))
 
 
 def _sliced(held: Placement, entry: Placement) -> bool:

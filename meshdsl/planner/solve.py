@@ -8,7 +8,10 @@ relay between the consumers that read a value in the same placement:
     y[v, T, s] in [0, 1] value v is relaid to placement T from its producer's strategy s:
                          y <= x[producer, s]; sum over s of y >= x of each consumer needing T
 
-    minimise  sum x * own bytes  +  sum y * relay(v, gives(s), T)
+    z[c]     in [0, 1]   a shared copy's reader makes it: z >= x[reader, s] - sum of x[maker, s']
+                         over the maker's strategies s' that make it
+
+    minimise  sum x * own bytes  +  sum y * relay(v, gives(s), T)  +  sum z * copy bytes
 
 A relay is shared by every consumer needing the same placement. With ``x`` integral, ``y`` is
 ``x[producer] * (some consumer needs T)`` at the optimum, so the optimum of the program is the
@@ -146,6 +149,10 @@ def _solve_part(graph: Graph, part: list, time_limit: float):
     for v, (p, slot) in graph.producer.items():
         if p in members:
             _relay_terms(graph, prog, x, v, p, slot)
+    for c in graph.shared:   # z >= x[reader][strategy] - x[maker][any strategy making the copy]
+        if c.reader in members:
+            z = prog.var(c.cost, integer=False, upper=1.0)
+            prog.row({z: 1.0, x[c.reader][c.strategy]: -1.0, **{x[c.maker][s]: 1.0 for s in c.makers}}, 0.0, np.inf)
     res = prog.run(prog.bytes, time_limit=time_limit)
     if res.x is None:
         return {k: 0 for k in part}, prog.n, False

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 
 from .jaxcompat import dce
 
-__all__ = ["ALIASES", "CALLS", "bytes_accessed", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
+__all__ = ["ALIASES", "CALLS", "FUSIBLE", "bytes_accessed", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
 SCOPES = r"mdc\d+"   # the name scopes of recorded collectives (meshdsl.collectives)
 
@@ -101,7 +101,7 @@ def bytes_accessed(jaxpr) -> float:
     return total
 
 
-_FUSIBLE = frozenset("""
+FUSIBLE = frozenset("""
     add sub mul div max min neg abs sign floor ceil round exp exp2 log log1p expm1 tanh logistic sqrt
     rsqrt cbrt pow integer_pow square erf erf_inv sin cos select_n convert_element_type eq ne lt le gt ge
     and or not xor shift_left shift_right_logical shift_right_arithmetic broadcast_in_dim reshape squeeze
@@ -120,10 +120,10 @@ def materialized(jaxpr) -> set:
     outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     kept = set()
     for eqn in jaxpr.eqns:
-        fusible = eqn.primitive.name in _FUSIBLE
+        fusible = eqn.primitive.name in FUSIBLE
         for v in eqn.outvars:
             users = consumers.get(v, [])
-            if v in outs or not fusible or len(users) != 1 or users[0].primitive.name not in _FUSIBLE:
+            if v in outs or not fusible or len(users) != 1 or users[0].primitive.name not in FUSIBLE:
                 kept.add(v)
     return kept
 

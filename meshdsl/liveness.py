@@ -4,22 +4,28 @@
 ``shard_map``) in program order, with what XLA's buffer assignment does that changes the answer
 (each rule measured against ``memory_analysis()`` on the CPU backend):
 
+* **one clock**: a sub-program's ops (a loop body's, a called function's) tick between its call's
+  start and end, as XLA's live ranges flatten the schedule; its buffers are the program's, and a
+  loop's state (its carry, its stacked results) lives from before the loop runs;
 * an elementwise chain fuses: only its ends are buffers (:func:`meshdsl.jaxpr_stats.materialized`);
+  a loop's slice of a stacked operand is a buffer where a matmul (not an elementwise op) reads it;
 * **aliases**: the result of a ``pvary``, ``reshape``, ``squeeze``, ``expand_dims``, ``name`` or
   ``stop_gradient`` is its operand's buffer; so is a call's result that passes an input through;
 * **in place**: a ``scatter``, a ``dynamic_update_slice`` or an elementwise op writes into an
-  operand of its size where that operand dies; a transpose read only by matmuls is folded into
-  them (no copy); ``add(x, scatter(0, i, u))`` (a row lookup's gradient added to another) is
+  operand of its size where that operand dies (never an argument or a result: those hold their
+  values to the end); a transpose read only by matmuls is folded into them (no copy);
+  ``add(x, scatter(0, i, u))`` (a row lookup's gradient added to another) is
   ``scatter(x, i, u)``: no buffer of zeros;
-* **outputs host temporaries**: the program's results are allocated first, and a temporary that
-  dies before a result is written lives in that result's buffer (the backward pass's activations
-  in the gradients' buffers). Results written by all-reduces count from the first of them: XLA
-  combines those all-reduces into one (but a scalar's, a loss: XLA reduces it on its own);
-* a sub-program (a loop body, a called function) adds its own peak while it runs.
+* **outputs host temporaries**: the program's results are allocated first, and each temporary,
+  largest first, lives in the smallest result buffer at least its size that is free while it
+  lives (of equal sizes, the one written last);
+* **all-reduces combine**: XLA combines the all-reduces writing results (a scalar's, a loss,
+  apart) into one, run after the last of them: their operands live until then, their results
+  from then.
 
 Not modelled: XLA's scheduler reordering ops (program order is kept), layout copies XLA inserts
-for a ``dot`` (a transposed copy of a gathered embedding table), fragmentation of the temporary
-heap, rematerialisation. ``docs/cost_model.md`` lists the measured errors.
+for a ``dot`` (a transposed copy of a gathered embedding table), how XLA's heap packs the loops'
+buffers (fragmentation), rematerialisation. ``docs/cost_model.md`` lists the measured errors.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, materialized, nbytes, sub_jaxprs
+from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, FUSIBLE, materialized, nbytes, sub_jaxprs
 
 __all__ = ["memory", "at_peak", "Buffer"]
 
@@ -36,22 +42,23 @@ _IN_PLACE = frozenset(("scatter-add", "scatter_add", "scatter", "dynamic_update_
                        "mul", "div", "max", "min", "neg", "abs", "exp", "log", "tanh", "logistic", "sqrt",
                        "rsqrt", "square", "integer_pow", "select_n", "convert_element_type"))
 _REDUCES = frozenset(("psum", "psum_invariant", "psum_scatter", "reduce_scatter"))
+_LOOPS = frozenset(("scan", "while"))
 _SCALAR = 64   # bytes: a result this small (a loss) is all-reduced on its own, not combined
 _COLLECTIVES = _REDUCES | {"all_gather", "all_gather_invariant", "all_to_all", "ppermute", "pmax", "pmin"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """One buffer of a program: its bytes, the ops (by index) it lives from and to, what made it
-    (``collective``, ``loop`` state, ``matmul`` result, ``other``) and its shape (``None`` for a
-    sub-program's peak)."""
+    """One buffer of a program: its bytes, the ticks it lives from and to (one clock for the
+    program and its sub-programs: a loop body's ops tick between the loop's start and end), what
+    made it (``collective``, ``loop`` state, ``loop slices``, ``matmul`` result, ``other``) and its
+    shape."""
 
     size: int
     start: int
     end: int
     kind: str
     shape: tuple | None = None
-    parts: tuple = ()      # a sub-program's peak: its buffers live there
 
 
 def memory(jaxpr) -> dict:
@@ -70,36 +77,35 @@ def memory(jaxpr) -> dict:
 
 
 def at_peak(jaxpr) -> list:
-    """The temporary buffers (:class:`Buffer`) live at ``jaxpr``'s peak, a sub-program's peak
-    as its own buffers live there."""
-    def flat(buffers):
-        return [x for b in buffers for x in (flat(b.parts) if b.parts else [b])]
-    return flat(_temporaries(getattr(jaxpr, "jaxpr", jaxpr))[1])
+    """The temporary buffers (:class:`Buffer`) live at ``jaxpr``'s peak, a loop body's among them."""
+    return _temporaries(getattr(jaxpr, "jaxpr", jaxpr))[1]
 
 
 def _temporaries(jaxpr) -> tuple[int, list]:
     """The peak bytes of ``jaxpr``'s temporaries and the buffers live there."""
-    temps, outputs, n = _buffers(jaxpr)
-    heap = _host(temps, outputs, n)
-    delta = [0] * (n + 2)
-    for b in heap:
-        delta[b.start] += b.size
-        delta[b.end + 1] -= b.size
+    temps, outputs, ticks = _timeline(jaxpr, 0)
+    return _peak(_host(temps, outputs, ticks))
+
+
+def _peak(buffers) -> tuple[int, list]:
+    """The most bytes of ``buffers`` live at one tick, and those buffers."""
+    events = sorted([(b.start, b.size) for b in buffers] + [(b.end + 1, -b.size) for b in buffers])
     peak, at, size = 0, 0, 0
-    for k, d in enumerate(delta):
+    for tick, d in events:
         size += d
         if size > peak:
-            peak, at = size, k
-    return peak, [b for b in heap if b.start <= at <= b.end]
+            peak, at = size, tick
+    return peak, [b for b in buffers if b.start <= at <= b.end]
 
 
-def _host(temps, outputs, n) -> list:
-    """The temporaries left on the heap once each, largest first, has moved into an output's
-    buffer that is at least its size and free while it lives (XLA's buffer assignment)."""
-    slots = [(size, [(start, n)]) for size, start in outputs]
+def _host(temps, outputs, ticks) -> list:
+    """The temporaries left on the heap once each has moved into an output's buffer at least
+    its size and free while it lives, as XLA's buffer assignment does: temporaries largest
+    first, each into the smallest such buffer (of equal sizes, the one written last)."""
+    slots = sorted(((b.size, b.start, [(b.start, ticks)]) for b in outputs), key=lambda s: (s[0], -s[1]))
     heap = []
     for b in sorted(temps, key=lambda b: -b.size):
-        for size, busy in slots:
+        for size, _, busy in slots:
             if size >= b.size and all(b.end < s or b.start > e for s, e in busy):
                 busy.append((b.start, b.end))
                 break
@@ -108,39 +114,79 @@ def _host(temps, outputs, n) -> list:
     return heap
 
 
-def _buffers(jaxpr):
-    """``(temporaries, outputs, ops)``: the temporary buffers (:class:`Buffer`), the outputs'
-    buffers ``(size, op writing it)``, and the number of ops."""
+def _clock(jaxpr, t0):
+    """Each op's first and last tick from ``t0`` (a sub-program's ops tick in between), the
+    buffers of the sub-programs (of alternatives, a ``cond``'s branches, the one with the highest
+    peak; a body's results live until it ends), and the tick after the last op."""
+    first, last, inner, t = [], [], [], t0
+    for eqn in jaxpr.eqns:
+        sliced = _sliced(eqn)
+        subs = [_timeline(j, t + 1, sliced) for j in sub_jaxprs(eqn)]
+        first.append(t)
+        if subs:
+            temps, outs, t = subs[0] if len(subs) == 1 else max(subs, key=lambda s: _peak(s[0] + s[1])[0])
+            inner.extend(temps + [dataclasses.replace(b, end=t - 1) for b in outs])
+        last.append(t)
+        t += 1
+    return first, last, inner, t
+
+
+def _sliced(eqn) -> tuple:
+    """A ``scan``'s body's inputs that are one slice of a stacked operand (``xs``) per step."""
+    if eqn.primitive.name != "scan":
+        return ()
+    return tuple(eqn.params["jaxpr"].jaxpr.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:])
+
+
+def _timeline(jaxpr, t0, sliced=()):
+    """``(temporaries, outputs, ticks)``: the temporary buffers (:class:`Buffer`) of ``jaxpr``
+    and of its sub-programs, its outputs' buffers (from the tick writing them), and the tick
+    after its last op. ``sliced``: inputs that are a slice of a loop's stacked operand (a buffer
+    of their own where an op other than an elementwise one reads them)."""
     owner, zeros = _owners(jaxpr)
     root = lambda v: owner.get(v, v)   # noqa: E731
     kept = materialized(jaxpr)
     outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    last, is_kept, is_out = {}, set(), set()
+    first, done, temps, ticks = _clock(jaxpr, t0)
+    last, is_kept, is_out, unfused = {}, set(), set(), set()
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
-                last[root(v)] = max(last.get(root(v), -1), k)
+                last[root(v)] = max(last.get(root(v), -1), done[k])
+                if eqn.primitive.name not in FUSIBLE:
+                    unfused.add(v)
         for v in eqn.outvars:
             if isinstance(v, jcore.Var) and v in kept:
                 is_kept.add(root(v))
             if isinstance(v, jcore.Var) and v in outs:
                 is_out.add(root(v))
-    temps, outputs, reduced = [], [], []
+    combined = _combined(jaxpr, root, is_out)
+    for k in combined:   # XLA combines these all-reduces into one after the last: operands live until then
+        for v in jaxpr.eqns[k].invars:
+            if isinstance(v, jcore.Var):
+                last[root(v)] = max(last[root(v)], done[combined[-1]])
+    temps.extend(Buffer(nbytes(v.aval), t0, last[v], "loop slices", tuple(v.aval.shape))
+                 for v in sliced if v in unfused)
+    outputs = []
     for k, eqn in enumerate(jaxpr.eqns):
-        inner, parts = max((_temporaries(j) for j in sub_jaxprs(eqn)), default=(0, []), key=lambda t: t[0])
-        if inner:
-            temps.append(Buffer(inner, k, k, _kind(eqn), None, tuple(parts)))
+        # a loop's state is allocated before it runs; another op's result when the op ends;
+        # a combined all-reduce's results when the last of them ends
+        born = done[combined[-1]] if combined and k >= combined[0] and k in combined else first[k] if eqn.primitive.name in _LOOPS else done[k]
         for v in eqn.outvars:
             if not isinstance(v, jcore.Var) or v in owner:
                 continue
             if v in is_out:
-                outputs.append((nbytes(v.aval), k))
-                reduced.append(_reduces(eqn))
+                outputs.append(Buffer(nbytes(v.aval), born, ticks, _kind(eqn), tuple(v.aval.shape)))
             elif v in is_kept and v in last and v not in zeros:
-                temps.append(Buffer(nbytes(v.aval), k, last[v], _kind(eqn), tuple(v.aval.shape)))
-    first = min((k for (size, k), red in zip(outputs, reduced) if red and size > _SCALAR), default=None)
-    outputs = [(size, first if red and size > _SCALAR else k) for (size, k), red in zip(outputs, reduced)]
-    return temps, outputs, len(jaxpr.eqns)
+                temps.append(Buffer(nbytes(v.aval), born, last[v], _kind(eqn), tuple(v.aval.shape)))
+    return temps, outputs, ticks
+
+
+def _combined(jaxpr, root, is_out) -> list:
+    """The ops (by index) whose all-reduces write results larger than a scalar (XLA combines
+    them; a loss's it reduces on its own)."""
+    return [k for k, eqn in enumerate(jaxpr.eqns) if _reduces(eqn) and any(
+        isinstance(v, jcore.Var) and root(v) in is_out and nbytes(v.aval) > _SCALAR for v in eqn.outvars)]
 
 
 def _owners(jaxpr) -> tuple[dict, set]:
@@ -156,7 +202,9 @@ def _owners(jaxpr) -> tuple[dict, set]:
                 uses[v] = k
                 readers.setdefault(v, set()).add(eqn.primitive.name)
     ends: dict = {}   # root -> last use of any value in its buffer
-    params = set(jaxpr.invars) | set(jaxpr.constvars)
+    # arguments and the program's results are never overwritten (a result's buffer holds it to the end)
+    results = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    held = set(jaxpr.invars) | set(jaxpr.constvars) | results
     kept = materialized(jaxpr)
     scattered = set()
 
@@ -164,10 +212,12 @@ def _owners(jaxpr) -> tuple[dict, set]:
         r = root(v)
         owner[out] = r
         ends[r] = max(ends.get(r, uses.get(r, -1)), uses.get(out, -1))
+        if out in held:
+            held.add(r)
 
     def dies_here(v, k):
         r = root(v)
-        return r not in params and ends.get(r, uses.get(r, -1)) == k
+        return r not in held and ends.get(r, uses.get(r, -1)) == k
 
     for k, eqn in enumerate(jaxpr.eqns):
         name, ins = eqn.primitive.name, [v for v in eqn.invars if isinstance(v, jcore.Var)]

@@ -110,7 +110,7 @@ def _most_split(shape, splits, sizes, named) -> int:
     if known:
         lead = {d for d, k in splits.items() if shape and sizes[d] == shape[0]}   # a loop over a placed dim
         return max(math.prod(splits.get(d, 1) for d in dims if d is not None) *
-                   (max((splits[d] for d in lead), default=1) if dims[0] is None else 1) for dims in known)
+                   (max((splits[d] for d in lead), default=1) if dims and dims[0] is None else 1) for dims in known)
     per_axis = [min(s, math.prod(k for d, k in splits.items() if s % sizes[d] == 0)) for s in shape]
     fitting = math.prod(k for d, k in splits.items() if any(s % sizes[d] == 0 for s in shape))
     return max(1, min(math.prod(per_axis), fitting))

@@ -41,6 +41,8 @@ SMALL = {   # program, its temporaries known by hand
     "in place, folded": (lambda a: ((a @ a) + 1.0, a.T @ a), 0),
     # a reshape is its operand's buffer
     "reshaped": (lambda a: ((a @ a).reshape(64, 256).reshape(128, 128)) @ a, KIB64),
+    # m * 2 is not written into m, a result: two result buffers, a @ a lives in the second's
+    "a result is never overwritten": (lambda a: (lambda m: (m, m * 2.0))((a @ a) @ a), 0),
 }
 
 
@@ -50,6 +52,25 @@ def test_the_temporaries_of_small_programs_are_known_exactly(name):
     predicted = liveness.memory(jax.make_jaxpr(fn)(A))
     assert predicted["temporaries"] == expected == _compiled_temporaries(fn, A)
     assert sum(predicted["breakdown"].values()) == predicted["temporaries"]
+
+
+STACK = jnp.ones((4, 128, 128), jnp.float32)
+
+
+def _loop(a):
+    """c <- tanh(c @ w) over the four slices w of STACK."""
+    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), a, STACK)[0]
+
+
+def test_a_loop_bodys_buffers_live_on_the_programs_clock():
+    """A loop body's buffers are the program's, live while the body runs: the slice of the
+    stacked operand the body's matmul reads (XLA slices it into a buffer of its own) and the
+    matmul's result, the new carry (tanh writes into it): two blocks of 64 KiB. XLA adds its loop
+    counters (under 1 KiB)."""
+    predicted = liveness.memory(jax.make_jaxpr(_loop)(A))
+    compiled = _compiled_temporaries(_loop, A)
+    assert predicted["temporaries"] == 2 * KIB64
+    assert 0 <= compiled - predicted["temporaries"] < 1024, compiled
 
 
 def _batch(cfg, batch, enc, dec):

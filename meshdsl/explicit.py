@@ -61,6 +61,8 @@ class ExplicitContext(LayoutContext):
         self._narrowed: set = set()  # ids of local arrays computed from an op left unwidened (see vary)
         self._narrowing = False      # the op being lowered was left unwidened
         self._copies: dict = {}      # (id(local array), target) -> (planner's op number making it, its bytes)
+        self._sliced_from: dict = {}  # id(local block) -> (the local array it is a slice of, that array's axes)
+        self.entry: frozenset = frozenset()  # ids of the local arrays the planned op lowered now reads
         self.planner = None          # the planner's recording or plan for this trace (meshdsl.planner)
 
     def option(self, count: int) -> int:
@@ -142,6 +144,9 @@ class ExplicitContext(LayoutContext):
         copy another op made is a decision point of the planner (candidate 1: as if it were not
         made), and the reading is priced with the maker's liveness (:mod:`meshdsl.planner.plan`).
         (A copy another op makes later is an entry placement the planner prices.)"""
+        whole = self.unsliced(x.raw, target)
+        if whole is not None and id(whole) in self.entry:
+            return True   # a slice of another operand of this op, placed there: that operand is the copy
         made = tuple(target) in self._relaid.get(id(x.raw), ())
         if not made or self.planner is None:
             return made
@@ -195,6 +200,16 @@ class ExplicitContext(LayoutContext):
         target = tuple(pl.of(x.dims, d.name) if axes_by_name is None else axes_by_name.get(d.name, ())
                        for d in x.dims)
         return relayout(self, x, target, frozenset(vary), frozenset(keep_pending))
+
+    def note_slice(self, block, whole, axes) -> None:
+        """``block`` is this device's slice of ``whole`` (placed by ``axes``, no pending sums)."""
+        self._sliced_from[id(block)] = (whole, tuple(axes))
+        self._keepalive.append(block)
+
+    def unsliced(self, block, axes):
+        """The local array ``block`` was sliced from, where that one is placed by ``axes``; else None."""
+        hit = self._sliced_from.get(id(block))
+        return hit[0] if hit is not None and hit[1] == tuple(axes) else None
 
     def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
         x = NamedArray(array, dims, is_param=is_param)

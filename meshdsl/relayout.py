@@ -50,15 +50,22 @@ def relayout(ctx, x, target, vary, keep_pending):
     # The collectives depend on ``vary`` only where a split leaves a dim (a gather's type): ops
     # that differ elsewhere share them, so one value's collective is emitted once, however many
     # ops read it (XLA would merge the copies; explain must not count them twice).
-    leaving = {a for i, axes in enumerate(src.axes) for a in axes if a not in target[i]}
-    key = ("relayout", src, tuple(target), frozenset(vary & leaving), keep_pending)
-    moved = ctx.cached(x.raw, key, lambda: _relayout_value(ctx, x, src, tuple(target), vary, keep_pending))
+    # A block sliced from a value placed at ``target`` is gathered back as that value: nothing moves
+    whole = ctx.unsliced(x.raw, tuple(target)) if not src.pending else None
+    if whole is not None:
+        moved = whole
+    else:
+        leaving = {a for i, axes in enumerate(src.axes) for a in axes if a not in target[i]}
+        key = ("relayout", src, tuple(target), frozenset(vary & leaving), keep_pending)
+        moved = ctx.cached(x.raw, key, lambda: _relayout_value(ctx, x, src, tuple(target), vary, keep_pending))
+        if moved is not x.raw and not src.pending and all(tuple(t[:len(a)]) == tuple(a) for a, t in zip(src.axes, target)):
+            ctx.note_slice(moved, x.raw, src.axes)
     # Type the block as varying over every axis the consuming op varies over (once per value).
     cast = tuple(a for a in ctx.mesh.factor_axes if a in vary and a not in varying_axes(moved))
     if not cast:
         return moved
     # A gathered value: its cotangent is summed over ``cast`` once un-gathered (smaller), not before
-    gathers = ctx.cached(moved, ("gathers",), lambda: None) if moved is not x.raw else None
+    gathers = ctx.cached(moved, ("gathers",), lambda: None) if moved is not x.raw and whole is None else None
     if gathers:
         text = f"[{x.dims}] gradient of a gathered copy, un-gathered"
         return ctx.cached(moved, ("cast", cast), lambda: C.cast_gathered(

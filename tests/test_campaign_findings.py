@@ -424,3 +424,24 @@ def test_campaign_reshape_into_two_axes_moves_the_dim_onto_them_first():
     v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, 32)), jnp.float32), "b d e")
     mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"d": "x", "p2": "y", "q4": "x"})
     _kept(lambda v: md.reshape(v, "b p2:2 q4:4 e"), mesh, layout, v, moved={"collective-permute": 2048.0})
+
+
+def test_campaign_self_attention_reads_the_whole_value_it_sliced_its_keys_from():
+    """attention(v, v, v) over a length split over x, v a reshape of [e c a:x]: gathering v once
+    and slicing the keys and values from it (each device attends with all queries to its
+    block) computes where gspmd does (14336 B). The plan priced that at one gather - the keys'
+    whole copy is the queries' - but in the program the reshape gives v whole, the keys are a
+    slice of it, and the attention rule did not know a slice of v gathered is v: it took partial
+    sums (29.75 KiB) and the plan was dropped for the rules' own 30464 B. A block sliced from a
+    value is now gathered back as that value, nothing moved."""
+    v1 = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((32, 8, 16)), jnp.float32), "e c a")
+    mesh = md.Mesh({"x": 8, "y": 1})
+    layout = md.Layout({"a": ("x", "y")})
+
+    def fn(v1):
+        v = md.reshape(v1, "e:32 m128:128")
+        kv = md.rename(v, {"m128": "kv"})
+        return md.attention(v, kv, kv, over="kv", length="m128", features="e", causal=False, block=3, scale=0.5)
+    _kept(fn, mesh, layout, v1, moved={"all-gather": 14336.0})
+    grad = lambda v1: jax.grad(lambda v1: md.sum(md.tanh(fn(v1))).array)(v1)
+    _kept(grad, mesh, layout, v1)

@@ -213,10 +213,12 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     makes: list = []
     ctx._narrowing = False
     ctx.planner._forced.append((dict(options), met, reads, makes))
+    saved, ctx.entry = ctx.entry, frozenset(id(leaves[i].raw) for i in named)
     try:
         result = rule(ctx, *args, **kwargs)
     finally:
         ctx.planner._forced.pop()
+        ctx.entry = saved
     outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
     forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)

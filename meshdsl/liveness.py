@@ -164,14 +164,14 @@ def _timeline(jaxpr, t0, sliced=()):
     for k in combined:   # XLA combines these all-reduces into one after the last: operands live until then
         for v in jaxpr.eqns[k].invars:
             if isinstance(v, jcore.Var):
-                last[root(v)] = max(last[root(v)], done[combined[-1]])
+                last[root(v)] = max(last[root(v)], done[max(combined)])
     temps.extend(Buffer(nbytes(v.aval), t0, last[v], "loop slices", tuple(v.aval.shape))
                  for v in sliced if v in unfused)
     outputs = []
     for k, eqn in enumerate(jaxpr.eqns):
         # a loop's state is allocated before it runs; another op's result when the op ends;
         # a combined all-reduce's results when the last of them ends
-        born = done[combined[-1]] if combined and k >= combined[0] and k in combined else first[k] if eqn.primitive.name in _LOOPS else done[k]
+        born = done[max(combined)] if k in combined else first[k] if eqn.primitive.name in _LOOPS else done[k]
         for v in eqn.outvars:
             if not isinstance(v, jcore.Var) or v in owner:
                 continue
@@ -182,11 +182,11 @@ def _timeline(jaxpr, t0, sliced=()):
     return temps, outputs, ticks
 
 
-def _combined(jaxpr, root, is_out) -> list:
+def _combined(jaxpr, root, is_out) -> set:
     """The ops (by index) whose all-reduces write results larger than a scalar (XLA combines
     them; a loss's it reduces on its own)."""
-    return [k for k, eqn in enumerate(jaxpr.eqns) if _reduces(eqn) and any(
-        isinstance(v, jcore.Var) and root(v) in is_out and nbytes(v.aval) > _SCALAR for v in eqn.outvars)]
+    return {k for k, eqn in enumerate(jaxpr.eqns) if _reduces(eqn) and any(
+        isinstance(v, jcore.Var) and root(v) in is_out and nbytes(v.aval) > _SCALAR for v in eqn.outvars)}
 
 
 def _owners(jaxpr) -> tuple[dict, set]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshdsl.planner.graph import Graph, Node, Strategy
+from meshdsl.planner.graph import Graph, Node, SharedCopy, Strategy
 from meshdsl.planner.solve import solve, solve_exact
 
 # Placements are plain strings here; moving a value between two costs its size (1 if not given).
@@ -102,6 +102,22 @@ def test_a_strategy_must_name_a_placement_per_operand_and_result():
         Node("bad", [], ["v"], [Strategy(("a",), ())])
 
 
+def test_a_copy_another_op_makes_is_free_only_under_the_strategy_making_it():
+    # The maker's default (a, free) makes the copy; its other strategy (b, 1 B) does not. The
+    # reader's strategy reading the copy would pay 5 B to make it itself under b: the plan
+    # keeps the maker on a, though b alone is the consumer's wish (a relay of 3 B from a).
+    SIZE.clear()
+    SIZE["v"] = 3.0
+    g = Graph(relay)
+    source(g, "v", "a", "b", costs=[0.0, 1.0])
+    sink(g, "v", "b")
+    g.add(Node("reader", [], [], [Strategy((), (), 0.0, label="reads the copy")]))
+    g.shared.append(SharedCopy(2, 0, 0, frozenset({0}), 5.0))
+    assert g.cost([1, 0, 0]) == 1.0 + 5.0 and g.cost([0, 0, 0]) == 3.0
+    sol = solve(g)
+    assert sol.choice == [0, 0, 0] and sol.bytes == 3.0 == solve_exact(g).bytes
+
+
 def test_an_operand_needs_a_producer():
     g = Graph(relay)
     with pytest.raises(ValueError, match="has no producer"):
@@ -126,6 +142,11 @@ def graphs(draw):
                                float(draw(st.integers(0, 6)))) for _ in range(n)]
         g.add(Node(f"n{k}", operands, made, strategies))
         values += made
+        if k and draw(st.booleans()):   # a strategy reading a copy an earlier node's strategies make
+            maker = draw(st.integers(0, k - 1))
+            makers = draw(st.sets(st.integers(0, len(g.nodes[maker].strategies) - 1)))
+            g.shared.append(SharedCopy(k, draw(st.integers(0, n - 1)), maker, frozenset(makers),
+                                       float(draw(st.integers(1, 8)))))
     return g
 
 

@@ -13,7 +13,9 @@
   ``stop_gradient`` is its operand's buffer; so is a call's result that passes an input through;
 * **in place**: a ``scatter``, a ``dynamic_update_slice`` or an elementwise op writes into an
   operand of its size where that operand dies (never an argument or a result: those hold their
-  values to the end); a transpose read only by matmuls is folded into them (no copy);
+  values to the end); a transpose read only by matmuls is folded into them (no copy), but a
+  matmul reads a transposed copy of an operand whose dims are not batch dims first, then its
+  free and contracted dims one group after the other (:func:`_copied`);
   ``add(x, scatter(0, i, u))`` (a row lookup's gradient added to another) is
   ``scatter(x, i, u)``: no buffer of zeros;
 * **outputs host temporaries**: the program's results are allocated first, and each temporary,
@@ -23,9 +25,9 @@
   apart) into one, run after the last of them: their operands live until then, their results
   from then.
 
-Not modelled: XLA's scheduler reordering ops (program order is kept), layout copies XLA inserts
-for a ``dot`` (a transposed copy of a gathered embedding table), how XLA's heap packs the loops'
-buffers (fragmentation), rematerialisation. ``docs/cost_model.md`` lists the measured errors.
+Not modelled: XLA's scheduler reordering ops (program order is kept), XLA recomputing a cheap
+elementwise op in each of its consumers, how XLA's heap packs buffers (fragmentation),
+rematerialisation. ``docs/cost_model.md`` lists the measured errors.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ _COLLECTIVES = _REDUCES | {"all_gather", "all_gather_invariant", "all_to_all", "
 class Buffer:
     """One buffer of a program: its bytes, the ticks it lives from and to (one clock for the
     program and its sub-programs: a loop body's ops tick between the loop's start and end), what
-    made it (``collective``, ``loop`` state, ``loop slices``, ``matmul`` result, ``other``) and its
-    shape."""
+    made it (``collective``, ``loop`` state, ``loop slices``, ``layout copies``, ``matmul`` result,
+    ``other``) and its shape."""
 
     size: int
     start: int
@@ -138,6 +140,21 @@ def _sliced(eqn) -> tuple:
     return tuple(eqn.params["jaxpr"].jaxpr.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:])
 
 
+def _copied(eqn) -> list:
+    """Per operand of a ``dot_general``: does the matmul read a transposed copy of it? Its dims,
+    in order (size-1 dims aside), are not batch dims first and then its free and contracted dims
+    one group after the other (either way round: a matmul reads a transposed block as it is)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    out = []
+    for v, contracted, batch in ((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb)):
+        shape = v.aval.shape
+        free = [d for d in range(len(shape)) if d not in contracted and d not in batch]
+        dims = [d for d in range(len(shape)) if shape[d] != 1]
+        orders = (list(batch) + free + list(contracted), list(batch) + list(contracted) + free)
+        out.append(all([d for d in order if shape[d] != 1] != dims for order in orders))
+    return out
+
+
 def _timeline(jaxpr, t0, sliced=()):
     """``(temporaries, outputs, ticks)``: the temporary buffers (:class:`Buffer`) of ``jaxpr``
     and of its sub-programs, its outputs' buffers (from the tick writing them), and the tick
@@ -167,6 +184,7 @@ def _timeline(jaxpr, t0, sliced=()):
                 last[root(v)] = max(last[root(v)], done[max(combined)])
     temps.extend(Buffer(nbytes(v.aval), t0, last[v], "loop slices", tuple(v.aval.shape))
                  for v in sliced if v in unfused)
+    temps.extend(_layout_copies(jaxpr, t0, done))
     outputs = []
     for k, eqn in enumerate(jaxpr.eqns):
         # a loop's state is allocated before it runs; another op's result when the op ends;
@@ -180,6 +198,27 @@ def _timeline(jaxpr, t0, sliced=()):
             elif v in is_kept and v in last and v not in zeros:
                 temps.append(Buffer(nbytes(v.aval), born, last[v], _kind(eqn), tuple(v.aval.shape)))
     return temps, outputs, ticks
+
+
+def _layout_copies(jaxpr, t0, done) -> list:
+    """The transposed copies matmuls read (:func:`_copied`), each live from the tick its operand
+    is made (XLA writes the copy beside it) to the matmul's; none where an elementwise op makes
+    the operand for this matmul alone (XLA writes its result transposed: one buffer)."""
+    made = {v: (t0, None) for v in jaxpr.invars}
+    reads: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                reads[v] = reads.get(v, 0) + 1
+    copies = []
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == "dot_general":
+            for v, copied in zip(eqn.invars, _copied(eqn)):
+                born, maker = made.get(v, (t0, None)) if isinstance(v, jcore.Var) else (0, None)
+                if copied and isinstance(v, jcore.Var) and not (maker in FUSIBLE - _ALIASES and reads[v] == 1):
+                    copies.append(Buffer(nbytes(v.aval), born, done[k], "layout copies", tuple(v.aval.shape)))
+        made.update((v, (done[k], eqn.primitive.name)) for v in eqn.outvars)
+    return copies
 
 
 def _combined(jaxpr, root, is_out) -> set:

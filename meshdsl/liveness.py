@@ -33,6 +33,7 @@ rematerialisation. ``docs/cost_model.md`` lists the measured errors.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from jax.extend import core as jcore
 
@@ -178,10 +179,11 @@ def _timeline(jaxpr, t0, sliced=()):
             if isinstance(v, jcore.Var) and v in outs:
                 is_out.add(root(v))
     combined = _combined(jaxpr, root, is_out)
-    for k in combined:   # XLA combines these all-reduces into one after the last: operands live until then
+    together = done[max(combined)] if combined else None   # the tick XLA's combined all-reduce ends
+    for k in combined:   # operands of the all-reduces combined live until then
         for v in jaxpr.eqns[k].invars:
             if isinstance(v, jcore.Var):
-                last[root(v)] = max(last[root(v)], done[max(combined)])
+                last[root(v)] = max(last[root(v)], together)
     temps.extend(Buffer(nbytes(v.aval), t0, last[v], "loop slices", tuple(v.aval.shape))
                  for v in sliced if v in unfused)
     temps.extend(_layout_copies(jaxpr, t0, done))
@@ -189,7 +191,7 @@ def _timeline(jaxpr, t0, sliced=()):
     for k, eqn in enumerate(jaxpr.eqns):
         # a loop's state is allocated before it runs; another op's result when the op ends;
         # a combined all-reduce's results when the last of them ends
-        born = done[max(combined)] if k in combined else first[k] if eqn.primitive.name in _LOOPS else done[k]
+        born = together if k in combined else first[k] if eqn.primitive.name in _LOOPS else done[k]
         for v in eqn.outvars:
             if not isinstance(v, jcore.Var) or v in owner:
                 continue
@@ -204,18 +206,16 @@ def _layout_copies(jaxpr, t0, done) -> list:
     """The transposed copies matmuls read (:func:`_copied`), each live from the tick its operand
     is made (XLA writes the copy beside it) to the matmul's; none where an elementwise op makes
     the operand for this matmul alone (XLA writes its result transposed: one buffer)."""
-    made = {v: (t0, None) for v in jaxpr.invars}
-    reads: dict = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                reads[v] = reads.get(v, 0) + 1
+    made = {v: (t0, None) for v in jaxpr.invars}   # value -> (tick made, primitive making it)
+    reads = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, jcore.Var))
     copies = []
     for k, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name == "dot_general":
             for v, copied in zip(eqn.invars, _copied(eqn)):
-                born, maker = made.get(v, (t0, None)) if isinstance(v, jcore.Var) else (0, None)
-                if copied and isinstance(v, jcore.Var) and not (maker in FUSIBLE - _ALIASES and reads[v] == 1):
+                if not copied or not isinstance(v, jcore.Var):
+                    continue
+                born, maker = made.get(v, (t0, None))
+                if not (maker in FUSIBLE - _ALIASES and reads[v] == 1):
                     copies.append(Buffer(nbytes(v.aval), born, done[k], "layout copies", tuple(v.aval.shape)))
         made.update((v, (done[k], eqn.primitive.name)) for v in eqn.outvars)
     return copies

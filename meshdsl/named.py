@@ -44,6 +44,11 @@ class Placement:
     def used_axes(self) -> frozenset:
         return self.split_axes() | self.pending
 
+    def sliced_to(self, target) -> bool:
+        """Is a block placed by ``target`` (axes per dim) a local slice of this placement's: each
+        dim split over the same axes and maybe more, so nothing moves to get it?"""
+        return len(target) == len(self.axes) and all(tuple(t[:len(a)]) == tuple(a) for a, t in zip(self.axes, target))
+
     def of(self, dims, name: str) -> tuple[str, ...]:
         for d, axes in zip(dims, self.axes):
             if d.name == name:

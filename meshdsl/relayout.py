@@ -58,7 +58,7 @@ def relayout(ctx, x, target, vary, keep_pending):
         leaving = {a for i, axes in enumerate(src.axes) for a in axes if a not in target[i]}
         key = ("relayout", src, tuple(target), frozenset(vary & leaving), keep_pending)
         moved = ctx.cached(x.raw, key, lambda: _relayout_value(ctx, x, src, tuple(target), vary, keep_pending))
-        if moved is not x.raw and not src.pending and _slices(src.axes, target):
+        if moved is not x.raw and not src.pending and src.sliced_to(target):
             ctx.note_slice(moved, x.raw, src.axes)
     # Type the block as varying over every axis the consuming op varies over (once per value).
     cast = tuple(a for a in ctx.mesh.factor_axes if a in vary and a not in varying_axes(moved))
@@ -71,12 +71,6 @@ def relayout(ctx, x, target, vary, keep_pending):
         return ctx.cached(moved, ("cast", cast), lambda: C.cast_gathered(
             ctx, x.raw, moved, cast, lambda ct: _ungather(ctx, ct, gathers, text), f"[{x.dims}]"))
     return ctx.cached(moved, ("cast", cast), lambda: C.cast(ctx, moved, cast, f"[{x.dims}]"))
-
-
-def _slices(axes, target) -> bool:
-    """Is a block placed by ``target`` a local slice of one placed by ``axes`` (each dim split over
-    the same axes and maybe more)?"""
-    return all(tuple(t[:len(a)]) == tuple(a) for a, t in zip(axes, target))
 
 
 def _ungather(ctx, ct, gathers, tensor):

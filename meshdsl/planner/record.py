@@ -229,8 +229,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
 
 def _sliced(held: Placement, entry: Placement) -> bool:
     """Is ``entry`` ``held`` with more of its dims split (a local slice of it, nothing moved)?"""
-    return entry != held and entry.pending == held.pending and len(entry.axes) == len(held.axes) and \
-        all(tuple(e[:len(h)]) == tuple(h) for h, e in zip(held.axes, entry.axes))
+    return entry != held and entry.pending == held.pending and held.sliced_to(entry.axes)
 
 
 def _distinct(strategies) -> list:

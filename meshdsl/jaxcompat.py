@@ -8,11 +8,20 @@ drops collectives the compiler drops), and whether a value is being differentiat
 weighs its backward collectives too). A jax upgrade that moves them breaks this file only.
 
 Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`` type of a value).
+
+It also reads the parameters of jaxpr equations, whose forms change between jax versions
+(:func:`scan_parts`, :func:`called_jaxpr`, :func:`dot_dims`): every reader of ``eqn.params`` in
+meshdsl goes through them. jax 0.10 writes a ``scan``'s operand groups as counts (``num_consts``,
+``num_carry``, with ``linear``); jax 0.11 and 0.12 as a flat tree (``ft_in``: the tuple
+``(consts, carry, xs)`` of their leaves; ``ft_out``: ``(carry, ys)``). ``while`` (``body_jaxpr``,
+``body_nconsts``, ``cond_jaxpr``, ``cond_nconsts``), ``jit``/``pjit`` and ``shard_map``
+(``jaxpr``) and ``dot_general`` (``dimension_numbers``) read alike in all three.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
@@ -22,7 +31,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "varying_axes", "differentiated", "forget_staged"]
+           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
@@ -166,3 +175,52 @@ def in_trace(trace):
 def dce(jaxpr):
     """``jaxpr`` without the computations whose results are never used (as XLA drops them)."""
     return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
+# -- jaxpr equations' parameters, in each jax version's form ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParts:
+    """A ``scan`` equation read the same way under every jax: its body (an open jaxpr whose inputs
+    are ``consts + carry + xs`` and outputs ``carry + ys``), the number of iterations, and how many
+    of the body's inputs are loop constants and carried values."""
+
+    body: object
+    length: int
+    n_consts: int
+    n_carry: int
+
+    @property
+    def xs(self) -> tuple:
+        """The body's inputs that are one slice of a stacked operand per iteration."""
+        return tuple(self.body.invars[self.n_consts + self.n_carry:])
+
+
+def scan_parts(params) -> ScanParts:
+    """:class:`ScanParts` of a ``scan`` equation's ``params`` (or the equation itself), from jax
+    0.10's counts (``num_consts``, ``num_carry``) or jax 0.11+'s flat trees (``ft_in``)."""
+    params = getattr(params, "params", params)
+    body = params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    if "num_consts" in params:
+        n_consts, n_carry = int(params["num_consts"]), int(params["num_carry"])
+    elif "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        n_consts, n_carry = len(consts), len(carry)
+    else:
+        raise NotImplementedError(f"a scan whose params are {sorted(params)}: this jax ({jax.__version__}) "
+                                  f"writes its operand groups in a form meshdsl.jaxcompat does not know")
+    return ScanParts(body, int(params["length"]), n_consts, n_carry)
+
+
+def called_jaxpr(eqn):
+    """The closed jaxpr a ``jit`` (``pjit``) or ``shard_map`` equation calls; ``None`` for others."""
+    if eqn.primitive.name in ("pjit", "jit", "shard_map"):
+        return eqn.params.get("jaxpr")
+    return None
+
+
+def dot_dims(eqn) -> tuple:
+    """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` of a ``dot_general``."""
+    return eqn.params["dimension_numbers"]

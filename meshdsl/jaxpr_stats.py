@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 from jax.extend import core as jcore
 
-from .jaxcompat import dce
+from .jaxcompat import called_jaxpr, dce, dot_dims, scan_parts
 
 __all__ = ["ALIASES", "CALLS", "FUSIBLE", "bytes_accessed", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
@@ -35,7 +35,7 @@ def sub_jaxprs(eqn):
 
 
 def _trip_count(eqn) -> int:
-    return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+    return scan_parts(eqn).length if eqn.primitive.name == "scan" else 1
 
 
 def nbytes(aval) -> int:
@@ -55,7 +55,7 @@ def matmul_flops(jaxpr) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            (lc, _), _ = eqn.params["dimension_numbers"]
+            (lc, _), _ = dot_dims(eqn)
             lhs = eqn.invars[0].aval.shape
             out = eqn.outvars[0].aval.shape
             total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc)
@@ -133,7 +133,7 @@ def inner_body(closed):
     jaxpr = getattr(closed, "jaxpr", closed)
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            return eqn.params["jaxpr"]
+            return called_jaxpr(eqn)
         for sub in sub_jaxprs(eqn):
             found = inner_body(sub)
             if found is not sub:
@@ -208,7 +208,7 @@ def _canonical(eqn, keys, params):
     if eqn.primitive.name in ("all_gather", "all_gather_invariant") and params.get("axis_index_groups") is None:
         return "all_gather", tuple(keys), tuple((k, params[k]) for k in _GATHER_PARAMS)
     if eqn.primitive.name == "dot_general":
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        (lc, rc), (lb, rb) = dot_dims(eqn)
         free = [len(v.aval.shape) - len(c) - len(b) for v, c, b in zip(eqn.invars, (lc, rc), (lb, rb))]
         if free == [0, 0]:
             sides = sorted([(keys[0], tuple(lc), tuple(lb)), (keys[1], tuple(rc), tuple(rb))], key=repr)
@@ -283,7 +283,7 @@ def inline(jaxpr):
     subst, eqns, changed = {}, [], False
     for eqn in jaxpr.eqns:
         invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
-        closed = eqn.params.get("jaxpr") if eqn.primitive.name in ("pjit", "jit") else None
+        closed = called_jaxpr(eqn) if eqn.primitive.name in ("pjit", "jit") else None
         if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or eqn.effects or \
                 re.search(SCOPES, str(eqn.source_info.name_stack)) or any(next(sub_jaxprs(e), None) is not None for e in closed.jaxpr.eqns):
             eqns.append(eqn.replace(invars=invars))
@@ -386,9 +386,8 @@ def _constant_forms(jaxpr, forms):
 
 
 def _scan_body_scopes(eqn, pattern, multiplier, outer_forms) -> Counter:
-    body = eqn.params["jaxpr"].jaxpr
-    length, n_consts = int(eqn.params["length"]), int(eqn.params["num_consts"])
-    n_carry = int(eqn.params["num_carry"])
+    scan = scan_parts(eqn)
+    body, length, n_consts, n_carry = scan.body, scan.length, scan.n_consts, scan.n_carry
     # A carry the body passes through unchanged is loop-invariant too (XLA hoists what reads it).
     passed = {v for k, v in enumerate(body.invars[n_consts:n_consts + n_carry])
               if k < len(body.outvars) and body.outvars[k] is v}

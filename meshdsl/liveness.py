@@ -37,6 +37,7 @@ from collections import Counter
 
 from jax.extend import core as jcore
 
+from . import jaxcompat
 from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, FUSIBLE, materialized, nbytes, sub_jaxprs
 
 __all__ = ["memory", "at_peak", "Buffer"]
@@ -138,14 +139,14 @@ def _sliced(eqn) -> tuple:
     """A ``scan``'s body's inputs that are one slice of a stacked operand (``xs``) per step."""
     if eqn.primitive.name != "scan":
         return ()
-    return tuple(eqn.params["jaxpr"].jaxpr.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:])
+    return jaxcompat.scan_parts(eqn).xs
 
 
 def _copied(eqn) -> list:
     """Per operand of a ``dot_general``: does the matmul read a transposed copy of it? Its dims,
     in order (size-1 dims aside), are not batch dims first and then its free and contracted dims
     one group after the other (either way round: a matmul reads a transposed block as it is)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = jaxcompat.dot_dims(eqn)
     out = []
     for v, contracted, batch in ((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb)):
         shape = v.aval.shape

@@ -82,22 +82,49 @@ def median_time(f, args, reps: int) -> float:
     return statistics.median(times)
 
 
-def write(name: str, rows: list, columns: list, title: str, notes: str = "", extra: dict | None = None) -> str:
-    """Write ``<name>.json`` (``extra`` merged in) and ``<name>.md``; returns the markdown."""
-    os.makedirs(RESULTS, exist_ok=True)
+def alternate(fns: dict, args, pairs: int, warmup: int = 2) -> dict:
+    """Run compiled callables ``fns`` (name -> f) on ``args`` alternately, A B A B ... ``pairs``
+    times after ``warmup`` runs of each, so that drifts in machine load hit all alike: name ->
+    list of wall times (seconds)."""
+    def timed(f):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        return time.perf_counter() - t
+    for f in fns.values():
+        for _ in range(warmup):
+            timed(f)
+    times = {k: [] for k in fns}
+    for _ in range(pairs):
+        for k, f in fns.items():
+            times[k].append(timed(f))
+    return times
+
+
+def table(rows: list, columns: list) -> list:
+    """Markdown table lines: one column per ``(heading, row -> cell)``, one line per row."""
+    lines = ["| " + " | ".join(c for c, _ in columns) + " |", "|" + " --- |" * len(columns)]
+    return lines + ["| " + " | ".join(str(get(row)) for _, get in columns) + " |" for row in rows]
+
+
+def write(name: str, rows: list, columns: list, title: str, notes: str = "", extra: dict | None = None,
+          out: str | None = None, tables: tuple = ()) -> str:
+    """Write ``<name>.json`` (``extra`` merged in) and ``<name>.md`` into ``out`` (default
+    bench/results); ``tables``: more ``(heading, rows, columns)`` after the first table (their rows
+    go in the JSON through ``extra``). Returns the markdown."""
+    out = out or RESULTS
+    os.makedirs(out, exist_ok=True)
     info = machine()
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as fh:
+    with open(os.path.join(out, f"{name}.json"), "w") as fh:
         json.dump({"machine": info, "rows": rows, **(extra or {})}, fh, indent=2)
     lines = [f"### {title}", "",
              f"{info['date']}, jax {info['jax']}, {info['devices']} x {info['device_kind']} ({info['platform']}), "
              f"{info['cpu_count']} host cores", ""]
     if notes:
         lines += [notes, ""]
-    lines.append("| " + " | ".join(c for c, _ in columns) + " |")
-    lines.append("|" + " --- |" * len(columns))
-    for row in rows:
-        lines.append("| " + " | ".join(str(get(row)) for _, get in columns) + " |")
+    lines += table(rows, columns)
+    for heading, more_rows, more_columns in tables:
+        lines += ["", heading, "", *table(more_rows, more_columns)]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as fh:
+    with open(os.path.join(out, f"{name}.md"), "w") as fh:
         fh.write(text)
     return text

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.extend
 
-from . import jaxpr_stats, liveness
+from . import jaxpr_stats, liveness, roofline
 from .cost import KINDS
 from .lower import lower
 from .named import is_named
@@ -53,6 +53,7 @@ class Report:
     bytes_accessed: float | None = None   # HBM bytes read and written per device (jaxpr_stats.bytes_accessed)
     plan_decisions: list = dataclasses.field(default_factory=list)   # see decisions()
     attention: list = dataclasses.field(default_factory=list)   # each md.attention: strategy, bytes, memory, balance
+    kernels: list = dataclasses.field(default_factory=list)   # the program's kernels (meshdsl.roofline.Kernel)
     compile: object = dataclasses.field(default=None, repr=False, compare=False)  # concrete mesh: -> compiled
 
     def compiled_memory(self) -> dict | None:
@@ -106,6 +107,7 @@ class Report:
                 "summary": self.summary(), "collectives": [r.as_dict() for r in self.collectives],
                 "pipeline": None if self.pipeline is None else dict(self.pipeline), "decisions": self.decisions(),
                 "attention": [dict(a) for a in self.attention],
+                "kernels": [dataclasses.asdict(k) for k in self.kernels],
                 "compiled_memory_per_device": self.compiled_memory()}
 
     def to_markdown(self) -> str:
@@ -151,6 +153,16 @@ def compiled_note(report) -> str:
             f"temporaries {fmt_bytes(compiled['temporaries'])}")
 
 
+def _kernels(body, attentions) -> list:
+    """The per-device program's kernels (:func:`meshdsl.roofline.kernels`), each ``md.attention``
+    as its fused kernel's forward and backward passes, as often as their scopes run."""
+    runs = roofline.kernel_runs(body)
+    fused = [roofline.Kernel("attention", k["dtype"], k[f"{phase}_flops"], k[f"{phase}_bytes"], runs[k["scope"] + p])
+             for k in (a["kernel"] for a in attentions if "kernel" in a)
+             for phase, p in (("forward", "f"), ("backward", "b")) if runs[k["scope"] + p]]
+    return roofline.kernels(body) + fused
+
+
 def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe",
             repeats: int = 1, planner: bool = True, attention: str | None = None) -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
@@ -171,7 +183,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
     memory["kinds"] = _kinds(args, prog, jaxpr_stats.inner_body(closed), body, memory)
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,
-                  bytes_accessed=jaxpr_stats.bytes_accessed(body),
+                  bytes_accessed=jaxpr_stats.bytes_accessed(body), kernels=_kernels(body, ctx.attentions),
                   pipeline=_pipeline_entry(ctx.pipelines), attention=[dict(a) for a in ctx.attentions],
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))

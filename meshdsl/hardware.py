@@ -72,17 +72,31 @@ class Link:
 _LATENCY = {"ici": 1e-5, "dcn": 5e-5, "nvlink": 1e-5, "network": 3e-5, "host": 1e-5}
 
 
+# What kernels reach of the peaks (the roofline of meshdsl.step_time prices each kernel at these).
+# GPUs: a large bf16 matmul (cuBLAS) reaches ~80% of an H100's dense peak at its best shape (the
+# "maximum achievable matmul FLOPS" measured in S. Bekman's ML Engineering, 794 of 989 TFLOP/s),
+# less over a training step's shapes: 0.75. A fused attention kernel reaches about half
+# (FlashAttention-2 on an H100: 335-350 TFLOP/s forward, FlashAttention-3: 500-660; Shah et al.
+# 2024): 0.5, which is also what the two H100 steps of docs/cost_model.md give (Llama-2-7B widths,
+# 4 layers, 4 x 2048 and 1 x 8192 tokens: 94.8 and 105.9 ms measured; the step's attention work is
+# the difference). Streaming kernels reach ~90% of HBM bandwidth (STREAM-like copies on HBM3), and
+# each kernel adds ~3 us of launch and scheduling (XLA's command buffers batch launches).
+# TPUs: the same fractions assumed (no measurement of ours yet); launches ~1 us (one program).
+_GPU_KERNELS = dict(matmul_efficiency=0.75, attention_efficiency=0.5, memory_efficiency=0.9, kernel_launch_s=3e-6)
+_TPU_KERNELS = dict(matmul_efficiency=0.75, attention_efficiency=0.5, memory_efficiency=0.9, kernel_launch_s=1e-6)
+
+
 def _tpu(bf16, hbm, memory, ici, dcn):
     return dict(flops={"bfloat16": bf16, "float32": bf16}, hbm_bandwidth=hbm, memory_bytes=memory,
                 interconnect={"ici": Link(ici, _LATENCY["ici"]), "dcn": Link(dcn, _LATENCY["dcn"])},
-                default_link="ici")
+                default_link="ici", **_TPU_KERNELS)
 
 
 def _gpu(bf16, tf32, hbm, memory, nvlink, network):
     return dict(flops={"bfloat16": bf16, "float32": tf32}, hbm_bandwidth=hbm, memory_bytes=memory,
                 interconnect={"nvlink": Link(nvlink, _LATENCY["nvlink"]),
                               "network": Link(network, _LATENCY["network"])},
-                default_link="nvlink", devices_per_host=8, cross_host_link="network")
+                default_link="nvlink", devices_per_host=8, cross_host_link="network", **_GPU_KERNELS)
 
 
 _PROFILES = {
@@ -143,6 +157,10 @@ class Hardware:
         devices_per_host: with ``cross_host_link``: devices that share the default link.
         cross_host_link: the kind of an axis whose groups span hosts (GPU profiles: ``"network"``).
         axis_links: mesh axis name -> link kind, before any other rule.
+        matmul_efficiency: the fraction of the peak FLOP/s a large matmul reaches.
+        attention_efficiency: the fraction of the peak a fused attention kernel reaches.
+        memory_efficiency: the fraction of ``hbm_bandwidth`` a streaming kernel reaches.
+        kernel_launch_s: seconds each kernel adds (launch and scheduling).
 
     Example:
         >>> from meshdsl.hardware import Hardware
@@ -160,6 +178,10 @@ class Hardware:
     devices_per_host: int | None = None
     cross_host_link: str | None = None
     axis_links: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    matmul_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
+    kernel_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         named = {"default_link": self.default_link, "cross_host_link": self.cross_host_link,

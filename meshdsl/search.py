@@ -155,7 +155,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
            hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
            microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), attentions: Sequence[str] = ("ring",),
-           dtype: str = "bfloat16", overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
+           dtype: str | None = None, overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
            **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
@@ -176,7 +176,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
         attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
             strategy by bytes), also each of these forced (``md.lower(attention=)``).
-        dtype: the matmul dtype of the time model (:meth:`meshdsl.Report.time`; ``overlap`` too).
+        dtype: the dtype every matmul is priced at (:meth:`meshdsl.Report.time`; default: each
+            kernel's own; ``overlap`` too).
         overlap: the overlap of compute and communication.
         memory_margin: the share of the estimated peak kept free for the estimate's error (the
             memory model is within 10% of the compiled peak where measured, ``docs/cost_model.md``).

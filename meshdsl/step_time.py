@@ -1,21 +1,24 @@
 """The time model: a step's seconds from an ``md.explain`` report and a :class:`~meshdsl.hardware.Hardware`.
 
-Per device, with the report's numbers (``docs/cost_model.md`` has the whole model and what it
-leaves out)::
+Per device, kernel by kernel (``docs/cost_model.md`` has the whole model, its measurements and
+what it leaves out)::
 
-    matmul_s        = report.flops / peak FLOP/s of dtype
-    memory_s        = bytes accessed / HBM bandwidth
-    compute_s       = matmul_s + memory_s
+    kernel_s        = max(flops / (peak FLOP/s of its dtype x matmul_efficiency),
+                          bytes / (HBM bandwidth x memory_efficiency))      (a roofline)
+    compute_s       = sum over kernels of kernel_s x runs + kernel_launch_s x runs
     communication_s = sum over collectives of  latency(link) x count + total_bytes / bandwidth(link)
     total_s         = compute_s + communication_s - overlap x min(compute_s, communication_s)
 
-``memory_s`` counts the HBM bytes the per-device program reads and writes
-(:func:`meshdsl.jaxpr_stats.bytes_accessed`: every op's buffer operands and results, a fused
-elementwise chain's inside neither, loop bodies per iteration): recomputing activations (remat)
-costs their traffic again. A report without that count (a hand-made one) falls back to the bytes
-it holds (arguments + outputs + temporaries), each taken as moved once. A collective's link is the slowest of its
-axes' links (:meth:`Hardware.link`); its bytes already follow the ring formulas of
-:mod:`meshdsl.cost`, so bytes / per-device link bandwidth is its transfer time.
+The kernels are the ones XLA runs (:mod:`meshdsl.roofline`): a matmul each, an elementwise chain
+fused into one kernel with the reduction it feeds, loop bodies once per iteration, and each
+``md.attention`` as its fused kernel (FLOPs of the pairs it computes at ``attention_efficiency``,
+its inputs and outputs once), not the blockwise loop a CPU trace holds. ``matmul_s`` sums the
+kernels bound by their FLOPs, ``memory_s`` those bound by their bytes: recomputing activations
+(remat) costs their kernels again. A report without kernels (a hand-made one) is priced as one
+matmul of its ``flops`` and one pass over its ``bytes_accessed`` (or else the bytes it holds:
+arguments + outputs + temporaries). A collective's link is the slowest of its axes' links
+(:meth:`Hardware.link`); its bytes already follow the ring formulas of :mod:`meshdsl.cost`, so
+bytes / per-device link bandwidth is its transfer time.
 
 Example:
     >>> import jax, jax.numpy as jnp, meshdsl as md
@@ -37,7 +40,7 @@ import dataclasses
 from .hardware import Hardware
 from .units import fmt_bytes
 
-__all__ = ["StepTime", "predict"]
+__all__ = ["StepTime", "predict", "kernel_seconds"]
 
 
 @dataclasses.dataclass
@@ -55,6 +58,8 @@ class StepTime:
     overlap: float
     total_s: float
     per_collective: list
+    launch_s: float = 0.0   # kernel launches (Hardware.kernel_launch_s each)
+    kernels: int = 0        # kernels run per step (0: a report priced without them)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,34 +82,66 @@ class StepTime:
         return self.to_markdown()
 
 
-def predict(report: object, hardware: Hardware, *, overlap: float = 0.0, dtype: str = "bfloat16") -> StepTime:
+def predict(report: object, hardware: Hardware, *, overlap: float = 0.0, dtype: str | None = None) -> StepTime:
     """Seconds of one step per device for ``report`` (an ``md.explain`` report) on ``hardware``.
 
     Args:
-        report: anything with ``mesh`` (a Mesh, its text, or a dict of axis sizes), ``flops``,
+        report: anything with ``mesh`` (a Mesh, its text, or a dict of axis sizes), ``collectives``
+            (records with ``kind``, ``axes``, ``count``, ``total_bytes``) and either ``kernels``
+            (:class:`meshdsl.roofline.Kernel`: each priced by its roofline) or ``flops`` and
             ``bytes_accessed`` (or else ``memory``: ``arguments``, ``outputs``, ``temporaries``
-            bytes) and ``collectives``
-            (records with ``kind``, ``axes``, ``count``, ``total_bytes``).
+            bytes), priced as one matmul and one memory pass.
         hardware: a :class:`~meshdsl.hardware.Hardware` (a profile, or measured).
         overlap: the fraction of the shorter of compute and communication hidden under the
             other: 0 (nothing overlaps) to 1 (perfect overlap: the step takes the longer one).
-        dtype: the matmuls' dtype, which picks the peak FLOP/s.
+        dtype: the dtype every matmul runs at (its peak FLOP/s); default: each kernel's own
+            (a report without kernels: bfloat16).
 
     Raises:
         ValueError: ``overlap`` outside [0, 1]; MeshDSLError: a dtype the hardware has no peak for.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap is a fraction in [0, 1], got {overlap!r}")
-    matmul = report.flops / hardware.peak_flops(dtype)
-    accessed = getattr(report, "bytes_accessed", None)
-    if accessed is None:
-        accessed = sum(report.memory.get(k, 0) for k in ("arguments", "outputs", "temporaries"))
-    memory = accessed / hardware.hbm_bandwidth
+    if dtype is not None:
+        hardware.peak_flops(dtype)   # an unknown dtype is an error even where no kernel needs it
+    kernels = getattr(report, "kernels", None) or []
+    if kernels:
+        matmul = memory = 0.0
+        for k in kernels:
+            flops_s, bytes_s = kernel_seconds(k, hardware, dtype)
+            if flops_s >= bytes_s:
+                matmul += k.count * flops_s
+            else:
+                memory += k.count * bytes_s
+        launch = hardware.kernel_launch_s * sum(k.count for k in kernels)
+    else:
+        matmul = report.flops / hardware.peak_flops(dtype or "bfloat16")
+        accessed = getattr(report, "bytes_accessed", None)
+        if accessed is None:
+            accessed = sum(report.memory.get(k, 0) for k in ("arguments", "outputs", "temporaries"))
+        memory, launch = accessed / hardware.hbm_bandwidth, 0.0
     rows = [_collective(r, hardware, report.mesh) for r in report.collectives]
-    compute, communication = matmul + memory, sum(r["seconds"] for r in rows)
-    return StepTime(hardware=hardware.name, dtype=str(dtype), matmul_s=matmul, memory_s=memory,
+    compute, communication = matmul + memory + launch, sum(r["seconds"] for r in rows)
+    return StepTime(hardware=hardware.name, dtype=str(dtype or "per kernel"), matmul_s=matmul, memory_s=memory,
                     compute_s=compute, communication_s=communication, overlap=overlap,
-                    total_s=compute + communication - overlap * min(compute, communication), per_collective=rows)
+                    total_s=compute + communication - overlap * min(compute, communication), per_collective=rows,
+                    launch_s=launch, kernels=sum(k.count for k in kernels))
+
+
+def kernel_seconds(kernel, hardware: Hardware, dtype=None) -> tuple[float, float]:
+    """``(flops_s, bytes_s)`` of one run of a :class:`~meshdsl.roofline.Kernel`: its FLOPs at the
+    achievable rate of its dtype (``dtype`` where given; a fused attention kernel at the
+    attention rate), its bytes at the achievable memory bandwidth. It takes the larger."""
+    flops_s = 0.0
+    if kernel.flops:
+        rate = hardware.attention_efficiency if kernel.kind == "attention" else hardware.matmul_efficiency
+        flops_s = kernel.flops / (hardware.peak_flops(dtype or _peak_dtype(kernel.dtype)) * rate)
+    return flops_s, kernel.bytes / (hardware.hbm_bandwidth * hardware.memory_efficiency)
+
+
+def _peak_dtype(dtype: str) -> str:
+    """The peak a matmul of ``dtype`` runs at: 16-bit and narrower at bfloat16's, wider at float32's."""
+    return "float32" if dtype in ("float32", "float64", "int32", "int64", "uint32") else "bfloat16"
 
 
 def _collective(record, hardware: Hardware, mesh) -> dict:

@@ -16,10 +16,22 @@ The work balance is ``max / mean`` over the devices of the tiles (a block of que
 block of keys) each computes, counted from the global positions where they are constants
 (the default ``0 .. n-1``, or given from numpy: a zigzag order); with a causal mask a tile no
 query sees is skipped (:func:`meshdsl.balance.tiles`).
+
+The fused kernel (:func:`kernel_cost`): the FLOPs and HBM bytes of one forward and one backward
+pass of a fused attention kernel (FlashAttention, cuDNN's) over the device's queries and all the
+keys it attends to: ``2 P (d_k + d_v)`` forward and ``2 P (3 d_k + 2 d_v)`` backward (the logits
+recomputed, ``dv``, ``dp``, ``dq``, ``dk``) for ``P`` query-key pairs computed (with a causal mask,
+those of the 128 x 128 tiles some query sees, on the device with the most); bytes: q, k, v, the
+output and its statistics read or written once forward, and q, k, v, the output, its gradient and
+statistics read and dq, dk, dv written backward. The op's computation runs in the name scopes
+``mdk<N>f`` / ``mdk<N>b`` (:func:`kernel`), which :mod:`meshdsl.roofline` prices with these
+numbers instead of op by op.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import jax
@@ -29,14 +41,64 @@ from .. import cost
 from .. import balance, flash
 from ..jaxcompat import pricing
 
-__all__ = ["describe", "record"]
+__all__ = ["describe", "record", "kernel", "kernel_cost"]
+
+KERNEL_TILE = 128   # query and key positions per tile of a fused kernel (FlashAttention-2/3, cuDNN)
+_TAGS = itertools.count()
 
 
-def record(ctx, *args) -> None:
+def record(ctx, *args) -> str:
     """Add the entry :func:`describe` gives to the trace's (``md.explain`` reads ``ctx.attentions``);
-    nothing for a candidate the planner only prices."""
+    nothing for a candidate the planner only prices. Returns the name scope of this attention's
+    kernel (for :func:`kernel`)."""
+    tag = f"mdk{next(_TAGS)}"
     if ctx.explicit and ctx.rec.sandbox is None and ctx.rec.tracing and not pricing():
-        ctx.attentions.append(describe(ctx, *args))
+        ctx.attentions.append({**describe(ctx, *args), "kernel": {"scope": tag, **kernel_cost(ctx, *args[:9])}})
+    return tag
+
+
+def kernel(scope: str, phase: str, fn):
+    """``fn`` run inside the name scope of a fused kernel's ``phase`` (``"f"`` or ``"b"``)."""
+    @functools.wraps(fn)
+    def run(*args):
+        with jax.named_scope(f"{scope}{phase}"):
+            return fn(*args)
+    return run
+
+
+def kernel_cost(ctx, spec, dims, strategy, ring, q, k, v, out_dtype, pos=(None, None)) -> dict:
+    """FLOPs and HBM bytes of the fused kernel's forward (``forward_flops``, ``forward_bytes``) and
+    backward pass, from the local blocks ``q``, ``k``, ``v`` (for ``ring``, one chunk of keys: the
+    kernel attends to all ``n``), and the matmuls' dtype."""
+    n = ctx.axes_size(ring) if ring and strategy == "ring" else 1
+    shapes = {**dict(zip(spec.q, q.shape)), **dict(zip(spec.v, v.shape))}
+    lq, d_k = shapes[spec.length], math.prod(shapes[f] for f in spec.features)
+    lk = dict(zip(spec.k, k.shape))[spec.over] * n
+    stats = math.prod(q.shape) // (lq * d_k)
+    d_v = _out_size(spec, q, v) // (stats * lq)
+    pairs = stats * lq * lk * _visible(spec, dims, strategy, ctx.axes_size(ring) if ring else 1, pos)
+    item = np.dtype(q.dtype).itemsize
+    qb, kvb = math.prod(q.shape) * item, (math.prod(k.shape) + math.prod(v.shape)) * item * n
+    ob, lse = stats * lq * d_v * np.dtype(out_dtype).itemsize, stats * lq * 4
+    return {"dtype": np.dtype(q.dtype).name,
+            "forward_flops": 2.0 * pairs * (d_k + d_v), "backward_flops": 2.0 * pairs * (3 * d_k + 2 * d_v),
+            "forward_bytes": float(qb + kvb + ob + lse), "backward_bytes": float(2 * (qb + kvb) + 2 * ob + lse)}
+
+
+def _visible(spec, dims, strategy, n, pos) -> float:
+    """The fraction of query-key pairs a fused kernel computes on the busiest device: 1 without a
+    causal mask, else that of its 128 x 128 tiles some query sees (from the global positions where
+    they are constants; a half where they are not)."""
+    if not spec.causal:
+        return 1.0
+    lq, lk = dims[spec.length].size, dims[spec.over].size
+    qp, kp = _global(pos[0], lq), _global(pos[1], lk)
+    if qp is None or kp is None:
+        return 0.5
+    q_blocks = np.split(qp, n) if strategy in ("ring", "gather") and n > 1 else [qp]
+    qt, kt = flash.block_size(len(q_blocks[0]), KERNEL_TILE), flash.block_size(lk, KERNEL_TILE)
+    work = max(balance.tiles(spec, qd, kp, KERNEL_TILE, KERNEL_TILE) for qd in q_blocks)
+    return work / ((len(q_blocks[0]) // qt) * (lk // kt))
 
 
 def describe(ctx, spec, dims, strategy, ring, q, k, v, out_dtype, pos, block) -> dict:

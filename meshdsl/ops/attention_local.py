@@ -12,7 +12,7 @@ from .. import flash
 from ..dims import Shape
 from ..named import NamedArray
 from .attention_bias import is_bias_fn, local_table, named_operands
-from .attention_cost import record
+from .attention_cost import kernel, record
 from .common import as_named
 
 __all__ = ["local_attention", "operands", "dense", "chunk"]
@@ -61,10 +61,19 @@ def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, stra
     (ql, kl, vl), b, m, qp, kp = operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary)
     split = axes[spec.over]
     out_dtype = jnp.float32 if split else v.dtype
-    record(ctx, spec, dims, "partial" if split else strategy, split or ring, ql, kl, vl, v.dtype, pos, block)
+    scope = record(ctx, spec, dims, "partial" if split else strategy, split or ring, ql, kl, vl, v.dtype, pos, block)
     if implementation != "flash" and not split:
         aligned = pos[0] is None and pos[1] is None and not axes[spec.length] and dims[spec.length].size == dims[spec.over].size
-        out = flash.dot_product(spec, ql, chunk(spec, kl, vl, b, m, kp), qp, implementation, aligned)
+
+        def library(ql, kl, vl, b, m, qp, kp):   # jax's kernel and its own gradient, as one custom_vjp
+            def attend(ql, kl, vl, b):
+                return flash.dot_product(spec, ql, chunk(spec, kl, vl, b, m, kp), qp, implementation, aligned)
+            return jax.vjp(attend, ql, kl, vl, b)
+
+        def pullback(vjp, ct):
+            return (*vjp(ct), None, None, None)
+
+        out = C.attributed_vjp(ctx, kernel(scope, "f", library), kernel(scope, "b", pullback))(ql, kl, vl, b, m, qp, kp)
         return ctx.out(out.astype(v.dtype), Shape(dims[n] for n in spec.out), axes)
 
     # every array is an argument (a custom_vjp closing over a tracer breaks under remat and scan);
@@ -84,7 +93,8 @@ def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, stra
         out, lse = flash.attend_types(spec, ql, chunk(spec, kl, vl, b, m, kp), qp)
         return out.astype(out_dtype), lse
 
-    out, lse = C.attributed_vjp(ctx, forward, backward, priced=types)(ql, kl, vl, b, m, qp, kp)
+    out, lse = C.attributed_vjp(ctx, kernel(scope, "f", forward), kernel(scope, "b", backward),
+                                priced=types)(ql, kl, vl, b, m, qp, kp)
     if split:
         out = _combine(ctx, spec, out, lse, split).astype(v.dtype)
     return ctx.out(out, Shape(dims[n] for n in spec.out), axes)

@@ -25,7 +25,7 @@ from .. import cost
 from .. import flash
 from ..dims import Shape
 from .attention_bias import named_operands
-from .attention_cost import record
+from .attention_cost import kernel, record
 from .attention_local import chunk, dense, operands
 
 __all__ = ["ring_attention"]
@@ -39,11 +39,12 @@ def ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block)
     placed = {**axes, spec.over: ring}
     kl, vl = ctx.local(k, placed, vary), ctx.local(v, placed, vary)
     rings = _Ring(ctx, spec, ring, kl.shape[spec.k.index(spec.over)], block)
-    record(ctx, spec, dims, "ring", ring, ql, kl, vl, v.dtype, pos, block)
+    scope = record(ctx, spec, dims, "ring", ring, ql, kl, vl, v.dtype, pos, block)
     kv_bytes = sum(cost.array_bytes(x.shape, x.dtype, ctx.mesh.platform) for x in (kl, vl))
     n = rings.n
     ctx.rec.backward_bytes(cost.moved_bytes("collective-permute", kv_bytes, kv_bytes, n) * (n - 1))
-    out = C.attributed_vjp(ctx, rings.forward, rings.backward)(ql, kl, vl, b, m, qp, kp)
+    out = C.attributed_vjp(ctx, kernel(scope, "f", rings.forward), kernel(scope, "b", rings.backward))(
+        ql, kl, vl, b, m, qp, kp)
     return ctx.out(out, Shape(dims[name] for name in spec.out), axes)
 
 

@@ -132,107 +132,101 @@ def _trips(eqn) -> int:
     return scan_parts(eqn).length if eqn.primitive.name == "scan" else 1
 
 
-def _walk(jaxpr, multiplier: int, found: Counter) -> None:
-    consumers: dict = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                consumers.setdefault(v, []).append(eqn)
-    outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    scoped = {id(eqn) for eqn in jaxpr.eqns if re.search(KERNEL_SCOPE, str(eqn.source_info.name_stack))}
+class _Fusion:
+    """Which values of one jaxpr XLA writes to memory, and what a kernel computing one reads."""
 
-    def is_buffer(v) -> bool:
+    def __init__(self, jaxpr):
+        self.consumers: dict = {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var):
+                    self.consumers.setdefault(v, []).append(eqn)
+        self.outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+        self.producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+        self.scoped = {id(eqn) for eqn in jaxpr.eqns if re.search(KERNEL_SCOPE, str(eqn.source_info.name_stack))}
+        self.memo: dict = {}
+
+    def is_buffer(self, v) -> bool:
         """Is ``v`` written to memory (not kept inside a fused kernel)?"""
-        eqn = producer.get(v)
-        if eqn is None or v in outs or id(eqn) in scoped:
+        eqn = self.producer.get(v)
+        if eqn is None or v in self.outs or id(eqn) in self.scoped or eqn.primitive.name not in _FUSES:
             return True
-        name = eqn.primitive.name
-        if name not in _FUSES:
-            return True
-        if name in ALIASES:
-            return is_buffer(eqn.invars[0]) if isinstance(eqn.invars[0], jcore.Var) else False
-        return any(c.primitive.name not in _FUSES and c.primitive.name not in _REDUCES for c in consumers.get(v, ()))
+        if eqn.primitive.name in ALIASES:
+            return isinstance(eqn.invars[0], jcore.Var) and self.is_buffer(eqn.invars[0])
+        return any(c.primitive.name not in _FUSES and c.primitive.name not in _REDUCES
+                   for c in self.consumers.get(v, ()))
 
-    memo: dict = {}
+    def renames(self, v) -> bool:
+        """Is buffer ``v`` another name (a reshape, a cast to the same type) of a buffer made before?"""
+        eqn = self.producer.get(v)
+        return eqn is not None and eqn.primitive.name in ALIASES and isinstance(eqn.invars[0], jcore.Var) \
+            and self.is_buffer(eqn.invars[0])
 
-    def reads(v) -> dict:
+    def reads(self, v) -> dict:
         """The buffers (value -> bytes read) a kernel using ``v`` reads for it: ``v`` itself where it
         is a buffer, else what the fused ops computing it read."""
         if not isinstance(v, jcore.Var):
             return {}
-        if v not in memo:
-            eqn = producer.get(v)
-            memo[v] = {v: nbytes(v.aval)} if is_buffer(v) else computing(eqn)
-        return memo[v]
+        if v not in self.memo:
+            self.memo[v] = {v: nbytes(v.aval)} if self.is_buffer(v) else self.computing(self.producer[v])
+        return self.memo[v]
 
-    def computing(eqn) -> dict:
+    def computing(self, eqn) -> dict:
         """The buffers a fused ``eqn`` reads: a slice of a buffer reads the part it takes."""
-        if eqn.primitive.name in ("slice", "dynamic_slice") and isinstance(eqn.invars[0], jcore.Var) \
-                and is_buffer(eqn.invars[0]):
-            out = {eqn.outvars[0]: nbytes(eqn.outvars[0].aval)}
-            for idx in eqn.invars[1:]:
-                out.update(reads(idx))
-            return out
         out = {}
-        for u in eqn.invars:
-            out.update(reads(u))
+        sliced = eqn.primitive.name in ("slice", "dynamic_slice") and isinstance(eqn.invars[0], jcore.Var) \
+            and self.is_buffer(eqn.invars[0])
+        if sliced:
+            out[eqn.outvars[0]] = nbytes(eqn.outvars[0].aval)
+        for u in eqn.invars[1:] if sliced else eqn.invars:
+            out.update(self.reads(u))
         return out
 
+
+def _walk(jaxpr, multiplier: int, found: Counter) -> None:
+    """Add the kernels of ``jaxpr``, run ``multiplier`` times, to ``found``."""
+    fusion = _Fusion(jaxpr)
     for eqn in jaxpr.eqns:
-        if id(eqn) in scoped:
+        if id(eqn) in fusion.scoped:
             continue
-        name = eqn.primitive.name
         subs = list(sub_jaxprs(eqn))
-        if subs:
-            if name == "cond":
-                costs = []
-                for sub in subs:
-                    inner: Counter = Counter()
-                    _walk(sub, multiplier, inner)
-                    costs.append(inner)
-                found.update(max(costs, key=_seconds_proxy))
-            else:
-                for sub in subs:
-                    _walk(sub, multiplier * _trips(eqn), found)
-            continue
-        if name in _COLLECTIVES or name in _FREE:
-            continue
-        if name == "dot_general":
-            (lc, _), _ = dot_dims(eqn)
-            lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-            flops = 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc)
-            moved = sum(nbytes(v.aval) for v in eqn.invars) + nbytes(eqn.outvars[0].aval)
-            found[("matmul", np.dtype(eqn.invars[0].aval.dtype).name, flops, float(moved))] += multiplier
-            continue
-        if name in _FUSES:
-            written = [v for v in eqn.outvars if is_buffer(v)]
-            if not written or all(producer_alias(v, producer, is_buffer) for v in written):
-                continue   # fused into its consumers, or a new name for a buffer
-            moved = sum(computing(eqn).values()) + sum(nbytes(v.aval) for v in written)
-            found[("fusion", "", 0.0, float(moved))] += multiplier
-            continue
-        elif name in _REDUCES:
-            written, kind = eqn.outvars, "reduction"
-        elif name in _READS_PART:
-            moved = 2 * sum(nbytes(v.aval) for v in eqn.outvars) + sum(nbytes(v.aval) for v in eqn.invars[1:])
-            found[("memory", "", 0.0, float(moved))] += multiplier
-            continue
-        elif name in _WRITES_PART:
-            moved = 2 * nbytes(eqn.invars[-1].aval) + sum(nbytes(v.aval) for v in eqn.invars[1:-1])
-            found[("memory", "", 0.0, float(moved))] += multiplier
-            continue
+        if eqn.primitive.name == "cond" and subs:   # its costliest branch
+            branches = []
+            for sub in subs:
+                branches.append(Counter())
+                _walk(sub, multiplier, branches[-1])
+            found.update(max(branches, key=_seconds_proxy))
+        elif subs:
+            for sub in subs:
+                _walk(sub, multiplier * _trips(eqn), found)
         else:
-            written, kind = eqn.outvars, "memory"
-        moved = sum(computing(eqn).values()) + sum(nbytes(v.aval) for v in written)
-        found[(kind, "", 0.0, float(moved))] += multiplier
+            kernel = _kernel(eqn, fusion)
+            if kernel is not None:
+                found[kernel] += multiplier
 
 
-def producer_alias(v, producer, is_buffer) -> bool:
-    """Is buffer ``v`` another name (a reshape, a cast to the same type) of a buffer made before?"""
-    eqn = producer.get(v)
-    return eqn is not None and eqn.primitive.name in ALIASES and isinstance(eqn.invars[0], jcore.Var) \
-        and is_buffer(eqn.invars[0])
+def _kernel(eqn, fusion: _Fusion):
+    """``(kind, dtype, flops, bytes)`` of the kernel ``eqn`` ends, or None (fused, free, a collective)."""
+    name = eqn.primitive.name
+    if name in _COLLECTIVES or name in _FREE:
+        return None
+    if name == "dot_general":
+        (lc, _), _ = dot_dims(eqn)
+        lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        moved = sum(nbytes(v.aval) for v in eqn.invars) + nbytes(eqn.outvars[0].aval)
+        return "matmul", np.dtype(eqn.invars[0].aval.dtype).name, 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc), \
+            float(moved)
+    if name in _READS_PART:
+        return "memory", "", 0.0, float(2 * sum(nbytes(v.aval) for v in eqn.outvars)
+                                        + sum(nbytes(v.aval) for v in eqn.invars[1:]))
+    if name in _WRITES_PART:
+        return "memory", "", 0.0, float(2 * nbytes(eqn.invars[-1].aval) + sum(nbytes(v.aval) for v in eqn.invars[1:-1]))
+    written, kind = eqn.outvars, "reduction" if name in _REDUCES else "memory"
+    if name in _FUSES:
+        written, kind = [v for v in eqn.outvars if fusion.is_buffer(v)], "fusion"
+        if not written or all(fusion.renames(v) for v in written):
+            return None   # fused into its consumers, or a new name for a buffer
+    return kind, "", 0.0, float(sum(fusion.computing(eqn).values()) + sum(nbytes(v.aval) for v in written))
 
 
 def _seconds_proxy(found: Counter) -> float:

@@ -7,6 +7,13 @@ With ``vocab`` split over a mesh axis (Megatron's vocab-parallel embedding) each
 the rows it holds and leaves a pending partial sum, reduced once where the value is next needed;
 ``attend`` then gives logits split over ``vocab`` with no communication. A table stored split over
 ``d_model`` (ZeRO-3) is gathered at use.
+
+A padded vocabulary (Megatron's ``--make-vocab-size-divisible-by``): the table has more rows than
+the tokenizer has tokens, so that a mesh axis divides ``vocab``. :func:`mask_padding` sets the
+logits of the padding rows to the dtype's most negative value: they never win an argmax, a top-k
+or a sample, and add nothing to a softmax or a logsumexp (nor get a gradient).
+
+    masked[..., vocab] = logits[..., vocab]  if position(vocab) < size  else  min(dtype)
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import meshdsl as md
 
 from .params import cast, normal_param
 
-__all__ = ["Embedding"]
+__all__ = ["Embedding", "mask_padding"]
 
 
 class Embedding(nnx.Module):
@@ -42,3 +49,18 @@ class Embedding(nnx.Module):
         out = [n for n in x.names if n != self.features.name]
         out += [n for n in table.names if n != self.features.name and n not in out]
         return md.einsum(cast(x, self.dtype), table, out=out)
+
+
+def mask_padding(logits: md.NamedArray, size: int, dim: str = "vocab") -> md.NamedArray:
+    """``logits`` with the entries at positions ``>= size`` along ``dim`` (the padding rows of the
+    table) set to the most negative value of their dtype; unchanged when ``dim`` has ``size``
+    entries. Named ops only: runs with ``dim`` split over mesh axes (each device masks its block)."""
+    padded = logits.dims[dim]
+    if size > padded.size:
+        raise md.ShapeError(f"mask_padding: {size} true entries do not fit in [{logits.dims}]'s {dim!r} "
+                            f"of size {padded.size}")
+    if size == padded.size:
+        return logits
+    real = md.arange(padded) < size
+    masked = md.where(real, logits, jnp.finfo(logits.dtype).min)
+    return masked if masked.names == logits.names else md.transpose(masked, logits.names)

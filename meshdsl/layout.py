@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .dims import Dim
     from .mesh import Mesh
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "register_padding_hint"]
 
 Axes = tuple[str, ...]
 AxisRule = Union[str, Sequence[str], None]  # one rule's value: an axis, axes (major first), or None
@@ -276,6 +276,24 @@ def describe_axes(axes: Axes, mesh) -> str:
     return "+".join(f"{text}({size})" for text, size in mesh.parts(axes))
 
 
+#: dim name -> how its program pads it: a text, or a function of the devices that must divide it
+_PADDING_HINTS: dict = {}
+
+
+def register_padding_hint(dim: str, hint) -> None:
+    """Say in the error for a split that does not divide ``dim`` which option pads it: ``hint`` is
+    a text or a function ``(devices) -> text``. The core knows no model; a library that pads a dim
+    registers its option at import (``meshdsl.models``: ``vocab``, its configs' ``vocab_multiple``)."""
+    _PADDING_HINTS[dim] = hint
+
+
+def _padding_hint(dim: str, devices: int) -> str:
+    hint = _PADDING_HINTS.get(dim)
+    if hint is None:
+        return ""
+    return f" ({hint(devices) if callable(hint) else hint})"
+
+
 def check_axes(dims, axes_per_dim, mesh, *, what: str) -> None:
     """LayoutError unless each mesh axis splits at most one dim and every split size divides."""
     owner: dict[str, str] = {}
@@ -296,7 +314,7 @@ def check_axes(dims, axes_per_dim, mesh, *, what: str) -> None:
             raise LayoutError(
                 f"{what} {shape_txt}: dim {d.name!r} of size {d.size} is split over {describe_axes(axes, mesh)} "
                 f"= {n} devices, which does not divide {d.size}; make {d.name!r} a multiple of {n} or "
-                f"change its layout rule")
+                f"change its layout rule{_padding_hint(d.name, n)}")
 
 
 _RULE = re.compile(r"^\s*([A-Za-z_]\w*)\s*:\s*(.+?)\s*$")

@@ -7,16 +7,31 @@
 (:mod:`meshdsl.models.generation`); ``python -m meshdsl.models.generate`` is its command line
 (``from meshdsl.models.generate import main, span_filling_accuracy``). Importing that submodule
 does not rebind the name ``generate`` here: it stays the function.
+
+The models pad their vocabulary (``vocab_multiple`` of their configs); importing this package
+names that option in the layout error for a split that does not divide ``vocab``.
 """
 
+import math
 import sys
 import types
+
+from meshdsl.layout import register_padding_hint
 
 from .generation import generate
 from .llama import Llama
 from .llama_configs import LlamaConfig
 
 __all__ = ["generate", "Llama", "LlamaConfig"]
+
+
+def _vocab_hint(devices: int) -> str:
+    multiple = math.lcm(128, devices)
+    return (f"'vocab' is padded by the model config's vocab_multiple: e.g. --override vocab_multiple={multiple}, "
+            f"or config.replace(vocab_multiple={multiple})")
+
+
+register_padding_hint("vocab", _vocab_hint)
 
 
 class _Package(types.ModuleType):

@@ -5,6 +5,12 @@ and ``moe-t5-tiny`` for CPU work. ``T5Config.replace(...)`` derives variants (vo
 dropout, experts, ...). Parameter counts of the published configs equal the published ones
 (tests/test_models.py checks them against Hugging Face's own count).
 
+``vocab`` is the true vocabulary; the embedding and output tables have ``padded_vocab`` rows,
+``vocab`` rounded up to a multiple of ``vocab_multiple`` (default 128, as Megatron's
+``--make-vocab-size-divisible-by``), so that a layout may split ``vocab`` over a mesh axis whatever
+the tokenizer's size; the model masks the padded logits (``vocab_multiple=1``: no padding). Every
+published config's vocabulary is already a multiple of 128: their shapes do not change.
+
 :data:`MODELS` adds the Llama-style decoder-only configs (:mod:`meshdsl.models.llama_configs`):
 :func:`get_config` and the training CLI's ``--model`` take any of them; :func:`config_from_dict`
 rebuilds either kind from a run's ``run.json``.
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .llama_configs import LLAMA_CONFIGS, LlamaConfig
+from .llama_configs import LLAMA_CONFIGS, LlamaConfig, check_vocab_multiple, padded_size
 
 __all__ = ["T5Config", "LlamaConfig", "CONFIGS", "LLAMA_CONFIGS", "MODELS", "get_config", "config_from_dict"]
 
@@ -30,7 +36,8 @@ class T5Config:
     d_kv: int
     encoder_layers: int
     decoder_layers: int
-    vocab: int = 32128
+    vocab: int = 32128                    # the true vocabulary (token ids 0 .. vocab-1)
+    vocab_multiple: int = 128             # the tables' vocab dim is padded to a multiple (Megatron's)
     activation: str = "gated-gelu"        # v1.1 "gated-gelu"; v1.0 "relu"
     tie_embeddings: bool = False          # v1.0 ties the output layer to the input embedding
     dropout_rate: float = 0.0
@@ -54,8 +61,16 @@ class T5Config:
     # training objective
     z_loss: float = 1e-4                  # T5X's auxiliary loss on the output logits' log-partition
 
+    def __post_init__(self):
+        check_vocab_multiple(self)
+
     def replace(self, **changes) -> T5Config:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def padded_vocab(self) -> int:
+        """The size of the model's ``vocab`` dim: ``vocab`` rounded up to a multiple of ``vocab_multiple``."""
+        return padded_size(self.vocab, self.vocab_multiple)
 
     @property
     def is_moe(self) -> bool:

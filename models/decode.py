@@ -98,8 +98,9 @@ def decoder_position_bias(model, kv_length: md.Dim, position) -> md.NamedArray:
 
 def decode_logits(model, state: DecodeState, token: md.NamedArray, position):
     """Logits ``[*token.dims, vocab]`` (float32) for the tokens at ``position`` (a traced int32)
-    and the cache with their keys and values written in. ``token``: ``[batch, (beam)]`` ids."""
-    c = model.config
+    and the cache with their keys and values written in. ``token``: ``[batch, (beam)]`` ids. The
+    logits are the model's (:meth:`~meshdsl.models.t5.T5.logits`): a padded vocabulary's padding
+    masked."""
     ids = md.reshape(token, [*token.dims, md.Dim("seq", 1)])
     y = model.shared(ids)                                            # [batch, (beam), seq:1, d_model]
     kv_length = state["cache"][0][0].dims[KV_LENGTH]
@@ -122,9 +123,7 @@ def decode_logits(model, state: DecodeState, token: md.NamedArray, position):
         return y, new
 
     y, cache = md.scan(step, y, (stack_state, state["cache"], state["cross"]), dim="layers")
-    y = model.decoder_norm(y)
-    logits = model.shared.attend(y * c.d_model ** -0.5) if model.lm_head is None else model.lm_head(y)
-    logits = md.sum(logits.astype(jnp.float32), "seq")               # drop seq:1 (local, exact)
+    logits = md.sum(model.logits(y).astype(jnp.float32), "seq")      # drop seq:1 (local, exact)
     return logits, {**state, "cache": cache}
 
 

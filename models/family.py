@@ -46,10 +46,16 @@ def describe(config: T5Config | LlamaConfig) -> str:
     """``name: N M parameters (sizes)``, one line for the training CLI's summary."""
     if isinstance(config, LlamaConfig):
         sizes = (f"d_model {config.d_model}, d_ff {config.d_ff}, heads {config.heads} ({config.kv_heads} kv) x "
-                 f"{config.head_dim}, layers {config.layers}, vocab {config.vocab}"
+                 f"{config.head_dim}, layers {config.layers}, vocab {_vocab(config)}"
                  f"{', tied embeddings' if config.tie_embeddings else ''}")
     else:
         experts = f", {config.num_experts} experts" if config.is_moe else ""
         sizes = (f"d_model {config.d_model}, d_ff {config.d_ff}, heads {config.heads}x{config.d_kv}, layers "
-                 f"{config.encoder_layers}+{config.decoder_layers}{experts}, vocab {config.vocab}")
+                 f"{config.encoder_layers}+{config.decoder_layers}{experts}, vocab {_vocab(config)}")
     return f"{config.name}: {count_params(config) / 1e6:.2f}M parameters ({sizes})"
+
+
+def _vocab(config) -> str:
+    """``97 (padded to 128)``: the true vocabulary and, when they differ, the tables' rows."""
+    padded = config.padded_vocab
+    return f"{config.vocab}" + (f" (padded to {padded})" if padded != config.vocab else "")

@@ -17,6 +17,13 @@ slot ``i % period``. Nothing is downloaded: pass a model you built or loaded you
 
 Llama (``LlamaForCausalLM``, ``model_type: "llama"``) goes through the same four functions; its
 name map is :mod:`meshdsl.models.hf_llama`.
+
+A vocabulary that does not divide the mesh (HF's ``vocab_size`` 97, GPT-2's 50257): our config keeps
+the true ``vocab`` and its tables have ``padded_vocab`` rows (``vocab_multiple``, default 128; pass
+``vocab_multiple=`` to :func:`load` / :func:`load_pretrained` for another). The HF rows fill the
+first ``vocab`` rows, the padding rows are zeros and the model masks their logits; :func:`export`
+and :func:`save_pretrained` leave them out, so HF sees ``vocab_size`` rows and ``vocab_size`` in
+``config.json``.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from flax import nnx
 import meshdsl as md
 
 from . import hf_llama
-from .configs import T5Config
+from .configs import LlamaConfig, T5Config
 from .llama import Llama
 from .t5 import T5
 
@@ -166,13 +173,19 @@ def _is_switch(hf_model) -> bool:
     return _is_switch_config(hf_model.config)
 
 
-def load(hf_model, *, dtype=None) -> T5 | Llama:
-    """Our T5 / MoE-T5 / Llama with the weights of a ``transformers`` model (built or loaded offline)."""
+def load(hf_model, *, dtype=None, vocab_multiple: int | None = None) -> T5 | Llama:
+    """Our T5 / MoE-T5 / Llama with the weights of a ``transformers`` model (built or loaded offline).
+    ``vocab_multiple``: the tables' rows are the vocabulary rounded up to a multiple of it (None:
+    the config's default, 128; 1: no padding)."""
     if hf_llama.is_llama_config(hf_model.config):
-        return hf_llama.load(hf_model, dtype=dtype)
-    config = config_from_hf(hf_model.config)
+        return hf_llama.load(hf_model, dtype=dtype, vocab_multiple=vocab_multiple)
+    config = _with_multiple(config_from_hf(hf_model.config), vocab_multiple)
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     return _from_state_dict(config, sd, _is_switch(hf_model), dtype)
+
+
+def _with_multiple(config, vocab_multiple):
+    return config if vocab_multiple is None else config.replace(vocab_multiple=vocab_multiple)
 
 
 def _from_state_dict(config: T5Config, sd: dict, switch: bool, dtype=None) -> T5:
@@ -188,7 +201,7 @@ def _from_state_dict(config: T5Config, sd: dict, switch: bool, dtype=None) -> T5
                          f"{', '.join(missing[:3])}")
     for path, leaf, keys in _mapping(abstract, switch):
         if keys and isinstance(keys[0], tuple):
-            arr = _convert_in(sd[keys[0][0]], keys[0][0], config.heads)
+            arr = hf_llama.pad_vocab(_convert_in(sd[keys[0][0]], keys[0][0], config.heads), leaf.dims, config)
         else:  # per layer (and per expert): stack along layers (and experts)
             per_layer = []
             for layer_keys in keys:
@@ -212,14 +225,15 @@ def _from_state_dict(config: T5Config, sd: dict, switch: bool, dtype=None) -> T5
 
 
 def export(model: T5 | Llama) -> dict[str, np.ndarray]:
-    """A Hugging Face state dict (numpy arrays) for our ``model``; tied embeddings included."""
+    """A Hugging Face state dict (numpy arrays) for our ``model``; tied embeddings included; the
+    vocabulary's padding rows left out."""
     if isinstance(model, Llama):
         return hf_llama.export(model)
     c = model.config
     switch = c.is_moe
     out = {}
     for path, leaf, keys in _mapping(model, switch):
-        arr = np.asarray(leaf.array)
+        arr = hf_llama.strip_vocab(np.asarray(leaf.array), leaf.names, c)
         if keys and isinstance(keys[0], tuple):
             key = keys[0][0]
             out[key] = _convert_out(arr, key)
@@ -237,8 +251,11 @@ def export(model: T5 | Llama) -> dict[str, np.ndarray]:
 
 # -- Hugging Face directories -----------------------------------------------------------------------
 
-def hf_config_dict(config: T5Config) -> dict:
-    """``config.json`` of the ``transformers`` model with our ``config``'s architecture."""
+def hf_config_dict(config: T5Config | LlamaConfig) -> dict:
+    """``config.json`` of the ``transformers`` model with our ``config``'s architecture (its true
+    vocabulary: HF's tables have no padding rows)."""
+    if isinstance(config, LlamaConfig):
+        return hf_llama.hf_config_dict(config)
     common = {"d_model": config.d_model, "d_ff": config.d_ff, "d_kv": config.d_kv, "num_heads": config.heads,
               "num_layers": config.encoder_layers, "num_decoder_layers": config.decoder_layers,
               "vocab_size": config.vocab, "dropout_rate": config.dropout_rate,
@@ -286,7 +303,7 @@ def save_pretrained(model: T5 | Llama, directory: str | os.PathLike, *, vocab=No
 
     llama = isinstance(model, Llama)
     # first: a config HF cannot express fails before writing
-    config = hf_llama.hf_config_dict(model.config) if llama else hf_config_dict(model.config)
+    config = hf_config_dict(model.config)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     state = export(model)
@@ -301,9 +318,11 @@ def save_pretrained(model: T5 | Llama, directory: str | os.PathLike, *, vocab=No
     return directory
 
 
-def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5 | Llama:
+def load_pretrained(directory: str | os.PathLike, *, dtype=None,
+                    vocab_multiple: int | None = None) -> T5 | Llama:
     """Our T5 / MoE-T5 / Llama from a Hugging Face directory (``config.json`` + ``model.safetensors`` or a
-    sharded ``model.safetensors.index.json``), with numpy and safetensors only: no torch."""
+    sharded ``model.safetensors.index.json``), with numpy and safetensors only: no torch.
+    ``vocab_multiple``: as for :func:`load`."""
     from safetensors.numpy import load_file
 
     directory = os.fspath(directory)
@@ -326,7 +345,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5 | Llama:
         state.update(load_file(path))
     state = {k: np.asarray(v, np.float32) for k, v in state.items()}
     if hf_llama.is_llama_config(hf_config):
-        config = hf_llama.config_from_hf(hf_config)
+        config = _with_multiple(hf_llama.config_from_hf(hf_config), vocab_multiple)
         if config.name in ("", "llama"):
             config = config.replace(name=os.path.basename(os.path.normpath(directory)))
         return hf_llama.from_state_dict(config, state, dtype)
@@ -335,7 +354,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype=None) -> T5 | Llama:
             if key in state:
                 state["shared.weight"] = state[key]
                 break
-    config = config_from_hf(hf_config)
+    config = _with_multiple(config_from_hf(hf_config), vocab_multiple)
     if config.name in ("", "_Attrs"):
         config = config.replace(name=os.path.basename(os.path.normpath(directory)))
     return _from_state_dict(config, state, _is_switch_config(_Attrs(hf_config)), dtype)

@@ -21,6 +21,11 @@ Each of our parameters maps to one Hugging Face tensor per layer, transposed and
 HF layer ``i`` is entry ``i`` of our ``layers`` dim. Query head ``h`` is ``(kv_head, group) =
 divmod(h, groups)``: HF's ``repeat_kv`` order. Configurations HF can express but we do not model
 (biases, rotary scaling, activations other than SiLU) are refused by name.
+
+A vocabulary that is not a multiple of ``config.vocab_multiple`` (HF's ``vocab_size`` 97, say): the
+HF rows fill the first ``vocab`` rows of our tables, the padding rows are zeros (:func:`pad_vocab`),
+and export drops them again (:func:`strip_vocab`): HF sees ``vocab_size`` rows. T5's import
+(:mod:`meshdsl.models.hf`) does the same with these two functions.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import meshdsl as md
 from .llama import Llama
 from .llama_configs import LlamaConfig
 
-__all__ = ["is_llama_config", "config_from_hf", "hf_config_dict", "from_state_dict", "export", "TIED"]
+__all__ = ["is_llama_config", "config_from_hf", "hf_config_dict", "from_state_dict", "export", "TIED",
+           "pad_vocab", "strip_vocab"]
 
 TIED = ("lm_head.weight",)     # written once: HF ties it to the embedding again on load
 
@@ -104,6 +110,28 @@ def hf_config_dict(config: LlamaConfig) -> dict:
             "torch_dtype": "float32"}
 
 
+def pad_vocab(arr: np.ndarray, dims: md.Shape, config) -> np.ndarray:
+    """An imported tensor (our axis order) with ``config.vocab`` entries along our ``vocab`` dim,
+    padded with zeros to the model's ``config.padded_vocab``; any other tensor as it is."""
+    names = [d.name for d in dims]
+    if "vocab" not in names or arr.ndim != len(names):
+        return arr
+    axis = names.index("vocab")
+    if arr.shape[axis] != config.vocab or config.padded_vocab == config.vocab:
+        return arr                      # a wrong size is named by the shape check that follows
+    widths = [(0, 0)] * arr.ndim
+    widths[axis] = (0, config.padded_vocab - config.vocab)
+    return np.pad(arr, widths)
+
+
+def strip_vocab(arr: np.ndarray, names, config) -> np.ndarray:
+    """Our tensor (dims ``names``) with only the ``config.vocab`` true entries of ``vocab``."""
+    names = list(names)
+    if "vocab" not in names:
+        return arr
+    return np.take(arr, np.arange(config.vocab), axis=names.index("vocab"))
+
+
 def _to_ours(hf: np.ndarray, kind: str, c: LlamaConfig) -> np.ndarray:
     if kind in _HF_PATTERN:
         return rearrange(hf, f"{_HF_PATTERN[kind]} -> {_OUR_PATTERN[kind]}", kv=c.kv_heads, d=c.head_dim)
@@ -149,7 +177,7 @@ def from_state_dict(config: LlamaConfig, sd: dict, dtype=None) -> Llama:
         if isinstance(keys, list):
             arr = np.stack([_to_ours(np.asarray(sd[k]), kind, config) for k in keys])
         else:
-            arr = _to_ours(np.asarray(sd[keys]), kind, config)
+            arr = pad_vocab(_to_ours(np.asarray(sd[keys]), kind, config), leaf.dims, config)
         if arr.shape != leaf.dims.sizes:
             raise ValueError(f"HF tensor for {'/'.join(_path_names(path))} has shape {arr.shape}, "
                              f"expected [{leaf.dims}]")
@@ -161,17 +189,22 @@ def from_state_dict(config: LlamaConfig, sd: dict, dtype=None) -> Llama:
     return nnx.merge(graphdef, params, nnx.state(abstract, nnx.Not(nnx.Param)))
 
 
-def load(hf_model, *, dtype=None) -> Llama:
-    """Our Llama with the weights of a ``transformers`` ``LlamaForCausalLM`` (built or loaded offline)."""
+def load(hf_model, *, dtype=None, vocab_multiple: int | None = None) -> Llama:
+    """Our Llama with the weights of a ``transformers`` ``LlamaForCausalLM`` (built or loaded offline);
+    ``vocab_multiple``: the tables' padding (None: the config's default)."""
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
-    return from_state_dict(config_from_hf(hf_model.config), sd, dtype)
+    config = config_from_hf(hf_model.config)
+    if vocab_multiple is not None:
+        config = config.replace(vocab_multiple=vocab_multiple)
+    return from_state_dict(config, sd, dtype)
 
 
 def export(model: Llama) -> dict[str, np.ndarray]:
-    """A Hugging Face state dict (numpy arrays) for our ``model``; a tied ``lm_head.weight`` included."""
+    """A Hugging Face state dict (numpy arrays) for our ``model``; a tied ``lm_head.weight`` included;
+    the vocabulary's padding rows left out."""
     out = {}
     for _, leaf, kind, keys in _mapping(model):
-        arr = np.asarray(leaf.array)
+        arr = strip_vocab(np.asarray(leaf.array), leaf.names, model.config)
         if isinstance(keys, list):
             out.update({k: _to_hf(arr[i], kind) for i, k in enumerate(keys)})
         else:

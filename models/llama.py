@@ -9,6 +9,7 @@ Structure (Hugging Face's ``LlamaForCausalLM``, so weights import 1:1, :mod:`mes
     L x  x = x + GQA(RMSNorm(x), cos, sin)          causal, q [batch, seq, kv_heads, groups, d_head]
          x = x + SwiGLU(RMSNorm(x))                 down(silu(gate(x)) * up(x)) over d_ff
     logits = lm_head(RMSNorm(x))                    (tied: embed.attend(RMSNorm(x)))
+    logits[vocab >= config.vocab] = min             (the padding rows of the tables: never chosen)
 
 RMSNorm is ``x * rsqrt(mean(x**2 over d_model) + eps) * weight`` with float32 statistics; the
 attention scale is ``1 / sqrt(d_head)`` (``md.attention``'s default); there are no biases and no
@@ -37,6 +38,7 @@ from flax import nnx
 
 import meshdsl as md
 from meshdsl.layers import Dense, Embedding, FeedForward, GroupedQueryAttention, RMSNorm, scan_layers
+from meshdsl.layers.embedding import mask_padding
 from meshdsl.layers.gqa import SEQ
 from meshdsl.layers.rotary import rotary_angles
 
@@ -49,7 +51,7 @@ class _Dims:
     def __init__(self, c: LlamaConfig):
         self.d_model, self.d_ff = md.Dim("d_model", c.d_model), md.Dim("d_ff", c.d_ff)
         self.kv_heads, self.groups = md.Dim("kv_heads", c.kv_heads), md.Dim("groups", c.groups)
-        self.d_head, self.vocab = md.Dim("d_head", c.head_dim), md.Dim("vocab", c.vocab)
+        self.d_head, self.vocab = md.Dim("d_head", c.head_dim), md.Dim("vocab", c.padded_vocab)
         self.layers = md.Dim("layers", c.layers)
 
 
@@ -132,9 +134,10 @@ class Llama(nnx.Module):
         return rotary_angles(positions, self.dims.d_head, self.config.rope_theta)
 
     def logits(self, x: md.NamedArray) -> md.NamedArray:
-        """``[..., d_model]`` (the residual stream, before the final norm) -> ``[..., vocab]``."""
+        """``[..., d_model]`` (the residual stream, before the final norm) -> ``[..., vocab]``, the
+        padding rows of the vocabulary masked (:func:`~meshdsl.layers.embedding.mask_padding`)."""
         y = self.norm(x)
-        return self.embed.attend(y) if self.lm_head is None else self.lm_head(y)
+        return mask_padding(self.embed.attend(y) if self.lm_head is None else self.lm_head(y), self.config.vocab)
 
 
 def _enter(x):

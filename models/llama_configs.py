@@ -2,7 +2,9 @@
 
 Published shapes (Llama 2: Touvron et al. 2023; Llama 3: Meta's model cards and the checkpoints'
 ``config.json``) for the layout search and parameter counts, plus ``llama-tiny`` for CPU work.
-``LlamaConfig.replace(...)`` derives variants. Parameter counts equal Hugging Face's
+``LlamaConfig.replace(...)`` derives variants. ``vocab`` is the true
+vocabulary; the tables have ``padded_vocab`` rows (a multiple of ``vocab_multiple``, default 128,
+as in :mod:`meshdsl.models.configs`), the padded logits masked by the model. Parameter counts equal Hugging Face's
 ``LlamaForCausalLM`` of the same config (tests/test_llama_hf.py checks them on the meta device).
 Rotary scaling (Llama 3.1's ``rope_scaling``) is not modelled: the configs here use plain RoPE.
 """
@@ -10,8 +12,23 @@ Rotary scaling (Llama 3.1's ``rope_scaling``) is not modelled: the configs here 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
-__all__ = ["LlamaConfig", "LLAMA_CONFIGS"]
+__all__ = ["LlamaConfig", "LLAMA_CONFIGS", "padded_size", "check_vocab_multiple"]
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """``size`` rounded up to a multiple of ``multiple``."""
+    return -(-size // multiple) * multiple
+
+
+def check_vocab_multiple(config) -> None:
+    """ValueError unless ``config.vocab`` and ``config.vocab_multiple`` are positive ints."""
+    for key in ("vocab", "vocab_multiple"):
+        value = getattr(config, key)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{config.name}: {key} must be a positive int, got {value!r}"
+                             + (" (1: no padding of the vocabulary)" if key == "vocab_multiple" else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +41,8 @@ class LlamaConfig:
     heads: int                            # query heads
     kv_heads: int                         # key/value heads (GQA: heads % kv_heads == 0)
     layers: int
-    vocab: int = 32000
+    vocab: int = 32000                    # the true vocabulary (token ids 0 .. vocab-1)
+    vocab_multiple: int = 128             # the tables' vocab dim is padded to a multiple (Megatron's)
     d_head: int | None = None             # default d_model // heads
     rope_theta: float = 10000.0
     eps: float = 1e-5                     # RMSNorm's (HF rms_norm_eps)
@@ -35,12 +53,18 @@ class LlamaConfig:
     z_loss: float = 0.0                   # T5X's auxiliary loss on the logits' log-partition
 
     def __post_init__(self):
+        check_vocab_multiple(self)
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: {self.heads} query heads do not divide into {self.kv_heads} "
                              "key/value heads (grouped-query attention needs heads % kv_heads == 0)")
 
     def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def padded_vocab(self) -> int:
+        """The size of the model's ``vocab`` dim: ``vocab`` rounded up to a multiple of ``vocab_multiple``."""
+        return padded_size(self.vocab, self.vocab_multiple)
 
     @property
     def head_dim(self) -> int:

@@ -10,6 +10,10 @@ the logits of ``decoder_input_tokens`` (the targets shifted right, start token 0
 Cross-entropy is ``logsumexp(logits) - logits[target]`` per token, averaged over tokens with weight
 1 (padding has weight 0). Over a ``vocab`` split by the layout (Megatron) this costs two small
 all-reduces of row statistics for ``logsumexp`` and one for the target logit, never a gather.
+
+A padded vocabulary (the configs' ``vocab_multiple``): the models mask the padding rows' logits
+to the dtype's most negative value, so ``logsumexp`` (the cross-entropy's and the z-loss's) and
+the accuracy's argmax see the true vocabulary only, and the padding rows get no gradient.
 """
 
 from __future__ import annotations

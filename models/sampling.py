@@ -13,6 +13,9 @@ top-k candidates per device):
 A sample is ``argmax(logits + g)`` with Gumbel noise ``g = -log(-log(u))`` and ``u`` from
 ``md.random.uniform`` over the logits' dims: the same global numbers under every layout, so a
 sampled sequence does not depend on how ``vocab`` or ``batch`` are split.
+
+A padded vocabulary's padding rows come masked by the model (the dtype's most negative value, or
+``-inf`` after a temperature below 1): no filter keeps them and no draw picks them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ Structure (Hugging Face's T5ForConditionalGeneration, so weights import 1:1):
          y = y + dropout(CrossAttention(RMSNorm(y), encoded))
          y = y + dropout(FFN(RMSNorm(y)))
     logits = lm_head(dropout(RMSNorm(y)))      (v1.0: shared.attend(y * d_model**-0.5))
+    logits[vocab >= config.vocab] = min        (the padding rows of the tables: never chosen)
 
 The residual stream runs over ``[batch, length, d_model]``; each sub-layer renames ``length`` to
 ``seq`` on the way in and back on the way out. With no layout rule for ``length`` the renames are
@@ -43,6 +44,7 @@ import meshdsl as md
 from meshdsl.layers import (
     Attention, Dense, Embedding, FeedForward, MoE, RelativePositionBias, RMSNorm, dropout, scan_layers,
 )
+from meshdsl.layers.embedding import mask_padding
 from meshdsl.layers.router import EXPERT_CHOICE
 
 from .configs import T5Config
@@ -54,7 +56,7 @@ class _Dims:
     def __init__(self, c: T5Config):
         self.d_model, self.d_ff = md.Dim("d_model", c.d_model), md.Dim("d_ff", c.d_ff)
         self.heads, self.d_kv = md.Dim("heads", c.heads), md.Dim("d_kv", c.d_kv)
-        self.vocab = md.Dim("vocab", c.vocab)
+        self.vocab = md.Dim("vocab", c.padded_vocab)      # the true vocabulary padded (config.vocab_multiple)
         self.experts = md.Dim("experts", max(c.num_experts, 1))
         self.expert_d_ff = md.Dim("d_ff", c.expert_d_ff or c.d_ff)
 
@@ -250,13 +252,21 @@ class T5(nnx.Module):
         y = dropout(_leave(self.shared(_enter(dec_ids))), self.config.dropout_rate, k[1])
         bias = self.decoder_bias.blockwise()   # computed on every block of md.attention
         def logits(y):
-            y = _enter(dropout(self.decoder_norm(y), self.config.dropout_rate, k[3]))
-            out = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
-            return md.rename(out, {"seq": dec_len})
+            return md.rename(self.logits(y, key=k[3]), {"seq": dec_len})
 
         top = None if head is None else (lambda y, *router: head(logits(y), *router))
         y, dec_metrics = self.decoder(y, context, bias, mask, key=k[2], train=train, remat=remat, head=top)
         return (y if head is not None else logits(y)), (enc_metrics, dec_metrics)
+
+    def logits(self, y: md.NamedArray, *, key=None) -> md.NamedArray:
+        """``[..., d_model]`` (the decoder stack's output, before its final norm) -> ``[..., vocab]``,
+        the padding rows of the vocabulary masked (:func:`~meshdsl.layers.embedding.mask_padding`).
+        ``key``: the final dropout (None: none). The residual stream's ``length`` becomes ``seq``
+        after the norm (:func:`_enter`)."""
+        y = dropout(self.decoder_norm(y), self.config.dropout_rate, key)
+        y = _enter(y) if "length" in y.names else y
+        out = self.shared.attend(y * self.config.d_model ** -0.5) if self.lm_head is None else self.lm_head(y)
+        return mask_padding(out, self.config.vocab)
 
     def encode(self, ids, mask=None, *, key=None, train=False, remat="none"):
         """Encoder output ``[batch, length, d_model]`` for token ids ``[batch, length]``; ``mask``

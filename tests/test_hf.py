@@ -47,7 +47,7 @@ def test_logits_match_hugging_face(name):
     with torch.no_grad():
         expected = hm(input_ids=torch.tensor(enc), decoder_input_ids=torch.tensor(dec)).logits.numpy()
     e, d = md.named(enc, "batch length"), md.named(dec, "batch length")
-    got = np.asarray(model(e, d).array)
+    got = np.asarray(model(e, d).array)[..., :SMALL["vocab_size"]]     # the true vocabulary (128 padded)
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 1e-4 * scale
     layouts = {"Megatron": md.Layout({"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}),
@@ -55,7 +55,7 @@ def test_logits_match_hugging_face(name):
                                                      params={"d_model": "model"})}
     for layout in layouts.values():
         f = md.lower(lambda m, e, d: m(e, d), md.Mesh({"data": 2, "model": 4}), layout)
-        sharded = np.asarray(f(model, e, d).array)
+        sharded = np.asarray(f(model, e, d).array)[..., :SMALL["vocab_size"]]
         assert np.abs(sharded - expected).max() <= 1e-4 * scale
 
 

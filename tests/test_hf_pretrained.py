@@ -41,7 +41,9 @@ def tokens(shape, seed):
 
 
 def logits(model, enc, dec):
-    return np.asarray(model(md.named(enc, "batch length"), md.named(dec, "batch length")).array)
+    """The logits of the true vocabulary (the model's tables are padded to 128 rows)."""
+    out = model(md.named(enc, "batch length"), md.named(dec, "batch length"))
+    return np.asarray(out.array)[..., :SMALL["vocab_size"]]
 
 
 @pytest.mark.parametrize("name", ["t5-v1.1", "t5-v1.0", "switch"])

@@ -136,7 +136,8 @@ def test_token_ids_with_other_names_and_lengths(batch):
     enc = md.named(batch["encoder_input_tokens"].array, "batch src")
     dec = md.named(batch["decoder_input_tokens"].array[:, :5], "batch tgt")
     logits = model(enc, dec)
-    assert logits.names == ("batch", "tgt", "vocab") and logits.shape == {"batch": 8, "tgt": 5, "vocab": 64}
+    # vocab 64 padded to a multiple of 128 (the config's vocab_multiple)
+    assert logits.names == ("batch", "tgt", "vocab") and logits.shape == {"batch": 8, "tgt": 5, "vocab": 128}
     with pytest.raises(md.ShapeError, match="integer token ids"):
         model(enc.astype(jnp.float32), dec)
 

@@ -35,6 +35,7 @@ from .program import Program
 __all__ = ["lower", "LoweredFunction", "place"]
 
 BACKENDS = ("explicit", "gspmd")
+UNUSED_RULES = ("allow", "error")
 PARAM_GATHER = tuple(POLICIES)
 
 
@@ -52,7 +53,8 @@ class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
-                 schedule: str = "gpipe", repeats: int = 1, planner: bool = True, attention: str | None = None):
+                 schedule: str = "gpipe", repeats: int = 1, planner: bool = True, attention: str | None = None,
+                 unused_rules: str = "allow"):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -78,9 +80,12 @@ class LoweredFunction:
         if attention is not None and attention not in ATTENTION:
             raise MeshDSLError(f"md.lower: attention must be one of {ATTENTION} (or None: the planner "
                                f"chooses), got {attention!r}{suggest(str(attention), ATTENTION)}")
+        if unused_rules not in UNUSED_RULES:
+            raise MeshDSLError(f"md.lower: unused_rules must be one of {UNUSED_RULES}, got {unused_rules!r}"
+                               f"{suggest(str(unused_rules), UNUSED_RULES)}")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
-        self.attention = attention
+        self.attention, self.unused_rules = attention, unused_rules
         self.backend, self.param_gather, self.schedule, self.repeats = backend, param_gather, schedule, repeats
         self.planner = bool(planner)
         self._programs: dict = {}  # input signature -> Program
@@ -152,7 +157,7 @@ class LoweredFunction:
 
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
           schedule: str = "gpipe", repeats: int = 1, planner: bool = True,
-          attention: str | None = None) -> LoweredFunction:
+          attention: str | None = None, unused_rules: str = "allow") -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -175,8 +180,14 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     ``attention``: how ``md.attention`` reaches keys split like its queries (context parallelism,
     :mod:`meshdsl.ops.attention`): ``"gather"``, ``"ring"`` or ``"ulysses"``; None (default): the
     planner's choice by bytes.
+
+    ``unused_rules``: a rule (compute or ``params=``) for a dim the program never has is allowed
+    (``"allow"``, default: one layout shared by several programs), unless it looks like a typo of
+    one of its dims; ``"error"``: every rule must match a dim of the program (a LayoutError
+    listing its dims), e.g. ``heads: model`` on a model whose attention dim is ``kv_heads``.
     """
-    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner, attention)
+    return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner, attention,
+                           unused_rules)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

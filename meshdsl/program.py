@@ -159,7 +159,7 @@ class Program:
             with ctx.at("output", "return value"):
                 results, self.out_axes = self._explicit_outputs(ctx, out)
                 out_specs[:] = [to_spec(axes) for axes in self.out_axes]
-            _check_unused_rules(owner.layout, ctx.dims_seen)
+            _check_unused_rules(owner.layout, ctx.dims_seen, strict=owner.unused_rules == "error")
         ctx.rec.tracing = False
         policy.finish()
         return results
@@ -206,7 +206,7 @@ class Program:
                     results.append(jnp.asarray(leaf))
                     self.out_templates.append(None)
                     self.out_axes.append(())
-            _check_unused_rules(owner.layout, ctx.dims_seen)
+            _check_unused_rules(owner.layout, ctx.dims_seen, strict=owner.unused_rules == "error")
         return results
 
     def rebuild(self, arrays):
@@ -223,15 +223,22 @@ def _aval(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
-def _check_unused_rules(layout: Layout, seen: set) -> None:
+def _check_unused_rules(layout: Layout, seen: set, strict: bool = False) -> None:
     """A rule for a dim the program never has is fine (a shared layout), unless it looks like a
-    typo of a dim the program has and the layout does not place: it would be silently ignored."""
+    typo of a dim the program has and the layout does not place: it would be silently ignored.
+    ``strict`` (``md.lower(..., unused_rules="error")``): every rule must match a dim of the program."""
     unplaced = seen - layout.dim_names()
     for dim in sorted(layout.dim_names() - seen):
         hint = suggest(dim, unplaced, cutoff=0.8)
         if hint:
             raise LayoutError(f"layout rule for {dim!r} matches no dim of the program{hint}; "
                               f"fix the dim name in the layout")
+        if strict:
+            kind = "layout rule" if dim in layout.rules else "params rule"
+            dims = ", ".join(sorted(d for d in seen if not d.endswith("_")))   # (a trailing _: an op's own)
+            raise LayoutError(f"{kind} for {dim!r} matches no dim of the program (its dims: {dims})"
+                              f"{suggest(dim, seen)}; drop the rule or name one of these dims "
+                              f"(md.lower(..., unused_rules='error'))")
 
 
 def _moved(closed, ctx) -> float:

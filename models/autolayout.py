@@ -8,7 +8,8 @@ given; the dims placed are the model's parallel ones (batch, heads, d_ff, vocab,
 and group for MoE; kv_heads for Llama), with ZeRO-3 storage tried for each. The time model runs on ``--hardware``
 (``measure``: constants fitted on the devices at hand, a few seconds) and candidates over
 ``--memory-budget`` are rejected. The ranking is printed; the run takes the best, and records its
-mesh and layout (``run.json``), so ``--resume`` continues with the same choice.
+mesh and layout (``run.json``), so ``--resume`` continues with the same choice
+(:func:`choose_for_run` writes them into the CLI's options).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from rich.console import Console
 from rich.table import Table
 
 import meshdsl as md
+from meshdsl.models.faults import UsageError
 from meshdsl.models.family import model_class, objective
 from meshdsl.models.loss import t5_loss
 from meshdsl.units import fmt_bytes
 
-__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "step_of"]
+__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "choose_for_run", "rules_text", "step_of"]
 
 DEFAULT_MESH = "data:-1"
 REMAT_CHOICES = ("none", "dots", "full")   # what --remat auto chooses among
@@ -70,6 +72,30 @@ def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length
     _print(result, say)
     best = result.best
     return best.mesh, best.layout, best.lower_kwargs, best.choices.get("remat", remat), result
+
+
+def choose_for_run(args, config, enc_len: int, dec_len: int, say) -> None:
+    """``--layout auto``: the mesh, layout and param_gather md.search ranks first, written into
+    ``args`` (so run.json records the choice and --resume keeps it)."""
+    if args.params_layout:
+        raise UsageError("--layout auto chooses the parameters' storage too: drop --params-layout")
+    try:
+        mesh, layout, kwargs, args.remat, _ = choose(
+            config, mesh=args.mesh, batch=args.batch // args.accum, encoder_length=enc_len, decoder_length=dec_len,
+            remat=args.remat, hardware=args.hardware, memory_budget=args.memory_budget, say=say)
+    except (md.MeshDSLError, ValueError) as e:
+        raise UsageError(f"--layout auto: {str(e).splitlines()[0]}") from e
+    args.mesh = ",".join(f"{axis}:{size}" for axis, size in mesh.shape.items())
+    args.layout = rules_text(layout.rules)
+    args.params_layout = rules_text(layout.param_rules) or None
+    args.param_gather = kwargs.get("param_gather", args.param_gather)
+    say(f"layout     auto: mesh {args.mesh}, layout {args.layout}"
+        + (f", parameters stored {args.params_layout}" if args.params_layout else "") + f", remat {args.remat}")
+
+
+def rules_text(rules) -> str:
+    """``dim:axis+axis;...``, as --layout reads it."""
+    return ";".join(f"{d}:{'+'.join(a)}" for d, a in rules.items() if a)
 
 
 def _print(result, say) -> None:

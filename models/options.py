@@ -1,5 +1,7 @@
 """The training CLI's options (``python -m meshdsl.models.train``): the parser, the value types
-(checked at parse time, the same for a ``--config`` file), ``--override`` pairs."""
+(checked at parse time, the same for a ``--config`` file), ``--override`` pairs, and the defaults
+that depend on the model's family: a decoder-only model (``llama-*``) trains ``--task lm`` with
+AdamW (:data:`meshdsl.models.optim.ADAMW`), T5 / MoE-T5 span corruption with Adafactor."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import sys
 from meshdsl.models import runrecord
 from meshdsl.models.configs import MODELS
 from meshdsl.models.faults import UsageError
+from meshdsl.models.optim import DEFAULT_OPTIMIZER, family_of
 
 __all__ = ["build_parser", "parse_args", "overrides", "DEFAULT_STEPS", "DEFAULT_CKPT_EVERY"]
 
 DEFAULT_STEPS = 300
 DEFAULT_CKPT_EVERY = 100
+ATTENTION = ("auto", "gather", "ring", "ulysses")   # --attention: auto, or one of md.attention's strategies
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -103,13 +107,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--config", dest="config_file", default=None, metavar="FILE",
       help="YAML or JSON file of options (the keys of a run's run.json); flags given here win")
     a("--model", default="t5-tiny", choices=sorted(MODELS), metavar="MODEL",
-      help=f"one of: {', '.join(sorted(MODELS))} (llama-*: decoder-only, --task lm)")
+      help=f"one of: {', '.join(sorted(MODELS))} (t5-*: T5; moe-t5-*, switch-*: MoE-T5; llama-*: the "
+           "decoder-only Llama, trained with --task lm and AdamW by default)")
     a("--override", action="append", default=[], metavar="KEY=VALUE",
       help="change the model config, e.g. d_model=32,d_ff=64 (repeatable)")
     a("--mesh", default="data:-1", help="mesh axes, e.g. data:2,model:4 (-1: the remaining devices)")
     a("--layout", default=None,
-      help="dim:axis rules; default batch:data (+ group:data;experts:data for MoE); auto: md.search ranks the "
-           "layouts of the training step (over the device count, or the --mesh given) and the run takes the best")
+      help="dim:axis rules, each naming a dim of the model (Megatron: heads:model;d_ff:model;vocab:model on T5, "
+           "kv_heads:model;d_ff:model;vocab:model on Llama; context parallelism: length:ctx, the attention's own "
+           "seq:ctx;kv_seq:ctx too to split its positions everywhere); default batch:data (+ "
+           "group:data;experts:data for MoE); auto: md.search ranks the layouts of the training step (over the "
+           "device count, or the --mesh given) and the run takes the best")
     a("--memory-budget", default=None, metavar="SIZE",
       help="--layout auto: bytes per device a layout may use, e.g. 12GiB (default: the --hardware's memory)")
     a("--hardware", default="measure", metavar="NAME",
@@ -127,6 +135,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
            "--microbatches >= S when R > 1 and layers divisible by S x R). T5's encoder stack is always gpipe")
     a("--repeats", type=POSITIVE, default=1, metavar="R",
       help="--schedule circular: chunks of the decoder stack per pipeline stage (1: the layers in GPipe's order)")
+    a("--attention", default="auto", choices=ATTENTION,
+      help="md.attention's context parallelism where the layout splits the attention's positions (e.g. "
+           "length:ctx;seq:ctx;kv_seq:ctx): gather (keys and values all-gathered), ring (rotated by ppermute, one "
+           "chunk per device at a time), ulysses (all-to-alls move the split to the heads), auto: the planner's "
+           "choice by bytes")
     a("--task", default="span_corruption", choices=("span_corruption", "lm"),
       help="lm: the decoder learns to continue text (T5's encoder sees one EOS token); decoder-only models "
            "(llama-*) train with lm, their default")
@@ -137,10 +150,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--decoder-length", type=POSITIVE, default=None,
       help="default: span corruption's targets length for --encoder-length (29 for 128); lm: 64")
     a("--optimizer", default="adafactor", choices=("adafactor", "adamw"),
-      help="adafactor: T5's (rsqrt schedule); adamw: clipping, warmup, cosine decay")
+      help="adafactor: T5's (rsqrt schedule), the default of T5 / MoE-T5; adamw: clipping at 1.0, linear warmup, "
+           "cosine decay to 10%% of --lr, the default of llama-*, with Llama's b1 0.9, b2 0.95, weight decay 0.1 "
+           "(T5's: b2 0.98, weight decay 0.01) (default: %(default)s; adamw for llama-*)")
     a("--lr", type=_positive_float, default=None, help="peak learning rate (adafactor 1e-2, adamw 1e-3)")
     a("--warmup", type=NATURAL, default=None,
-      help="warmup steps (adafactor: 10000, T5's; adamw: 5%% of --steps)")
+      help="warmup steps (adafactor: 10000, T5's; adamw: 5%% of --steps, for Llama at most 2000, Llama 2's)")
     a("--decay", default="cosine", choices=("cosine", "rsqrt"), help="adamw's decay after warmup")
     a("--accum", type=POSITIVE, default=1, help="gradient accumulation: microbatches per step")
     a("--remat", type=_remat, default="none",
@@ -173,8 +188,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--ckpt-every", type=_TYPES["ckpt_every"], default=DEFAULT_CKPT_EVERY,
       help="checkpoint every N steps, and at the end and on SIGTERM/Ctrl-C (0: only then; -1: never)")
     a("--keep", type=POSITIVE, default=3, help="checkpoints kept (the newest N)")
-    a("--log-every", type=POSITIVE, default=10, help="metrics every N steps (tokens/s counts encoder + decoder "
-      "positions, padding included)")
+    a("--log-every", type=POSITIVE, default=10, help="metrics every N steps (tokens/s counts the positions of each "
+      "stack, T5's encoder + decoder, padding included)")
     a("--profile-steps", type=_step_range, default=None, metavar="FIRST:LAST",
       help="write a jax profiler trace of these steps to <out>/profile (TensorBoard's profile plugin, Perfetto)")
     a("--export-hf", default=None, metavar="DIR",
@@ -199,18 +214,23 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     """The CLI's options: the command line over a ``--config`` file over the defaults, checked."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = _given(argv, description)   # the options on the command line
     if args.config_file:
-        parser.set_defaults(**_checked(runrecord.config_file_defaults(args.config_file, parser),
-                                       f"--config {args.config_file}"))
+        values = _checked(runrecord.config_file_defaults(args.config_file, parser), f"--config {args.config_file}")
+        chosen |= set(values)
+        parser.set_defaults(**values)
         args = parser.parse_args(argv)
         if args.model not in MODELS:
             raise UsageError(f"--config {args.config_file}: unknown model {args.model!r}; one of "
                              f"{', '.join(sorted(MODELS))}")
     elif args.eval_only:  # the run's data, unless the command line says otherwise
         out = args.out or os.path.join("runs", args.model)
-        parser.set_defaults(**_checked(runrecord.data_defaults(out), os.path.join(out, "run.json")))
+        values = _checked(runrecord.data_defaults(out), os.path.join(out, "run.json"))
+        chosen |= set(values)
+        parser.set_defaults(**values)
         args = parser.parse_args(argv)
-    _decoder_only_task(args, parser, sys.argv[1:] if argv is None else argv)
+    _family_defaults(args, chosen)
     if args.resume_from is not None:
         args.resume = True
     if args.eval_only and args.resume:
@@ -218,16 +238,26 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     return args
 
 
-def _decoder_only_task(args, parser, argv) -> None:
-    """A decoder-only model (Llama) learns ``--task lm``: its default; span corruption is refused."""
-    if not getattr(MODELS[args.model], "decoder_only", False) or args.task != "span_corruption":
+def _family_defaults(args, chosen: set) -> None:
+    """The model family's defaults for the options not ``chosen`` (on the command line or in a
+    file): a decoder-only model (Llama) learns ``--task lm`` (span corruption is refused) with AdamW."""
+    if not getattr(MODELS[args.model], "decoder_only", False):
         return
-    given = (any(a == "--task" or a.startswith("--task=") for a in argv)
-             or parser.get_default("task") != "span_corruption")     # on the command line, or in --config
-    if given:
-        raise UsageError(f"--model {args.model} is decoder-only: it trains with --task lm (next-token prediction), "
-                         "not span_corruption (an encoder-decoder task)")
-    args.task = "lm"
+    if args.task == "span_corruption":
+        if "task" in chosen:
+            raise UsageError(f"--model {args.model} is decoder-only: it trains with --task lm (next-token prediction, "
+                             "its default), not span_corruption (an encoder-decoder task): pass --task lm or leave "
+                             "--task out")
+        args.task = "lm"
+    if "optimizer" not in chosen:
+        args.optimizer = DEFAULT_OPTIMIZER[family_of(MODELS[args.model])]
+
+
+def _given(argv, description: str) -> set[str]:
+    """The options the command line gives (parsed again with every default None)."""
+    parser = build_parser(description)
+    parser.set_defaults(**{a.dest: None for a in parser._actions})
+    return {dest for dest, value in vars(parser.parse_args(argv)).items() if value is not None}
 
 
 def _checked(values: dict, source: str) -> dict:

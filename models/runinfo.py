@@ -11,16 +11,20 @@ __all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths"]
 def summary(args, config, mesh, layout, enc_len: int, dec_len: int, baseline: dict) -> str:
     import jax
 
-    from meshdsl.models.family import describe
+    from meshdsl.models.family import describe, is_decoder_only
 
+    if is_decoder_only(config):   # one stack: no encoder
+        data = f"{args.task} (next-token prediction), batch {args.batch} x {dec_len} tokens"
+    else:
+        data = f"{args.task}, batch {args.batch} x (encoder {enc_len}, decoder {dec_len})"
+    attention = "" if getattr(args, "attention", "auto") == "auto" else f", attention={args.attention}"
     return "\n".join([
         f"model      {describe(config)}",
         f"mesh       {mesh} over {len(jax.devices())} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)",
-        f"layout     {layout}  (param_gather={args.param_gather}, remat={args.remat}, compute {args.dtype}, "
+        f"layout     {layout}  (param_gather={args.param_gather}, remat={args.remat}{attention}, compute {args.dtype}, "
         f"parameters {args.param_dtype})",
-        f"data       {args.task}, batch {args.batch} x (encoder {enc_len}, decoder {dec_len}), accum {args.accum}"
-        f"; optimizer {args.optimizer}",
+        f"data       {data}, accum {args.accum}; optimizer {args.optimizer}",
         f"baseline   validation split: unigram entropy {baseline['unigram_entropy']:.3f} nats/token, a unigram "
         f"model fitted on train scores {baseline['unigram_cross_entropy']:.3f};",
         f"           on the validation targets ({args.task}) the unigram entropy is "

@@ -1,10 +1,12 @@
 """A run's record, ``run.json``: what was trained, checked again on ``--resume``, and ``--config`` files.
 
-``run.json`` holds the CLI's options, the resolved model config, mesh and layout, the optimizer's
-resolved learning rate and warmup, and the data baselines. A resume must train the same run: if the
-model, optimizer, schedule, batch, data or seed differ, it is refused with the list of differences
-(``--allow-changes`` accepts them; they are then recorded under ``"history"`` and become the run's).
-Mesh, layout, rematerialisation and logging may change freely: a checkpoint restores on any layout.
+``run.json`` holds the CLI's options (``--attention`` among them), the resolved model config, mesh
+and layout, the optimizer's resolved learning rate, warmup and (AdamW) moments and weight decay -
+the model family's defaults, :mod:`meshdsl.models.optim` - and the data baselines. A resume must
+train the same run: if the model, optimizer, schedule, batch, data or seed differ, it is refused
+with the list of differences (``--allow-changes`` accepts them; they are then recorded under
+``"history"`` and become the run's). Mesh, layout, ``--attention`` (how, not what, attention
+computes), rematerialisation and logging may change freely: a checkpoint restores on any layout.
 
 ``--config FILE`` (YAML or JSON) gives the same keys as ``run.json`` (any subset); flags on the
 command line win over the file.
@@ -16,13 +18,15 @@ import json
 import os
 import time
 
+from meshdsl.models.configs import config_from_dict
 from meshdsl.models.faults import UsageError
+from meshdsl.models.optim import ADAMW, family_of
 
 __all__ = ["CHECKED", "DATA", "run_identity", "differences", "read_run", "write_run", "read_config_file",
            "config_file_defaults", "data_defaults"]
 
 #: what a resume must keep (keys of :func:`run_identity`)
-CHECKED = ("config", "optimizer", "lr", "warmup", "decay", "steps", "batch", "accum", "seed", "task",
+CHECKED = ("config", "optimizer", "optimizer_args", "lr", "warmup", "decay", "steps", "batch", "accum", "seed", "task",
            "encoder_length", "decoder_length", "text_files", "dtype", "param_dtype")
 #: the options that choose a run's examples (``--eval-only`` takes them from run.json)
 DATA = ("task", "batch", "encoder_length", "decoder_length", "text_files", "seed")
@@ -34,6 +38,7 @@ RECORD_ONLY = {"config", "identity", "history", "unigram_entropy", "unigram_cros
 def run_identity(args, config, lr: float, warmup: int, enc_len: int, dec_len: int) -> dict:
     """The values that define a run's trajectory (what :data:`CHECKED` compares)."""
     return {"config": {k: v for k, v in config.__dict__.items() if k != "name"}, "optimizer": args.optimizer,
+            "optimizer_args": ADAMW[family_of(config)] if args.optimizer == "adamw" else {},
             "lr": float(lr), "warmup": int(warmup), "decay": args.decay, "steps": args.steps, "batch": args.batch,
             "accum": args.accum, "seed": args.seed, "task": args.task, "encoder_length": enc_len,
             "decoder_length": dec_len,
@@ -49,11 +54,22 @@ def differences(stored: dict, current: dict) -> list[str]:
             continue
         old, new = stored.get(key), current.get(key)
         if key == "config" and isinstance(old, dict) and isinstance(new, dict):
+            old = _with_defaults(old)
             out += [f"model {k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                     if k != "name" and _norm(old.get(k)) != _norm(new.get(k))]
         elif _norm(old) != _norm(new):
             out.append(f"{key}: {old!r} -> {new!r}")
     return out
+
+
+def _with_defaults(config: dict) -> dict:
+    """A recorded model config with the fields a newer meshdsl added (absent from an older
+    run.json) at their defaults: the values the run trained with."""
+    try:
+        full = config_from_dict(config).__dict__
+    except TypeError:   # a field this meshdsl no longer has: compared as recorded
+        return config
+    return {**full, **config}
 
 
 def _norm(v):
@@ -137,4 +153,7 @@ def data_defaults(out: str) -> dict:
     the resolved ones (``text_files`` absolute, the lengths filled in)."""
     stored = read_run(out) or {}
     identity = stored.get("identity", {})
-    return {key: identity.get(key, stored.get(key)) for key in DATA if key in identity or key in stored}
+    values = {key: identity.get(key, stored.get(key)) for key in DATA if key in identity or key in stored}
+    if values.get("task") == "lm":   # its encoder (T5's; Llama has none) sees one token: not an option's value
+        values.pop("encoder_length", None)
+    return values

@@ -1,14 +1,20 @@
-"""Train T5 / MoE-T5 with meshdsl: ``python -m meshdsl.models.train``.
+"""Train T5, MoE-T5 (Switch) or the decoder-only Llama with meshdsl: ``python -m meshdsl.models.train``.
 
-With no arguments it trains ``t5-tiny`` with T5 span corruption on the King James Bible, data
-parallel over all local devices (8 virtual CPU devices on a CPU-only machine), and writes under
-``--out`` (default ``runs/<model>``): ``metrics.jsonl``, ``loss.png``, ``run.json`` and orbax
-``checkpoints/``. Parallelism is two strings::
+With no arguments it trains ``t5-tiny`` with T5 span corruption (Adafactor, T5's schedule) on the
+King James Bible, data parallel over all local devices (8 virtual CPU devices on a CPU-only
+machine), and writes under ``--out`` (default ``runs/<model>``): ``metrics.jsonl``, ``loss.png``,
+``run.json`` and orbax ``checkpoints/``. ``--model llama-tiny`` (or ``llama-2-7b`` ...) trains the
+decoder-only Llama on next-token prediction (``--task lm``) with AdamW (b1 0.9, b2 0.95, weight
+decay 0.1, warmup 5% of the run up to 2000 steps, cosine decay). Parallelism is two strings::
 
-    --mesh data:2,model:4 --layout "batch:data;heads:model;d_ff:model;vocab:model"   # Megatron
+    --mesh data:2,model:4 --layout "batch:data;heads:model;d_ff:model;vocab:model"   # Megatron (T5)
+    --mesh data:2,model:4 --layout "batch:data;kv_heads:model;d_ff:model;vocab:model"  # (Llama)
     --params-layout d_model:data                                                    # + ZeRO-3
     --model moe-t5-tiny            # default layout adds group:data;experts:data (expert parallel)
+    --mesh data:2,ctx:4 --layout "batch:data;length:ctx;seq:ctx;kv_seq:ctx" --attention ring  # context
 
+Every rule must name a dim of the model (its parameters', its batch's or one it computes with):
+a rule that shards nothing is a one-line error listing the model's dims, before anything compiles.
 At start it prints the model, its parameter count, the mesh, the layout and ``md.explain``'s
 communication of one training step (bytes per device by collective kind), then the compiled
 step's own count. ``--resume`` continues from the latest checkpoint, bit-identically, on any mesh
@@ -78,31 +84,15 @@ def _default_layout(config, mesh) -> str:
     return f"batch:{axis}" + (f";group:{axis};experts:{axis}" if config.is_moe else "")
 
 
-def _auto_layout(args, config, enc_len, dec_len, say) -> None:
-    """``--layout auto``: the mesh, layout and param_gather md.search ranks first, written into
-    ``args`` (so run.json records the choice and --resume keeps it)."""
-    from meshdsl.errors import MeshDSLError
-    from meshdsl.models import autolayout
+def _check_rules(trainer, args, enc_len: int, dec_len: int) -> None:
+    """A --layout or --params-layout rule that names no dim of the model: one line, before compiling."""
+    from meshdsl.models.autolayout import abstract_batch
+    from meshdsl.models.family import is_decoder_only
 
-    if args.params_layout:
-        raise UsageError("--layout auto chooses the parameters' storage too: drop --params-layout")
-    try:
-        mesh, layout, kwargs, args.remat, _ = autolayout.choose(
-            config, mesh=args.mesh, batch=args.batch // args.accum, encoder_length=enc_len, decoder_length=dec_len,
-            remat=args.remat, hardware=args.hardware, memory_budget=args.memory_budget, say=say)
-    except (MeshDSLError, ValueError) as e:
-        raise UsageError(f"--layout auto: {str(e).splitlines()[0]}") from e
-    args.mesh = ",".join(f"{axis}:{size}" for axis, size in mesh.shape.items())
-    args.layout = _rules_text(layout.rules)
-    args.params_layout = _rules_text(layout.param_rules) or None
-    args.param_gather = kwargs.get("param_gather", args.param_gather)
-    say(f"layout     auto: mesh {args.mesh}, layout {args.layout}"
-        + (f", parameters stored {args.params_layout}" if args.params_layout else "") + f", remat {args.remat}")
-
-
-def _rules_text(rules) -> str:
-    """``dim:axis+axis;...``, as --layout reads it."""
-    return ";".join(f"{d}:{'+'.join(a)}" for d, a in rules.items() if a)
+    batch = abstract_batch(args.batch // args.accum, enc_len, dec_len)
+    if is_decoder_only(trainer.config):
+        batch.pop("encoder_input_tokens")
+    trainer.check_layout(batch, ("--layout rule", "--params-layout rule"))
 
 
 def main(argv=None) -> dict:
@@ -137,7 +127,7 @@ def _run(args) -> dict:
     from meshdsl.models.checkpoint import Checkpoints, latest_step, state_bytes
     from meshdsl.models.configs import get_config
     from meshdsl.models.data import random_spans_helper
-    from meshdsl.models.optim import DEFAULT_LR, default_warmup, make_optimizer
+    from meshdsl.models.optim import DEFAULT_LR, default_warmup, family_of, make_optimizer
     from meshdsl.models.trainer import Feed, Trainer, host_metrics
 
     t_start = time.perf_counter()
@@ -171,7 +161,8 @@ def _run(args) -> dict:
                          f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
     enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
     if args.layout == "auto":
-        _auto_layout(args, config, enc_len, dec_len, say)
+        from meshdsl.models import autolayout
+        autolayout.choose_for_run(args, config, enc_len, dec_len, say)
     elif args.remat == "auto":
         raise UsageError("--remat auto is chosen with the layout: add --layout auto, or name a policy "
                          "(none, dots, full, ...)")
@@ -187,7 +178,8 @@ def _run(args) -> dict:
     except ValueError as e:
         raise UsageError(str(e)) from e
     lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
-    warmup = default_warmup(args.optimizer, args.steps) if args.warmup is None else args.warmup
+    family = family_of(config)
+    warmup = default_warmup(args.optimizer, args.steps, family) if args.warmup is None else args.warmup
     identity = runrecord.run_identity(args, config, lr, warmup, enc_len, dec_len)
     record = {**vars(args), "config": config.__dict__, "identity": identity, "history": []}
     if args.resume or args.eval_only:
@@ -207,11 +199,13 @@ def _run(args) -> dict:
         elif stored:
             record = stored  # --eval-only never rewrites run.json
 
-    tx, schedule = make_optimizer(args.optimizer, lr, warmup, args.steps, args.decay)
+    tx, schedule = make_optimizer(args.optimizer, lr, warmup, args.steps, args.decay, family=family)
     trainer = Trainer(config, mesh, layout, tx, schedule, seed=args.seed, accum=args.accum, remat=args.remat,
                       param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype),
                       dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step,
-                      pipeline_schedule=args.schedule, repeats=args.repeats)
+                      pipeline_schedule=args.schedule, repeats=args.repeats,
+                      attention=None if args.attention == "auto" else args.attention)
+    _check_rules(trainer, args, enc_len, dec_len)
     like = trainer.abstract_state()
     if args.overwrite and not args.resume and not args.eval_only and latest_step(ckpt_dir) is not None:
         if lead:  # only now that every option checked out
@@ -278,6 +272,7 @@ def _evaluate_only(args, trainer, state, val_batches, step: int, out: str, say, 
 def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batches, out, t_start, say) -> dict:
     from meshdsl.models import runinfo, runrecord
     from meshdsl.models.faults import Preemption
+    from meshdsl.models.family import is_decoder_only
     from meshdsl.models.progress import MetricsLog, ProgressBar, plot_losses
     from meshdsl.models.runloop import loop
     from meshdsl.models.trainer import Feed
@@ -294,7 +289,10 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
     say(runinfo.summary(args, trainer.config, trainer.mesh, trainer.layout, enc_len, dec_len, baseline))
     first = next(feed)
     if not args.no_explain:
-        say(runinfo.explain_text(trainer.explain(state, first), args.accum))
+        report = trainer.explain(state, first)
+        say(runinfo.explain_text(report, args.accum))
+        for note in _attention_notes(report, args.attention):
+            say(note)
     t0 = time.perf_counter()
     compiled = trainer.compile(state, first)
     say(f"compiled   one step in {time.perf_counter() - t0:.1f}s; {runinfo.hlo_text(compiled)}")
@@ -309,7 +307,8 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
     try:
         with Preemption(notify=bar.print) as stop:
             state, records, stopped = loop(args, trainer, state, feed, first, val_batches, start,
-                                           enc_len + dec_len, log, bar, ckpts, stop, out, vocab)
+                                           dec_len + (0 if is_decoder_only(trainer.config) else enc_len), log,
+                                           bar, ckpts, stop, out, vocab)
         ckpts.wait()
     finally:
         bar.close()
@@ -336,6 +335,15 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
         say(f"exported   the model as a Hugging Face directory: {args.export_hf}")
     return {"records": records, "state": state, "trainer": trainer, "out": out, "baseline": baseline,
             "wall_s": wall, "stopped": stopped}
+
+
+def _attention_notes(report, forced: str) -> list[str]:
+    """A line when --attention names a strategy that an md.attention of the step does not run."""
+    missed = [a for a in report.attention if forced != "auto" and a["strategy"] != forced]
+    if not missed:
+        return []
+    return [f"attention  --attention {forced}: {missed[0]['op']} runs {missed[0]['strategy']} (its keys' and queries' "
+            "positions are not split alike: split them over a mesh axis, e.g. length:ctx;seq:ctx;kv_seq:ctx)"]
 
 
 def cli(argv=None) -> int:

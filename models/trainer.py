@@ -17,6 +17,12 @@ step is one ``jax.jit`` with the state donated:
 
 Batches are dicts of global arrays ``[accum, batch / accum, length]`` (see :class:`Feed`); the
 ``accum`` microbatches interleave the rows so every device holds its share of each microbatch.
+
+Every rule of the layout must name a dim the model computes with: the training and evaluation
+programs are lowered with ``unused_rules="error"``, and :meth:`Trainer.check_layout` says so before
+anything compiles, naming the model and its dims (``heads: model`` on Llama, whose attention dim is
+``kv_heads``, would otherwise shard nothing). ``attention`` forces ``md.attention``'s context
+parallelism strategy (``md.lower(..., attention=)``; None: the planner's choice).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
+from meshdsl.errors import suggest
 from meshdsl.models import checkpoint
 from meshdsl.models.data import make_dataset
 from meshdsl.models.family import model_class, objective
@@ -51,7 +58,7 @@ class Trainer:
     def __init__(self, config, mesh: md.Mesh, layout: md.Layout, tx: optax.GradientTransformation, schedule, *,
                  seed: int = 0, accum: int = 1, remat: str = "none", param_gather: str = "keep",
                  param_dtype=jnp.float32, dtype=jnp.float32, debug_nan_at_step: int | None = None,
-                 pipeline_schedule: str = "gpipe", repeats: int = 1):
+                 pipeline_schedule: str = "gpipe", repeats: int = 1, attention: str | None = None):
         self.config, self.mesh, self.layout = config, mesh, layout
         self.tx, self.schedule, self.seed, self.accum, self.remat = tx, schedule, seed, accum, remat
         self.debug_nan_at_step = debug_nan_at_step
@@ -62,14 +69,15 @@ class Trainer:
         self._build = md.lower(lambda key: build(config, rngs=nnx.Rngs(params=key), param_dtype=param_dtype,
                                                  dtype=dtype), mesh, layout)
         abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(params=0), param_dtype=param_dtype, dtype=dtype))
-        self.graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+        self.graphdef, self._abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree_util.tree_leaves(rest):
             raise ValueError(f"{config.name} holds state besides parameters ({rest}); the trainer keeps only nnx.Param")
         # pipeline_schedule: how a layout that splits 'layers' pipelines the stacks (md.lower's schedule);
-        # repeats: the circular schedule's chunks per stage (md.lower's repeats)
-        self.grad_fn = md.lower(self._loss_and_grads, mesh, layout, param_gather=param_gather,
-                                schedule=pipeline_schedule, repeats=repeats)
-        self.eval_fn = md.lower(self._eval_metrics, mesh, layout, schedule=pipeline_schedule, repeats=repeats)
+        # repeats: the circular schedule's chunks per stage (md.lower's repeats); attention: md.attention's
+        # context parallelism strategy (md.lower's attention); a rule for a dim the model lacks is an error
+        strict = dict(schedule=pipeline_schedule, repeats=repeats, attention=attention, unused_rules="error")
+        self.grad_fn = md.lower(self._loss_and_grads, mesh, layout, param_gather=param_gather, **strict)
+        self.eval_fn = md.lower(self._eval_metrics, mesh, layout, **strict)
         self._compiled = self._eval = None
 
     # -- the named programs (run by md.lower) ----------------------------------------------------
@@ -87,6 +95,27 @@ class Trainer:
     def _eval_metrics(self, params, batch):
         loss, metrics = self.objective(self.model(params), batch, train=False)
         return {"total_loss": loss, **metrics}
+
+    # -- the layout's rules -----------------------------------------------------------------------
+
+    def model_dims(self, batch: dict) -> frozenset[str]:
+        """Every dim name the model computes with on ``batch`` (NamedArrays of one microbatch,
+        abstract ones too), its parameters' and the batch's included: what a layout rule may name.
+        One shape-only trace of the evaluation program, unsharded (nothing computed or compiled)."""
+        traced = md.lower(self._eval_metrics, self.mesh, md.Layout({}), planner=False)
+        _, ctx, _ = traced.trace(self._abstract_params, batch)
+        return frozenset(d for d in ctx.dims_seen if not d.endswith("_"))   # (a trailing _: an op's own dim)
+
+    def check_layout(self, batch: dict, kinds=("layout rule", "params layout rule")) -> None:
+        """LayoutError for a rule of the layout (``kinds[0]``) or of its storage rules
+        (``kinds[1]``) that names no dim of :meth:`model_dims`: it would shard nothing."""
+        dims = None
+        for kind, rules in zip(kinds, (self.layout.rules, self.layout.param_rules)):
+            for dim, axes in rules.items():
+                dims = self.model_dims(batch) if dims is None else dims
+                if dim not in dims:
+                    raise md.LayoutError(f"{kind} {dim!r} matches no dim of {self.config.name} (its dims: "
+                                         f"{', '.join(sorted(dims))}){_rule_hint(dim, axes, dims)}")
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -187,7 +216,18 @@ class Trainer:
         mb = named_batch({n: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for n, a in batches.items()})
         return md.explain(self._loss_and_grads, self.mesh, self.layout, state["params"], mb, jax.random.key(0),
                           param_gather=self.grad_fn.param_gather, schedule=self.grad_fn.schedule,
-                          repeats=self.grad_fn.repeats)
+                          repeats=self.grad_fn.repeats, attention=self.grad_fn.attention)
+
+
+def _rule_hint(dim: str, axes: tuple, dims) -> str:
+    """What to write instead of a rule for ``dim``, a dim the model lacks."""
+    axis = "+".join(axes) or "model"
+    if dim == "heads" and "kv_heads" in dims:
+        return f"; for Megatron on Llama use kv_heads:{axis} (its attention heads are kv_heads x groups)"
+    if dim == "kv_heads" and "heads" in dims:
+        return f"; for Megatron on T5 use heads:{axis}"
+    hint = suggest(dim, dims)
+    return f"{hint}; fix the dim name" if hint else "; drop the rule, or name one of these dims"
 
 
 def _arrays(metrics: dict) -> dict:

@@ -276,6 +276,42 @@ def test_rule_for_a_near_typo_of_a_program_dim_with_the_gspmd_backend():
     assert "did you mean 'd_ff'?" in str(e.value)
 
 
+def test_strict_unused_rules_refuse_a_rule_for_a_dim_the_program_lacks():
+    """unused_rules="error": Megatron's heads:model on a model whose attention dim is kv_heads
+    shards nothing; the error lists the program's dims. By default such a rule is allowed."""
+    def fn(x, w):
+        return md.einsum(x, w, out="batch kv_heads")
+
+    x, w = named("batch d_model", 4, 8), named("d_model kv_heads", 8, 4)
+    layout = md.Layout({"batch": "data", "heads": "model"})
+    assert md.lower(fn, MESH, layout)(x, w).names == ("batch", "kv_heads")   # shared layouts: allowed
+    with raises(md.LayoutError, match=re.escape("layout rule for 'heads' matches no dim of the program (its dims: "
+                                                "batch, d_model, kv_heads)")) as e:
+        md.lower(fn, MESH, layout, unused_rules="error")(x, w)
+    assert "drop the rule or name one of these dims" in str(e.value)
+
+
+def test_strict_unused_rules_refuse_a_params_rule_for_a_dim_the_program_lacks():
+    f = md.lower(identity, MESH, md.Layout({}, params={"experts": "data"}), unused_rules="error")
+    with raises(md.LayoutError, match=re.escape("params rule for 'experts' matches no dim of the program (its "
+                                                "dims: d_model)")):
+        f(md.param(named("d_model", 4)))
+
+
+def test_strict_unused_rules_with_the_gspmd_backend():
+    f = md.lower(identity, MESH, md.Layout({"d_ff": "model"}), backend="gspmd", unused_rules="error")
+    with raises(md.LayoutError, match=re.escape("layout rule for 'd_ff' matches no dim of the program (its dims: "
+                                                "batch)")):
+        f(named("batch", 4))
+
+
+def test_unused_rules_is_allow_or_error():
+    with raises(md.MeshDSLError, match=re.escape("md.lower: unused_rules must be one of ('allow', 'error'), got "
+                                                "'eror'")) as e:
+        md.lower(identity, MESH, md.Layout({}), unused_rules="eror")
+    assert "did you mean 'error'?" in str(e.value)
+
+
 def test_one_dim_mapped_to_the_same_axis_twice():
     with raises(md.LayoutError, match="dim 'batch' maps to mesh axis 'data' twice") as e:
         md.Layout({"batch": ("data", "data")})

@@ -1,8 +1,11 @@
 """The training CLI trains the decoder-only Llama (``--model llama-tiny``, next-token prediction on
 packed windows of the corpus): its loss falls; Megatron over the key/value heads gives the same
-losses as data parallel; your own text files train too; ``python -m meshdsl.models.generate``
-continues a prompt from the run; ``python -m meshdsl.models.export`` writes a directory that
-``transformers`` loads with the same logits; span corruption is refused for a decoder-only model.
+losses as data parallel, and so does context parallelism with ``--attention ring``; your own text
+files train too; ``python -m meshdsl.models.generate`` continues a prompt from the run;
+``python -m meshdsl.models.export`` writes a directory that ``transformers`` loads with the same
+logits; ``--eval-only`` evaluates the run on its own data. A decoder-only model defaults to
+``--task lm`` and AdamW with Llama's recipe, and its summary has no encoder; span corruption, and a
+layout rule for a dim Llama lacks (T5's ``heads``), are one-line errors.
 
 Runs go through ``main(argv)`` in this process (8 virtual CPU devices from conftest).
 """
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl.models.train import main
+from meshdsl.models.train import build_parser, main, parse_args
 
 RUN = ["--model", "llama-tiny", "--batch", "8", "--decoder-length", "32", "--log-every", "1", "--no-explain",
        "--eval-batches", "2", "--eval-every", "0", "--optimizer", "adamw", "--lr", "3e-3", "--warmup", "1"]
@@ -96,3 +99,134 @@ def test_span_corruption_is_refused_for_a_decoder_only_model(tmp_path, capsys):
         main([*RUN, "--task", "span_corruption", "--steps", "1", "--out", str(tmp_path / "bad")])
     assert e.value.code == 2
     assert "decoder-only: it trains with --task lm" in capsys.readouterr().err
+
+
+def test_eval_only_evaluates_the_run_on_its_own_data(run, capsys):
+    result = main(["--eval-only", "--out", str(run["out"]), "--model", "llama-tiny"])
+    assert result["records"][0]["step"] == STEPS and np.isfinite(result["records"][0]["val_loss"])
+    assert "eval       checkpoint step 8: validation loss" in capsys.readouterr().out
+
+
+# -- the options: per-family defaults, --attention, the summary ------------------------------------
+
+
+def test_help_names_every_model_family_and_the_attention_strategies():
+    text = " ".join(build_parser().format_help().split())
+    assert "Train T5, MoE-T5 (Switch) or the decoder-only Llama" in text
+    assert "--attention {auto,gather,ring,ulysses}" in text and "kv_heads:model" in text
+    assert "b2 0.95, weight decay 0.1" in text
+
+
+def test_llama_defaults_to_lm_and_adamw_with_llamas_recipe_and_t5_keeps_adafactor():
+    from meshdsl.models.optim import ADAMW, default_warmup
+    llama, t5 = parse_args(["--model", "llama-tiny"]), parse_args(["--model", "t5-tiny"])
+    assert (llama.task, llama.optimizer, llama.attention) == ("lm", "adamw", "auto")
+    assert (t5.task, t5.optimizer) == ("span_corruption", "adafactor")
+    assert ADAMW["decoder-only"] == {"b1": 0.9, "b2": 0.95, "weight_decay": 0.1}
+    assert default_warmup("adamw", 300, "decoder-only") == 15
+    assert default_warmup("adamw", 10**6, "decoder-only") == 2000      # Llama 2's warmup, not 5 % of the run
+    assert default_warmup("adafactor", 300, "encoder-decoder") == 10_000
+    chosen = parse_args(["--model", "llama-tiny", "--optimizer", "adafactor", "--attention", "ring"])
+    assert (chosen.optimizer, chosen.attention) == ("adafactor", "ring")
+
+
+def test_an_optimizer_in_a_config_file_wins_over_the_family_default(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: llama-tiny\noptimizer: adafactor\n")
+    assert parse_args(["--config", str(config)]).optimizer == "adafactor"
+
+
+def test_an_unknown_attention_strategy_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "llama-tiny", "--attention", "rign"])
+    assert e.value.code == 2
+    assert "argument --attention: invalid choice: 'rign'" in capsys.readouterr().err
+
+
+def test_the_summary_of_a_llama_run_is_decoder_only():
+    from meshdsl.models import runinfo
+    from meshdsl.models.configs import get_config
+    args = parse_args(["--model", "llama-tiny", "--attention", "ring", "--batch", "8"])
+    baseline = {"unigram_entropy": 5.7, "unigram_cross_entropy": 5.9, "target_unigram_entropy": 5.7}
+    text = runinfo.summary(args, get_config("llama-tiny"), md.Mesh.parse("data:8"), md.Layout.parse("batch:data"),
+                           1, 64, baseline)
+    assert "encoder" not in text and "decoder" not in text
+    assert "layers 2" in text and "d_model 64" in text and "heads 4 (2 kv)" in text and "vocab 8192" in text
+    assert "M parameters" in text and "attention=ring" in text
+    assert "lm (next-token prediction), batch 8 x 64 tokens, accum 1; optimizer adamw" in text
+
+
+def test_attention_ring_trains_under_context_parallelism_with_the_data_parallel_losses(run, tmp_path):
+    """--attention ring on data:2 x ctx:4 with the sequence split over ctx (the attention's own dims
+    too): the keys and values rotate by collective-permute, and the losses are data parallel's."""
+    result = main([*RUN, "--steps", "2", "--ckpt-every", "-1", "--eval-batches", "0", "--mesh", "data:2,ctx:4",
+                   "--layout", "batch:data;length:ctx;seq:ctx;kv_seq:ctx", "--attention", "ring",
+                   "--out", str(tmp_path / "ring")])
+    np.testing.assert_allclose(losses(result), losses(run)[:2], rtol=1e-4)
+    assert result["trainer"].grad_fn.attention == "ring"
+    assert "collective-permute" in result["trainer"].compile(None, None).as_text()   # (compiled once: the run's)
+    assert json.loads((tmp_path / "ring" / "run.json").read_text())["attention"] == "ring"
+
+
+# -- layout rules that shard nothing ------------------------------------------------------------------
+
+
+def test_a_layout_rule_for_a_dim_llama_lacks_names_its_dims_and_the_megatron_rule(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--mesh", "data:2,model:4", "--layout", "batch:data;heads:model;d_ff:model", "--steps", "1",
+              "--out", str(tmp_path / "bad")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: --layout rule 'heads' matches no dim of llama-tiny (its dims: batch, d_ff, d_head, "
+                          "d_model, groups, kv_heads, kv_seq, layers, length, seq, targets, vocab); for Megatron on "
+                          "Llama use kv_heads:model")
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_a_params_layout_rule_for_a_dim_llama_lacks_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--params-layout", "d_modl:data", "--steps", "1", "--out", str(tmp_path / "bad")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --params-layout rule 'd_modl' matches no dim of llama-tiny (its dims: ")
+    assert err.endswith("(did you mean 'd_model'?); fix the dim name")
+
+
+def test_the_trainer_lowers_llama_with_every_rule_required_to_match(tmp_path):
+    """Outside the CLI too: the Trainer's programs are lowered with unused_rules="error"."""
+    import jax
+    from meshdsl.models.configs import get_config
+    from meshdsl.models.optim import make_optimizer
+    from meshdsl.models.trainer import Trainer, named_batch
+    tx, schedule = make_optimizer("adamw", family="decoder-only")
+    trainer = Trainer(get_config("llama-tiny"), md.Mesh.parse("data:2,model:4"), md.Layout.parse("heads:model"),
+                      tx, schedule)
+    tokens = jax.ShapeDtypeStruct((8, 16), np.int32)
+    batch = named_batch({"decoder_input_tokens": tokens, "decoder_target_tokens": tokens})
+    with pytest.raises(md.LayoutError, match=r"layout rule for 'heads' matches no dim of the program \(its dims: "
+                                             r"batch, d_ff, d_head, d_model, groups, kv_heads"):
+        trainer.eval_fn.trace(trainer.abstract_state()["params"], batch)
+
+
+def test_a_forced_attention_strategy_that_an_attention_does_not_run_is_noted():
+    """--attention ring with a layout that splits no positions: the attention runs local; the run says
+    so in one line and what to add."""
+    import jax
+    from flax import nnx
+
+    from meshdsl.models import Llama
+    from meshdsl.models.configs import get_config
+    from meshdsl.models.loss import lm_loss
+    from meshdsl.models.train import _attention_notes
+    model = nnx.eval_shape(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)))
+    tokens = md.named(jax.ShapeDtypeStruct((8, 32), np.int32), "batch targets")
+    batch = {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens}
+    def step(model, batch):   # the training step: loss and gradients
+        return nnx.grad(lambda m: lm_loss(m, batch)[0].array)(model)
+    report = md.explain(step, md.Mesh.abstract({"data": 2, "ctx": 4}), md.Layout.parse("batch:data"), model,
+                        batch, attention="ring")
+    assert _attention_notes(report, "auto") == []
+    (note,) = _attention_notes(report, "ring")
+    assert note.startswith("attention  --attention ring: attention at gqa.py:") and " runs local " in note
+    assert note.endswith("split them over a mesh axis, e.g. length:ctx;seq:ctx;kv_seq:ctx)")

@@ -2,7 +2,7 @@
 
 * the same losses under data parallel, Megatron and ZeRO-3 layouts (and MoE: expert vs data parallel);
 * --resume continues bit-identically; a checkpoint restores onto another mesh and layout;
-* metrics.jsonl / loss.png / run.json; CLI errors;
+* metrics.jsonl / loss.png / run.json; CLI errors (a layout rule for a dim T5 lacks among them);
 * two processes x 4 CPU devices (jax.distributed, gloo) train exactly like one process with 8.
 
 Runs go through ``main(argv)`` in this process (8 virtual CPU devices from conftest), except the
@@ -200,6 +200,26 @@ def test_cli_defaults_and_errors(tmp_path, resumed):
         main([*TINY, "--out", resumed[0]["out"]])
     with pytest.raises(SystemExit, match="multiple of 8"):
         train(tmp_path, "accum", "--steps", "1", "--batch", "8", "--accum", "2")
+
+
+def test_a_layout_rule_for_a_dim_t5_lacks_names_its_dims_and_the_megatron_rule(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--out", str(tmp_path / "bad"), "--mesh", "data:2,model:4", "--layout",
+              "batch:data;kv_heads:model"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --layout rule 'kv_heads' matches no dim of t5-tiny (its dims: batch, buckets, d_ff, d_kv, "
+                   "d_model, heads, inputs, kv_seq, layers, length, seq, targets, vocab); for Megatron on T5 use "
+                   "heads:model")
+
+
+def test_a_layout_rule_for_experts_on_a_dense_t5_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--out", str(tmp_path / "bad"), "--layout", "batch:data;experts:data"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --layout rule 'experts' matches no dim of t5-tiny (its dims: batch, buckets, ")
+    assert err.endswith("; drop the rule, or name one of these dims")
 
 
 def _free_port() -> int:

@@ -65,9 +65,11 @@ class StepTime:
         return dataclasses.asdict(self)
 
     def to_markdown(self) -> str:
+        at = "" if self.dtype == "per kernel" else f" at {self.dtype}"
+        launches = f", launches {_fmt_s(self.launch_s)} of {self.kernels} kernels" if self.kernels else ""
         lines = [f"**step** {_fmt_s(self.total_s)} per device on {self.hardware} · compute "
-                 f"{_fmt_s(self.compute_s)} (matmul {_fmt_s(self.matmul_s)} at {self.dtype}, memory "
-                 f"{_fmt_s(self.memory_s)}) · communication {_fmt_s(self.communication_s)} · overlap "
+                 f"{_fmt_s(self.compute_s)} (matmul {_fmt_s(self.matmul_s)}{at}, memory "
+                 f"{_fmt_s(self.memory_s)}{launches}) · communication {_fmt_s(self.communication_s)} · overlap "
                  f"{self.overlap:.0%}", "",
                  "| kind | axes | link | count | bytes/device | latency | transfer | time |",
                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]

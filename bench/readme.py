@@ -12,7 +12,7 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-ORDER = ("communication", "step_time", "compile_time", "memory", "search_rank", "search_configs", "search_speed",
+ORDER = ("gpu", "communication", "step_time", "compile_time", "memory", "search_rank", "search_configs", "search_speed",
          "pipeline", "schedules")
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 

@@ -27,7 +27,7 @@ from .lower import lower
 from .named import is_named
 from .planner.plan import decisions
 from .step_time import StepTime, predict
-from .units import fmt_bytes, fmt_flops
+from .units import fmt_bytes, fmt_flops, fmt_seconds
 
 __all__ = ["explain", "Report", "ROW_HEAD", "row_cells"]
 
@@ -82,8 +82,10 @@ class Report:
         """Where the planner weighed candidates (:mod:`meshdsl.planner`): per op, the placement
         chosen (``chosen``: where its operands enter, which candidate of the rule's own), the bytes
         of the whole plan, and the next-best candidate with the plan's bytes had that op taken it
-        (``next``, ``next_bytes``); ``followed`` is False where the rules' own choices moved fewer
-        bytes when traced, and ran instead."""
+        (``next``, ``next_bytes``); under the time objective also the plan's predicted seconds
+        (communication and compute) with each (``seconds``, ``next_seconds``); ``followed`` is
+        False where the rules' own choices moved fewer bytes when traced (the bytes objective),
+        and ran instead."""
         return [dict(d) for d in self.plan_decisions]
 
     def time(self, hardware, *, overlap: float = 0.0, dtype: str = "bfloat16") -> StepTime:
@@ -135,13 +137,22 @@ class Report:
             lines += ["", "| " + " | ".join(ROW_HEAD) + " |", "|" + " --- |" * len(ROW_HEAD)]
             lines += ["| " + " | ".join(row_cells(r)) + " |" for r in self.collectives]
         if self.plan_decisions:
-            lines += ["", "| decision | chosen | plan bytes | next best | its plan bytes |", "| --- | --- | ---: | --- | ---: |"]
-            lines += [f"| {d['op']} | {d['chosen']} | {fmt_bytes(d['bytes'])} | {d['next']} | {fmt_bytes(d['next_bytes'])} |"
-                      for d in self.plan_decisions]
+            lines += [""] + _decision_rows(self.plan_decisions)
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.to_markdown()
+
+
+def _decision_rows(rows) -> list:
+    """The decisions' markdown table (with the plans' predicted times under the time objective)."""
+    timed = "seconds" in rows[0]
+    time_of = (lambda seconds: f" {fmt_seconds(seconds)} |") if timed else (lambda seconds: "")
+    head = ["| decision | chosen | plan bytes |" + (" plan time |" if timed else "") + " next best | its plan bytes |"
+            + (" its plan time |" if timed else ""),
+            "| --- | --- | ---: |" + (" ---: |" if timed else "") + " --- | ---: |" + (" ---: |" if timed else "")]
+    return head + [f"| {d['op']} | {d['chosen']} | {fmt_bytes(d['bytes'])} |{time_of(d.get('seconds'))} {d['next']} | "
+                   f"{fmt_bytes(d['next_bytes'])} |{time_of(d.get('next_seconds'))}" for d in rows]
 
 
 def compiled_note(report) -> str:
@@ -153,22 +164,14 @@ def compiled_note(report) -> str:
             f"temporaries {fmt_bytes(compiled['temporaries'])}")
 
 
-def _kernels(body, attentions) -> list:
-    """The per-device program's kernels (:func:`meshdsl.roofline.kernels`), each ``md.attention``
-    as its fused kernel's forward and backward passes, as often as their scopes run."""
-    runs = roofline.kernel_runs(body)
-    fused = [roofline.Kernel("attention", k["dtype"], k[f"{phase}_flops"], k[f"{phase}_bytes"], runs[k["scope"] + p])
-             for k in (a["kernel"] for a in attentions if "kernel" in a)
-             for phase, p in (("forward", "f"), ("backward", "b")) if runs[k["scope"] + p]]
-    return roofline.kernels(body) + fused
-
-
 def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe",
-            repeats: int = 1, planner: bool = True, attention: str | None = None) -> Report:
+            repeats: int = 1, planner: bool = True, attention: str | None = None, unused_rules: str = "allow",
+            objective: str = "time", hardware=None) -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
-    ``param_gather``, ``schedule``, ``repeats``, ``planner`` and ``attention`` as in :func:`meshdsl.lower`."""
+    the options as in :func:`meshdsl.lower` (``objective`` and ``hardware``: what the plan
+    minimises, on which machine)."""
     f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats, planner=planner,
-              attention=attention)
+              attention=attention, unused_rules=unused_rules, objective=objective, hardware=hardware)
     closed, ctx, prog = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
@@ -183,7 +186,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
     memory["kinds"] = _kinds(args, prog, jaxpr_stats.inner_body(closed), body, memory)
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,
-                  bytes_accessed=jaxpr_stats.bytes_accessed(body), kernels=_kernels(body, ctx.attentions),
+                  bytes_accessed=jaxpr_stats.bytes_accessed(body), kernels=roofline.program_kernels(body, ctx.attentions),
                   pipeline=_pipeline_entry(ctx.pipelines), attention=[dict(a) for a in ctx.attentions],
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))

@@ -275,7 +275,7 @@ class ExplicitContext(LayoutContext):
         wherever it is replicated (a value equal on every device that jax types varying - computed
         from parameters cast for a data-parallel op - is typed invariant with one all-reduce)."""
         if self.planner is not None:
-            self.planner.sink(self, leaf, axes)
+            axes = self.planner.sink(self, leaf, axes)
         target = dict(zip(leaf.names, axes))
         split = frozenset(a for ax in axes for a in ax)
         arr = self.local(leaf, target, split)

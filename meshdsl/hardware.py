@@ -217,6 +217,13 @@ class Hardware:
             raise MeshDSLError(f"hardware {self.name!r} has no peak FLOP/s for {key}; it has {sorted(self.flops)}")
         return self.flops[key]
 
+    def matmul_peak(self, operand_dtype) -> float:
+        """Peak FLOP/s of a matmul whose operands are ``operand_dtype``: 16-bit and narrower at the
+        bfloat16 rate, wider (float32, 32- and 64-bit integers) at the float32 rate."""
+        name = str(operand_dtype)
+        wide = name in ("float32", "float64", "int32", "int64", "uint32", "uint64")
+        return self.peak_flops("float32" if wide else "bfloat16")
+
     def link(self, axes: str | Sequence[str], mesh) -> str:
         """The link kind of a collective over ``axes`` (one mesh axis name or several, or a part of
         an axis as reports write it, ``"x:(1)4"``) on ``mesh`` (a :class:`~meshdsl.Mesh`, a dict of

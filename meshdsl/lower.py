@@ -24,12 +24,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .errors import LayoutError, MeshDSLError, MeshError, ShapeError, suggest
+from .hardware import PROFILES, Hardware
 from .layout import Layout
 from .mesh import Mesh
 from .named import NamedArray, is_named
 from .ops.attention import STRATEGIES as ATTENTION
 from .ops.pipeline import SCHEDULES
 from .param_gather import POLICIES
+from .planner.plan import OBJECTIVES, hardware_of
 from .program import Program
 
 __all__ = ["lower", "LoweredFunction", "place"]
@@ -54,7 +56,7 @@ class LoweredFunction:
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
                  schedule: str = "gpipe", repeats: int = 1, planner: bool = True, attention: str | None = None,
-                 unused_rules: str = "allow"):
+                 unused_rules: str = "allow", objective: str = "time", hardware=None):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -83,9 +85,16 @@ class LoweredFunction:
         if unused_rules not in UNUSED_RULES:
             raise MeshDSLError(f"md.lower: unused_rules must be one of {UNUSED_RULES}, got {unused_rules!r}"
                                f"{suggest(str(unused_rules), UNUSED_RULES)}")
+        if objective not in OBJECTIVES:
+            raise MeshDSLError(f"md.lower: objective must be one of {OBJECTIVES}, got {objective!r}"
+                               f"{suggest(str(objective), OBJECTIVES)}")
+        if hardware is not None and not isinstance(hardware, (str, Hardware)):
+            raise MeshDSLError(f"md.lower: hardware must be an md.Hardware or a profile's name "
+                               f"({', '.join(PROFILES)}), got {type(hardware).__name__}")
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.attention, self.unused_rules = attention, unused_rules
+        self.objective, self.hardware = objective, hardware_of(hardware, mesh)
         self.backend, self.param_gather, self.schedule, self.repeats = backend, param_gather, schedule, repeats
         self.planner = bool(planner)
         self._programs: dict = {}  # input signature -> Program
@@ -157,7 +166,8 @@ class LoweredFunction:
 
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
           schedule: str = "gpipe", repeats: int = 1, planner: bool = True,
-          attention: str | None = None, unused_rules: str = "allow") -> LoweredFunction:
+          attention: str | None = None, unused_rules: str = "allow", objective: str = "time",
+          hardware=None) -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -173,9 +183,15 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     (:mod:`meshdsl.ops.pipeline_circular`).
 
     ``planner``: choose placements over the whole program by cost (:mod:`meshdsl.planner`: a
-    shape-only trace records every op's candidates, a solver picks the plan of fewest bytes, and
-    the program follows it where it moves fewer bytes than each op's own choice); ``False``
-    lowers op by op (for comparison).
+    shape-only trace records every op's candidates, a solver picks the plan, and the program
+    follows it); ``False`` lowers op by op (for comparison).
+
+    ``objective``: what the plan minimises: ``"time"`` (default), the step's predicted time on
+    ``hardware`` - the bytes each collective moves and each op's compute per device, so a plan
+    that replicates work a layout split pays for it; ``"bytes"``, the bytes moved alone (the plan
+    is followed only where it moves fewer than each op's own choice). ``hardware``: an
+    ``md.Hardware`` or a profile's name (default: a profile of the mesh's platform, ``cpu``,
+    ``h100-80gb`` on a GPU, ``tpu-v5p`` on a TPU).
 
     ``attention``: how ``md.attention`` reaches keys split like its queries (context parallelism,
     :mod:`meshdsl.ops.attention`): ``"gather"``, ``"ring"`` or ``"ulysses"``; None (default): the
@@ -187,7 +203,7 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     listing its dims), e.g. ``heads: model`` on a model whose attention dim is ``kv_heads``.
     """
     return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner, attention,
-                           unused_rules)
+                           unused_rules, objective, hardware)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import gcpause, jaxcompat, jaxpr_stats, param_gather
+from . import gcpause, jaxcompat, jaxpr_stats, param_gather, roofline
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
@@ -31,6 +32,7 @@ from .layout import Layout, effective, mesh_spec, to_spec
 from .named import NamedArray, Placement, is_named
 from .planner.plan import choose
 from .planner.record import Recording
+from .step_time import predict
 from .tracing import using
 
 __all__ = ["Program"]
@@ -97,13 +99,16 @@ class Program:
             return closed
         self._planned = True
         recording, self.last_ctx.planner = self.last_ctx.planner, None
-        plan = self.solved = choose(self.last_ctx, recording)
+        plan = self.solved = choose(self.last_ctx, recording, objective=self.owner.objective,
+                                    hardware=self.owner.hardware)
         if plan.gain <= 0.5:   # the rules' own choices are the plan
             return closed
         first = (_moved(closed, self.last_ctx), closed, self.last_ctx)
         self.plan = plan
         planned = _traced(self.run, avals)
-        if _moved(planned, self.last_ctx) < first[0]:
+        better = _seconds(planned, self.last_ctx, self.owner.hardware) < _seconds(closed, first[2], self.owner.hardware) \
+            if self.owner.objective == "time" else _moved(planned, self.last_ctx) < first[0]
+        if better:
             return planned
         self.plan = None
         _, closed, self.last_ctx = first
@@ -147,7 +152,7 @@ class Program:
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
                               repeats=owner.repeats, attention=owner.attention)
         if self.plan is not None:
-            ctx.planner = Recording(self.plan.choice)
+            ctx.planner = Recording(self.plan.choice, self.plan.sinks)
         elif self._recording and not probe:
             ctx.planner = Recording()
         if not probe:
@@ -246,6 +251,17 @@ def _moved(closed, ctx) -> float:
     recorded collectives, as often as the live program runs each (dead ones dropped)."""
     runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
     return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)
+
+
+def _seconds(closed, ctx, hardware) -> float:
+    """A traced program's predicted step time on ``hardware`` (:mod:`meshdsl.step_time`): its
+    kernels and its recorded collectives, as often as the live program runs each."""
+    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+    runs = jaxpr_stats.name_scopes(body)
+    collectives = [dataclasses.replace(r, count=runs[r.tag]) for r in ctx.rec.records if runs[r.tag]]
+    program = types.SimpleNamespace(mesh=ctx.mesh, collectives=collectives, flops=0.0, bytes_accessed=0.0,
+                                    kernels=roofline.program_kernels(body, ctx.attentions))
+    return predict(program, hardware).total_s
 
 
 def _traced(run, avals):

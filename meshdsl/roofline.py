@@ -43,7 +43,7 @@ from jax.extend import core as jcore
 from .jaxcompat import dot_dims, scan_parts
 from .jaxpr_stats import ALIASES, FUSIBLE, nbytes, sub_jaxprs
 
-__all__ = ["Kernel", "kernels", "KERNEL_SCOPE", "kernel_runs"]
+__all__ = ["Kernel", "kernels", "KERNEL_SCOPE", "kernel_runs", "program_kernels"]
 
 KERNEL_SCOPE = r"mdk\d+[fb]"   # the name scopes of fused kernels that an op prices itself (md.attention)
 
@@ -87,6 +87,17 @@ def kernels(jaxpr) -> list[Kernel]:
     found: Counter = Counter()
     _walk(getattr(jaxpr, "jaxpr", jaxpr), 1, found)
     return [Kernel(kind, dtype, flops, nb, count) for (kind, dtype, flops, nb), count in sorted(found.items())]
+
+
+def program_kernels(body, attentions) -> list[Kernel]:
+    """The kernels of the per-device program ``body`` (:func:`kernels`), and each ``md.attention``
+    of it (``attentions``: the trace's entries, :mod:`meshdsl.ops.attention_cost`) as its fused
+    kernel's forward and backward passes, as often as their scopes run."""
+    runs = kernel_runs(body)
+    fused = [Kernel("attention", k["dtype"], k[f"{phase}_flops"], k[f"{phase}_bytes"], runs[k["scope"] + p])
+             for k in (a["kernel"] for a in attentions if "kernel" in a)
+             for phase, p in (("forward", "f"), ("backward", "b")) if runs[k["scope"] + p]]
+    return kernels(body) + fused
 
 
 def kernel_runs(jaxpr) -> Counter:

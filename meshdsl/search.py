@@ -300,7 +300,7 @@ class _Costing:
         if report is None:
             self.costed += 1
             try:
-                report = explain(program, cand.mesh, cand.layout, *self.args, **cand.lower_kwargs)
+                report = explain(program, cand.mesh, cand.layout, *self.args, hardware=self.hw, **cand.lower_kwargs)
             except MeshDSLError as e:
                 self.traced[shape] = (rename, e)
                 return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from .hardware import Hardware
-from .units import fmt_bytes
+from .units import fmt_bytes, fmt_seconds
 
 __all__ = ["StepTime", "predict", "kernel_seconds"]
 
@@ -66,15 +66,15 @@ class StepTime:
 
     def to_markdown(self) -> str:
         at = "" if self.dtype == "per kernel" else f" at {self.dtype}"
-        launches = f", launches {_fmt_s(self.launch_s)} of {self.kernels} kernels" if self.kernels else ""
-        lines = [f"**step** {_fmt_s(self.total_s)} per device on {self.hardware} · compute "
-                 f"{_fmt_s(self.compute_s)} (matmul {_fmt_s(self.matmul_s)}{at}, memory "
-                 f"{_fmt_s(self.memory_s)}{launches}) · communication {_fmt_s(self.communication_s)} · overlap "
+        launches = f", launches {fmt_seconds(self.launch_s)} of {self.kernels} kernels" if self.kernels else ""
+        lines = [f"**step** {fmt_seconds(self.total_s)} per device on {self.hardware} · compute "
+                 f"{fmt_seconds(self.compute_s)} (matmul {fmt_seconds(self.matmul_s)}{at}, memory "
+                 f"{fmt_seconds(self.memory_s)}{launches}) · communication {fmt_seconds(self.communication_s)} · overlap "
                  f"{self.overlap:.0%}", "",
                  "| kind | axes | link | count | bytes/device | latency | transfer | time |",
                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['kind']} | {'+'.join(r['axes'])} | {r['link']} | {r['count']} | {fmt_bytes(r['bytes'])} "
-                  f"| {_fmt_s(r['latency_s'])} | {_fmt_s(r['transfer_s'])} | {_fmt_s(r['seconds'])} |"
+                  f"| {fmt_seconds(r['latency_s'])} | {fmt_seconds(r['transfer_s'])} | {fmt_seconds(r['seconds'])} |"
                   for r in self.per_collective]
         if not self.per_collective:
             lines.append("| (none) | | | 0 | 0 B | | | 0 s |")
@@ -137,13 +137,9 @@ def kernel_seconds(kernel, hardware: Hardware, dtype=None) -> tuple[float, float
     flops_s = 0.0
     if kernel.flops:
         rate = hardware.attention_efficiency if kernel.kind == "attention" else hardware.matmul_efficiency
-        flops_s = kernel.flops / (hardware.peak_flops(dtype or _peak_dtype(kernel.dtype)) * rate)
+        peak = hardware.peak_flops(dtype) if dtype else hardware.matmul_peak(kernel.dtype)
+        flops_s = kernel.flops / (peak * rate)
     return flops_s, kernel.bytes / (hardware.hbm_bandwidth * hardware.memory_efficiency)
-
-
-def _peak_dtype(dtype: str) -> str:
-    """The peak a matmul of ``dtype`` runs at: 16-bit and narrower at bfloat16's, wider at float32's."""
-    return "float32" if dtype in ("float32", "float64", "int32", "int64", "uint32") else "bfloat16"
 
 
 def _collective(record, hardware: Hardware, mesh) -> dict:
@@ -152,11 +148,3 @@ def _collective(record, hardware: Hardware, mesh) -> dict:
     latency, transfer = link.latency * record.count, record.total_bytes / link.bandwidth
     return {"kind": record.kind, "axes": tuple(record.axes), "link": kind, "count": record.count,
             "bytes": record.total_bytes, "latency_s": latency, "transfer_s": transfer, "seconds": latency + transfer}
-
-
-def _fmt_s(seconds: float) -> str:
-    """``1.5e-4`` -> ``'150.00 us'``."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.2f} {unit}"
-    return f"{seconds / 1e-9:.2f} ns" if seconds else "0 s"

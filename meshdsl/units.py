@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_flops", "parse_bytes"]
+__all__ = ["fmt_bytes", "fmt_flops", "fmt_seconds", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -38,3 +38,11 @@ def fmt_flops(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} FLOP"
+
+
+def fmt_seconds(seconds: float) -> str:
+    """``1.5e-4`` -> ``'150.00 us'``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.2f} {unit}"
+    return f"{seconds / 1e-9:.2f} ns" if seconds else "0 s"

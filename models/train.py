@@ -291,8 +291,6 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
     if not args.no_explain:
         report = trainer.explain(state, first)
         say(runinfo.explain_text(report, args.accum))
-        for note in _attention_notes(report, args.attention):
-            say(note)
     t0 = time.perf_counter()
     compiled = trainer.compile(state, first)
     say(f"compiled   one step in {time.perf_counter() - t0:.1f}s; {runinfo.hlo_text(compiled)}")
@@ -335,15 +333,6 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
         say(f"exported   the model as a Hugging Face directory: {args.export_hf}")
     return {"records": records, "state": state, "trainer": trainer, "out": out, "baseline": baseline,
             "wall_s": wall, "stopped": stopped}
-
-
-def _attention_notes(report, forced: str) -> list[str]:
-    """A line when --attention names a strategy that an md.attention of the step does not run."""
-    missed = [a for a in report.attention if forced != "auto" and a["strategy"] != forced]
-    if not missed:
-        return []
-    return [f"attention  --attention {forced}: {missed[0]['op']} runs {missed[0]['strategy']} (its keys' and queries' "
-            "positions are not split alike: split them over a mesh axis, e.g. length:ctx;seq:ctx;kv_seq:ctx)"]
 
 
 def cli(argv=None) -> int:

@@ -57,6 +57,16 @@ def test_forced_ulysses_without_a_divisible_head_dim_is_refused():
         md.explain(lambda *a: md.attention(*a), MESH, layout, q, k, v, attention="ulysses")
 
 
+def test_a_forced_strategy_where_nothing_splits_the_positions_is_refused_not_replaced():
+    """attention='ring' under a layout that splits no positions would run the attention locally:
+    the call is refused, saying what to split (a forced strategy is never silently replaced)."""
+    q, k, v = _arrays()
+    with raises(md.LayoutError, r"attention at .*: attention='ring' is forced but nothing splits the queries' "
+                                r"positions 'length' \(nor the dim they are renamed from\) under layout heads:ctx; "
+                                r"split 'length' over a mesh axis \(context parallelism\) or leave attention= unset"):
+        md.explain(lambda *a: md.attention(*a), MESH, md.Layout({"heads": "ctx"}), q, k, v, attention="ring")
+
+
 def test_an_unknown_implementation_is_refused_with_a_suggestion():
     q, k, v = _arrays()
     with raises(md.ShapeError, r"implementation must be one of \('flash', 'cudnn', 'xla'\), got 'flsh' "

@@ -50,8 +50,10 @@ def _seeded(test):
     return seed(SEED)(test) if LONG else test
 
 
-def _lower(prog, fn=None, backend="explicit"):
-    kw = {"param_gather": prog.param_gather} if backend == "explicit" else {}
+def _lower(prog, fn=None, backend="explicit", objective="time"):
+    """The program lowered: values are checked under the default objective (the step's time),
+    bytes against gspmd under ``objective="bytes"`` (the promise is that objective's)."""
+    kw = {"param_gather": prog.param_gather, "objective": objective} if backend == "explicit" else {}
     return md.lower(fn or prog.fn, md.Mesh(prog.mesh), md.Layout(prog.layout, params=prog.params),
                     backend=backend, **kw)
 
@@ -133,9 +135,9 @@ def test_fuzz_later_ops_values_and_gradients(prog):
 
 def _bytes(prog, fn, args):
     mesh, layout = md.Mesh(prog.mesh), md.Layout(prog.layout, params=prog.params)
-    explicit = hlo_comm.analyze(_lower(prog, fn).lower(*args).compile())
+    explicit = hlo_comm.analyze(_lower(prog, fn, objective="bytes").lower(*args).compile())
     gspmd = hlo_comm.analyze(_lower(prog, fn, "gspmd").lower(*args).compile())
-    report = md.explain(fn, mesh, layout, *args, param_gather=prog.param_gather)
+    report = md.explain(fn, mesh, layout, *args, param_gather=prog.param_gather, objective="bytes")
     predicted = {k: v["bytes"] for k, v in report.summary().items() if v["bytes"]}
     measured = {k: v["moved_bytes"] for k, v in explicit.summary().items() if v["moved_bytes"]}
     return explicit.total_moved_bytes(), gspmd.total_moved_bytes(), predicted, measured
@@ -148,7 +150,8 @@ def _gathers_by_policy(prog, fn, args, theirs) -> bool:
     compares both: checked here, on the same program."""
     if prog.param_gather == "auto" or not prog.params:
         return False
-    auto = md.lower(fn, md.Mesh(prog.mesh), md.Layout(prog.layout, params=prog.params), param_gather="auto")
+    auto = md.lower(fn, md.Mesh(prog.mesh), md.Layout(prog.layout, params=prog.params), param_gather="auto",
+                    objective="bytes")
     return hlo_comm.analyze(auto.lower(*args).compile()).total_moved_bytes() <= theirs
 
 

@@ -208,25 +208,3 @@ def test_the_trainer_lowers_llama_with_every_rule_required_to_match(tmp_path):
                                              r"batch, d_ff, d_head, d_model, groups, kv_heads"):
         trainer.eval_fn.trace(trainer.abstract_state()["params"], batch)
 
-
-def test_a_forced_attention_strategy_that_an_attention_does_not_run_is_noted():
-    """--attention ring with a layout that splits no positions: the attention runs local; the run says
-    so in one line and what to add."""
-    import jax
-    from flax import nnx
-
-    from meshdsl.models import Llama
-    from meshdsl.models.configs import get_config
-    from meshdsl.models.loss import lm_loss
-    from meshdsl.models.train import _attention_notes
-    model = nnx.eval_shape(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)))
-    tokens = md.named(jax.ShapeDtypeStruct((8, 32), np.int32), "batch targets")
-    batch = {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens}
-    def step(model, batch):   # the training step: loss and gradients
-        return nnx.grad(lambda m: lm_loss(m, batch)[0].array)(model)
-    report = md.explain(step, md.Mesh.abstract({"data": 2, "ctx": 4}), md.Layout.parse("batch:data"), model,
-                        batch, attention="ring")
-    assert _attention_notes(report, "auto") == []
-    (note,) = _attention_notes(report, "ring")
-    assert note.startswith("attention  --attention ring: attention at gqa.py:") and " runs local " in note
-    assert note.endswith("split them over a mesh axis, e.g. length:ctx;seq:ctx;kv_seq:ctx)")

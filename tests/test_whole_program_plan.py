@@ -1,7 +1,9 @@
 """The whole-program plan (meshdsl.planner) keeps the promises where deciding op by op did not:
 programs an outside fuzzer found moving more bytes than the compiler, each now at or under
 gspmd's bytes, explained exactly, with the unsharded values. Each test pins the bytes the plan
-moves (explain == the compiled HLO), and ``md.explain(...).decisions()`` shows the choice."""
+minimising bytes moves (``objective="bytes"``; explain == the compiled HLO), and
+``md.explain(...).decisions()`` shows the choice. (The default objective, the step's time:
+``test_objective.py``.)"""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,8 @@ import meshdsl as md
 from meshdsl import program
 from fuzz_replay import parse
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
+
+BYTES = {"objective": "bytes"}
 
 
 def _normal(shape, names, seed=0, param=False):
@@ -48,7 +52,7 @@ def test_a_three_operand_einsum_contracts_its_split_pair_first_under_grad():
         return jax.grad(loss, argnums=(0, 1, 2))(x0, x1, x2)
     mesh, layout = md.Mesh({"data": 4, "model": 2}), md.Layout({"b": "data", "s": "model"})
     promises_kept(step, mesh, layout, x0, x1, x2, w2, w1, moved={"all-reduce": 1152})
-    decided = md.explain(step, mesh, layout, x0, x1, x2, w2, w1).decisions()
+    decided = md.explain(step, mesh, layout, x0, x1, x2, w2, w1, **BYTES).decisions()
     einsum = next(d for d in decided if d["op"].startswith("einsum"))
     assert "candidate" in einsum["chosen"] and einsum["next_bytes"] > einsum["bytes"]
 
@@ -150,11 +154,11 @@ def test_a_program_is_traced_once_to_plan_and_at_most_once_more_to_emit(monkeypa
     moved = lambda w: (md.dynamic_update_slice(w, md.sum(w, "d") * 0.5, "d", jnp.int32(-1)),
                        md.shift(w, "d", 0, wrap=True))
     mesh = md.Mesh({"x": 8})
-    report = md.explain(moved, mesh, md.Layout({"m": "x"}, params={"b": "x"}), w)
+    report = md.explain(moved, mesh, md.Layout({"m": "x"}, params={"b": "x"}), w, **BYTES)
     assert len(traced) == 2 and report.counts() == {"all-gather": 1} and report.total_bytes == 7168
     traced.clear()
     x, v = _normal((8, 16), "b d"), _normal((16, 32), "d f", param=True)
-    md.explain(lambda x, v: md.einsum(x, v, out="b f"), mesh, md.Layout({"b": "x"}), x, v)
+    md.explain(lambda x, v: md.einsum(x, v, out="b f"), mesh, md.Layout({"b": "x"}), x, v, **BYTES)
     assert len(traced) == 1
 
 
@@ -258,7 +262,7 @@ mesh={'x': 8, 'y': 1} layout={'b': ('y',), 'c': ('y',), 'd': ('x',), 'p4': ('y',
 def test_gradients_are_planned_at_their_price(text, moved):
     program = parse(text)
     mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
-    fn, args, kw = program.grads_inside(), program.args(), dict(param_gather=program.param_gather)
+    fn, args, kw = program.grads_inside(), program.args(), dict(param_gather=program.param_gather, **BYTES)
     b = moved_by_backend(fn, mesh, layout, *args, **kw)
     assert b["explicit"] <= b["gspmd"], b
     assert explain_vs_hlo(fn, mesh, layout, *args, **kw) == (moved, moved)
@@ -299,7 +303,7 @@ def test_a_replicated_value_sliced_by_two_readers_is_read_as_one_copy_and_its_gr
         return jax.grad(loss, argnums=(0, 1))(v, w)
     mesh, layout = md.Mesh({"x": 8}), md.Layout({}, params={"d": "x"})
     promises_kept(step, mesh, layout, v, w, param_gather="auto", moved={"all-gather": 28.0})
-    square = next(d for d in md.explain(step, mesh, layout, v, w, param_gather="auto").decisions()
+    square = next(d for d in md.explain(step, mesh, layout, v, w, param_gather="auto", **BYTES).decisions()
                   if d["op"].startswith("square"))
     assert square["chosen"] == "operands [d:x]", square
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import flash
 from ..dims import Shape
-from ..errors import ShapeError, suggest
+from ..errors import LayoutError, ShapeError, suggest
 from ..named import NamedArray, is_named
 from .attention_bias import bias_names, is_bias_fn, with_tile_bias
 from .attention_dense import dense_attention
@@ -180,7 +180,14 @@ def _strategy(ctx, spec, dims, axes, held, q):
     forced = getattr(ctx, "attention", None)
     if forced and not ring:   # where the queries are split, or the layout splits them
         ring = _query_split(ctx, spec, axes, q)
-    if forced and ring and not axes[spec.over]:
+    if forced and (not ring or axes[spec.over]):
+        raise LayoutError(f"{where_(ctx)}: attention={forced!r} is forced but "
+                          + (f"the keys' positions {spec.over!r} are split where the queries' are not"
+                             if axes[spec.over] else
+                             f"nothing splits the queries' positions {spec.length!r} (nor the dim they are "
+                             f"renamed from)") + f" under layout {ctx.layout}; split {spec.length!r} over a "
+                          f"mesh axis (context parallelism) or leave attention= unset")
+    if forced:
         if forced == "ulysses" and not _ulysses_dims(spec, dims, axes, ring, ctx):
             raise ShapeError(f"{where_(ctx)}: attention='ulysses' needs a dim of q, k and v (a head dim) "
                              f"whose size divides by {ctx.axes_size(ring)} ({ctx.mesh.axes_text(ring)}), whole "

@@ -23,13 +23,16 @@ implies). One relay of a value to one placement is shared by every consumer read
   + sum over **shared copies** (a strategy reading a copy another op's strategy made: a gathered
     or cast operand both read) of the copy's bytes, where the maker takes a strategy not making it
 
-and :func:`meshdsl.planner.solve.solve` minimises it over one strategy per node. Strategy 0 of
+and, with the time objective, the compute of each node's strategy (``Strategy.work``: its
+seconds as the bytes the mesh's slowest link moves in that time, so that one sum prices the
+step); :func:`meshdsl.planner.solve.solve` minimises it over one strategy per node. Strategy 0 of
 each node is its default (the rule's own choice): a tie keeps it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Hashable
 
 __all__ = ["Strategy", "Node", "Graph", "SharedCopy"]
@@ -44,6 +47,7 @@ class Strategy:
     cost: float = 0.0      # own bytes per device, forward + backward, times executions
     label: str = ""        # what it computes, for reports ("[batch:data d_ff:model]")
     detail: object = dataclasses.field(default=None, compare=False)   # what the emitter needs
+    work: float = 0.0      # its compute per device, as the bytes the slowest link moves meanwhile
 
 
 @dataclasses.dataclass
@@ -87,6 +91,8 @@ class Graph:
         self.consumers: dict = {}   # value id -> [(node index, operand slot)]
         self.shared: list[SharedCopy] = []
         self._relay_cache: dict = {}
+        self.rate = 0.0             # bytes per second of the link compute is priced at (0: bytes alone)
+        self.latency = 0.0          # what a relay that moves data costs beyond its bytes (its latency x rate)
 
     def add(self, node: Node) -> int:
         """Append ``node`` (its operands must have producers already); its index."""
@@ -112,13 +118,26 @@ class Graph:
             hit = self._relay_cache[key] = float(self.relay_fn(value, src, dst))
         return hit
 
+    def relay_cost(self, value, src, dst) -> float:
+        """What relaying ``value`` from ``src`` to ``dst`` adds to the objective: its bytes, and
+        under the time objective the latency of the collective doing it."""
+        moved = self.relay(value, src, dst)
+        return moved + self.latency if moved and moved != math.inf else moved
+
     def cost(self, choice) -> float:
-        """Bytes of the plan picking strategy ``choice[k]`` for node ``k``."""
+        """The objective of the plan picking strategy ``choice[k]`` for node ``k``: its bytes and,
+        under the time objective, its compute and its relays' latencies (as bytes of the slowest
+        link)."""
+        return self.moved(choice, self.relay_cost) + sum(self.nodes[k].strategies[s].work for k, s in enumerate(choice))
+
+    def moved(self, choice, relay=None) -> float:
+        """Bytes the plan picking strategy ``choice[k]`` for node ``k`` moves per device."""
+        relay = relay or self.relay
         total = sum(self.nodes[k].strategies[s].cost for k, s in enumerate(choice))
         for v, (p, slot) in self.producer.items():
             src = self.nodes[p].strategies[choice[p]].gives[slot]
             wanted = {self.nodes[c].strategies[choice[c]].needs[j] for c, j in self.consumers.get(v, ())}
-            total += sum(self.relay(v, src, t) for t in wanted)
+            total += sum(relay(v, src, t) for t in wanted)
         return total + sum(c.cost for c in self.shared if choice[c.reader] == c.strategy and choice[c.maker] not in c.makers)
 
     def components(self) -> list[list[int]]:

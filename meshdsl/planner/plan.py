@@ -16,11 +16,12 @@ import dataclasses
 import math
 
 from ..cost import element_bytes, moved_bytes
+from ..hardware import Hardware
 from ..relayout import relayout_bytes
 from .graph import Graph, Node, SharedCopy, Strategy
 from .solve import Solution, solve
 
-__all__ = ["build", "choose", "decisions", "Plan"]
+__all__ = ["build", "choose", "decisions", "Plan", "OBJECTIVES", "hardware_of"]
 
 
 
@@ -33,15 +34,65 @@ class Plan:
     default_bytes: float    # the plan of every rule's own choice, as the model prices it
     graph: Graph
     nodes: dict             # graph node index -> op number
+    sinks: tuple = ()       # the placement each output and x.array read needs, in program order
 
     @property
     def gain(self) -> float:
         return self.default_bytes - self.solution.bytes
 
 
-def build(ctx, recording) -> tuple[Graph, dict]:
-    """The graph of ``recording`` (made in ``ctx``'s trace) and graph node -> op number."""
+OBJECTIVES = ("time", "bytes")
+_PLATFORM_PROFILES = {"cpu": "cpu", "gpu": "h100-80gb", "tpu": "tpu-v5p"}
+_CONTRACTIONS = {"einsum": 2.0, "attention": 4.0}   # FLOPs per point of the op's iteration space
+
+
+def hardware_of(hardware, mesh) -> Hardware:
+    """The hardware a plan is priced on: ``hardware`` (a :class:`Hardware` or a profile's name),
+    else a profile of the mesh's platform (``cpu``, ``h100-80gb`` for a GPU, ``tpu-v5p`` for a TPU)."""
+    if hardware is None:
+        return Hardware.profile(_PLATFORM_PROFILES.get(mesh.platform, "cpu"))
+    return Hardware.profile(hardware) if isinstance(hardware, str) else hardware
+
+
+def _work(ctx, recording, op) -> tuple:
+    """``(FLOPs, HBM bytes, executions, dtype)`` of one unsplit execution of ``op``: a contraction's
+    iteration space (every dim of its operands) at ``_CONTRACTIONS`` FLOPs a point, else its
+    largest result's elements; its operands and results read and written once."""
+    values = [recording.values[v] for v in op.operands + op.results]
+    if not values:
+        return 0.0, 0.0, 0, "float32"
+    dims = {d.name: d.size for dims, *_ in values for d in dims}
+    results = [recording.values[v] for v in op.results] or values
+    flops = _CONTRACTIONS[op.name] * math.prod(dims.values()) if op.name in _CONTRACTIONS else \
+        max(math.prod(dims.sizes) for dims, *_ in results)
+    moved = sum(element_bytes(dtype, ctx.mesh.platform) * math.prod(d.sizes) for d, dtype, *_ in values)
+    return float(flops), float(moved), max(ex for _, _, ex, _ in results), str(values[0][1])
+
+
+def _compute_cost(ctx, work, op, found, hw: Hardware, rate: float) -> float:
+    """The op's compute per device under strategy ``found``, as the bytes the slowest link moves
+    in that time (``rate``: its bandwidth): the work its results' placements split (a result
+    computed whole computes the whole op on every device), forward, and twice that backward."""
+    flops, moved, executions, dtype = work
+    if not executions or not found.gives:
+        return 0.0
+    split = min(ctx.mesh.axes_size(tuple(pl.used_axes())) for pl in found.gives)
+    seconds = max(flops / hw.matmul_peak(dtype) / hw.matmul_efficiency,
+                  moved / hw.hbm_bandwidth / hw.memory_efficiency) / split
+    return seconds * executions * (3.0 if op.grad else 1.0) * rate
+
+
+def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph, dict]:
+    """The graph of ``recording`` (made in ``ctx``'s trace) and graph node -> op number. With the
+    ``"time"`` objective each strategy also pays its compute (:func:`_compute_cost`) and each relay
+    its latency, in bytes of the mesh's slowest link, so that the plan minimises the step's time,
+    not its bytes alone."""
+    hw = hardware_of(hardware, ctx.mesh)
+    axes = tuple(a for a in ctx.mesh.axis_names if ctx.mesh.shape[a] > 1)
+    link = hw.interconnect[hw.link(axes, ctx.mesh.shape)] if axes and objective == "time" else None
+    rate = link.bandwidth if link else 0.0
     graph = Graph(lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst))
+    graph.rate, graph.latency = rate, (link.latency * link.bandwidth if link else 0.0)
     nodes = {}
     for v, pl in recording.entered.items():
         graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered")]))
@@ -54,9 +105,11 @@ def build(ctx, recording) -> tuple[Graph, dict]:
             if v not in graph.producer:
                 graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made")]))
         # a copy another op made is free to read only if that op stays (else it is made for the reader)
+        work = _work(ctx, recording, op) if rate and op.name in _CONTRACTIONS else None
         strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0)
                                + sum(cost for maker, cost, _ in f.reads if maker not in live), detail=f,
-                               label=_label(ctx, recording, op, f)) for f in op.strategies]
+                               label=_label(ctx, recording, op, f),
+                               work=_compute_cost(ctx, work, op, f, hw, rate) if work else 0.0) for f in op.strategies]
         node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
         nodes[node_of[k]] = k
         _share_copies(graph, node_of, op.strategies)
@@ -115,9 +168,10 @@ def _replicate_at(ctx, graph, value, v, pl) -> None:
             node.strategies[i] = dataclasses.replace(s, cost=s.cost + cost)
 
 
-def choose(ctx, recording, *, time_limit: float = 60.0) -> Plan:
-    """Solve the program ``recording`` holds; the ops the plan moves, with their entries."""
-    graph, nodes = build(ctx, recording)
+def choose(ctx, recording, *, time_limit: float = 60.0, objective: str = "time", hardware=None) -> Plan:
+    """Solve the program ``recording`` holds for ``objective`` on ``hardware``; the ops the plan
+    moves, with their entries."""
+    graph, nodes = build(ctx, recording, objective, hardware)
     solution = solve(graph, time_limit=time_limit)
     default = graph.cost([0] * len(graph.nodes))
     choice = {}
@@ -125,23 +179,30 @@ def choose(ctx, recording, *, time_limit: float = 60.0) -> Plan:
         s = solution.choice[g]
         if s:
             choice[k] = graph.nodes[g].strategies[s].detail
-    return Plan(choice, solution, default, graph, nodes)
+    return Plan(choice, solution, default, graph, nodes, tuple(pl for _, pl in recording.sinks))
 
 
 def decisions(plan, followed: bool) -> list:
-    """Per op whose candidates differ in bytes: the placement chosen and the next-best one, each
-    with the bytes of the whole plan (every other op as chosen). ``followed``: the program runs
-    this plan (else the rules' own choices moved fewer bytes when compiled, and ran)."""
+    """Per op whose candidates differ in cost: the placement chosen and the next-best one, each
+    with the whole plan's bytes and (time objective) its predicted seconds of communication and
+    compute, every other op as chosen. ``followed``: the program runs this plan (else the rules'
+    own choices moved fewer bytes when traced, and ran)."""
     out = []
+    graph, rate = plan.graph, plan.graph.rate
     for g, k in plan.nodes.items():
-        node = plan.graph.nodes[g]
-        others = [(s, b) for s, b in plan.solution.alternatives(plan.graph, g) if b != math.inf]
+        node = graph.nodes[g]
+        others = [(s, b) for s, b in plan.solution.alternatives(graph, g) if b != math.inf]
         if not others:
             continue
         chosen = node.strategies[plan.solution.choice[g]]
-        nxt, nxt_bytes = others[0]
-        out.append({"op": node.name, "chosen": chosen.label, "bytes": plan.solution.bytes,
-                    "next": node.strategies[nxt].label, "next_bytes": nxt_bytes, "followed": followed})
+        nxt, nxt_cost = others[0]
+        other = list(plan.solution.choice)
+        other[g] = nxt
+        row = {"op": node.name, "chosen": chosen.label, "bytes": graph.moved(plan.solution.choice),
+               "next": node.strategies[nxt].label, "next_bytes": graph.moved(other), "followed": followed}
+        if rate:
+            row.update(seconds=plan.solution.bytes / rate, next_seconds=nxt_cost / rate)
+        out.append(row)
     return out
 
 

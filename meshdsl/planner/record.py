@@ -52,9 +52,10 @@ class OpRecord:
 class Recording:
     """What the planning trace records (``choice is None``), or the plan an emitting trace follows."""
 
-    def __init__(self, choice=None):
+    def __init__(self, choice=None, sinks=()):
         self.emit = choice is not None
         self.choice = dict(choice or {})
+        self.planned_sinks = list(sinks)   # emitting: where each output and x.array read is read, as planned
         self.ops: list[OpRecord] = []
         self.values: dict = {}     # value id -> (dims, dtype, executions, differentiated)
         self.entered: dict = {}    # value id -> placement where first met (not made by an op)
@@ -83,10 +84,16 @@ class Recording:
                 self.entered[v] = self.placed[v]
         return v
 
-    def sink(self, ctx, x: NamedArray, axes) -> None:
-        """``x`` leaves the named program placed by ``axes`` (an output, an ``x.array`` read)."""
-        if not self.emit and ctx.frame is None:
-            self.sinks.append((self.vid(ctx, x), Placement(tuple(map(tuple, axes)))))
+    def sink(self, ctx, x: NamedArray, axes):
+        """``x`` leaves the named program placed by ``axes`` (an output, an ``x.array`` read): the
+        axes it leaves by. Emitting, an ``x.array`` read reads where the planning trace read it
+        (the user's code sees the block it saw there, whatever the plan moved)."""
+        if ctx.frame is not None:
+            return axes
+        if self.emit:
+            return self.planned_sinks.pop(0).axes if self.planned_sinks else axes
+        self.sinks.append((self.vid(ctx, x), Placement(tuple(map(tuple, axes)))))
+        return axes
 
     # -- ops -------------------------------------------------------------------------------------
 

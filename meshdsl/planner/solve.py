@@ -142,7 +142,7 @@ def _solve_part(graph: Graph, part: list, time_limit: float):
     x = {}
     for k in part:
         node = graph.nodes[k]
-        ids = [prog.var(s.cost + (_TIE if i else 0.0)) for i, s in enumerate(node.strategies)]
+        ids = [prog.var(s.cost + s.work + (_TIE if i else 0.0)) for i, s in enumerate(node.strategies)]
         x[k] = ids
         prog.row({i: 1.0 for i in ids}, 1.0, 1.0)
     members = set(part)
@@ -168,7 +168,7 @@ def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) ->
             needed.setdefault(strat.needs[j], {}).setdefault(c, []).append(s)
     gives = [s.gives[slot] for s in graph.nodes[p].strategies]
     for target, by_consumer in needed.items():
-        costs = [graph.relay(v, src, target) for src in gives]
+        costs = [graph.relay_cost(v, src, target) for src in gives]
         if not any(costs):
             continue
         # y[s]: the relay happens, from the producer's strategy s (y[s] <= x[p][s]; none from a

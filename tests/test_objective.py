@@ -1,0 +1,110 @@
+"""The plan minimises the step's predicted time (``objective="time"``, the default): the bytes each
+collective moves and each op's compute per device on the hardware, so a plan that replicates work
+a layout split pays for it. ``objective="bytes"`` minimises the bytes alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import meshdsl as md
+from helpers import raises
+
+B, L, D, F, V = 8, 32, 64, 256, 128
+
+
+def _param(key, dims):
+    s = md.shape(dims)
+    return md.param(md.named(0.02 * jax.random.normal(key, s.sizes), s.names))
+
+
+def _decoder():
+    """A small decoder's training step: embedding, one MLP block, logits tied to the embedding."""
+    k = iter(jax.random.split(jax.random.key(0), 4))
+    params = {"wte": _param(next(k), f"vocab:{V} d_model:{D}"), "w1": _param(next(k), f"d_model:{D} d_ff:{F}"),
+              "w2": _param(next(k), f"d_ff:{F} d_model:{D}")}
+    rng = np.random.default_rng(0)
+    ids = md.named(jnp.asarray(rng.integers(0, V, (B, L)), jnp.int32), "batch length")
+
+    def step(params, ids):
+        def loss(p):
+            x = md.take(p["wte"], ids, "vocab")
+            x = x + md.einsum(md.gelu(md.einsum(x, p["w1"], out="batch length d_ff")), p["w2"],
+                              out="batch length d_model")
+            logits = md.einsum(x, p["wte"], out="batch length vocab")
+            gold = md.sum(logits * md.one_hot(ids, f"vocab:{V}"), "vocab")
+            return md.mean(md.logsumexp(logits, "vocab") - gold).array
+        return jax.value_and_grad(loss)(params)
+    return step, params, ids
+
+
+def test_data_parallel_with_one_row_per_device_splits_the_work():
+    """batch 8 on 8 devices: gathering the ids would save the gradients' all-reduce and compute the
+    whole step on every device; the time objective splits the work, the bytes objective does not."""
+    step, params, ids = _decoder()
+    mesh = md.Mesh({"data": 8})
+    timed = md.explain(step, mesh, md.Layout({"batch": "data"}), params, ids)
+    least = md.explain(step, mesh, md.Layout({"batch": "data"}), params, ids, objective="bytes")
+    whole = md.explain(step, mesh, md.Layout({}), params, ids)
+    assert timed.flops <= 1.25 * whole.flops / 8 < least.flops
+    assert least.total_bytes < timed.total_bytes
+    assert float(md.lower(step, mesh, md.Layout({"batch": "data"}))(params, ids)[0]) == \
+        pytest.approx(float(step(params, ids)[0]), rel=1e-5)
+
+
+def test_a_context_parallel_layout_keeps_the_sequence_split_and_a_forced_ring_runs():
+    """Splitting a decoder's positions over ctx (the README's layout) keeps the attention's work
+    split: no strategy gathers the sequence to attend locally, and attention="ring" is a ring."""
+    from meshdsl.models.configs import get_config
+    from meshdsl.models.llama import Llama
+    cfg = get_config("llama-tiny").replace(d_model=64, heads=4, kv_heads=2, d_ff=128, vocab=128, layers=1)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    ids = md.named(jax.ShapeDtypeStruct((4, 64), jnp.int32), "batch length")
+
+    def grads(m, ids):
+        return nnx.grad(lambda m: md.mean(md.logsumexp(m(ids), "vocab")).array)(m)
+
+    mesh = md.Mesh.abstract({"data": 2, "ctx": 4})
+    layout = md.Layout({"batch": "data", "length": "ctx"})
+    chosen = md.explain(grads, mesh, layout, model, ids)
+    ring = md.explain(grads, mesh, layout, model, ids, attention="ring")
+    full = md.explain(grads, mesh, md.Layout({"batch": "data", "length": "ctx", "seq": "ctx", "kv_seq": "ctx"}),
+                      model, ids, attention="ring")
+    assert {a["strategy"] for a in chosen.attention} <= {"ring", "gather", "ulysses"}
+    assert {a["strategy"] for a in ring.attention} == {"ring"} and ring.flops <= 1.1 * full.flops
+
+
+def test_decisions_give_the_time_and_bytes_of_the_chosen_plan_and_the_next_best():
+    step, params, ids = _decoder()
+    report = md.explain(step, md.Mesh({"data": 8}), md.Layout({"batch": "data"}), params, ids)
+    rows = report.decisions()
+    assert rows and all({"seconds", "next_seconds", "bytes", "next_bytes"} <= set(r) for r in rows)
+    assert all(r["seconds"] <= r["next_seconds"] for r in rows)   # the chosen plan is the fastest of the two
+    assert "plan time" in report.to_markdown()
+    by_bytes = md.explain(step, md.Mesh({"data": 8}), md.Layout({"batch": "data"}), params, ids, objective="bytes")
+    assert all("seconds" not in r and r["bytes"] <= r["next_bytes"] for r in by_bytes.decisions())
+
+
+def test_the_plan_is_priced_on_the_hardware_given():
+    """On a machine whose links are slow against its compute, moving bytes costs more time than
+    replicating work does: the plan there may compute more to move less."""
+    step, params, ids = _decoder()
+    mesh = md.Mesh({"data": 8})
+    slow = md.Hardware.profile("cpu")
+    slow = slow.__class__(**{**slow.__dict__, "interconnect": {"host": md.hardware.Link(1e6, 1e-3)}})
+    on_slow = md.explain(step, mesh, md.Layout({"batch": "data"}), params, ids, hardware=slow)
+    default = md.explain(step, mesh, md.Layout({"batch": "data"}), params, ids, hardware="cpu")
+    assert on_slow.total_bytes < default.total_bytes and on_slow.flops > default.flops
+
+
+def test_an_unknown_objective_is_refused_with_a_suggestion():
+    with raises(md.MeshDSLError, r"md.lower: objective must be one of \('time', 'bytes'\), got 'tme' "
+                                 r"\(did you mean 'time'\?\)"):
+        md.lower(lambda x: x, md.Mesh({"data": 8}), md.Layout({}), objective="tme")
+
+
+def test_hardware_that_is_neither_a_profile_nor_a_name_is_refused():
+    with raises(md.MeshDSLError, r"md.lower: hardware must be an md.Hardware or a profile's name \(tpu-v4, .*\), "
+                                 r"got int"):
+        md.lower(lambda x: x, md.Mesh({"data": 8}), md.Layout({}), hardware=3)

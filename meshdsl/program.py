@@ -89,8 +89,10 @@ class Program:
 
     def make_jaxpr(self, avals):
         """The traced program: a planning trace (:mod:`meshdsl.planner`: the rules' own choices,
-        each op's candidates priced apart), the solve, and - when the plan moves fewer bytes - an
-        emitting trace following it. At most two traces; the one moving fewer bytes is kept."""
+        each op's candidates priced apart), the solve, and - where the plan differs from the rules'
+        own choices - an emitting trace following it; under the time objective also the plan of
+        fewest bytes where it differs. The trace best by the objective is kept (its predicted step
+        time, or the bytes it moves): at most two traces for bytes, three for time."""
         planning = self.owner.backend == "explicit" and not self._planned and self.owner.planner
         self._recording = planning
         closed = _traced(self.run, avals)
@@ -98,20 +100,26 @@ class Program:
         if not planning:
             return closed
         self._planned = True
-        recording, self.last_ctx.planner = self.last_ctx.planner, None
-        plan = self.solved = choose(self.last_ctx, recording, objective=self.owner.objective,
-                                    hardware=self.owner.hardware)
-        if plan.gain <= 0.5:   # the rules' own choices are the plan
-            return closed
-        first = (_moved(closed, self.last_ctx), closed, self.last_ctx)
-        self.plan = plan
-        planned = _traced(self.run, avals)
-        better = _seconds(planned, self.last_ctx, self.owner.hardware) < _seconds(closed, first[2], self.owner.hardware) \
-            if self.owner.objective == "time" else _moved(planned, self.last_ctx) < first[0]
-        if better:
-            return planned
-        self.plan = None
-        _, closed, self.last_ctx = first
+        ctx, hw = self.last_ctx, self.owner.hardware
+        recording, ctx.planner = ctx.planner, None
+        plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw)]
+        if self.owner.objective == "time":   # the plan of fewest bytes too, where it differs: the
+            fewest = choose(ctx, recording, objective="bytes", hardware=hw)   # graph prices a plan's
+            if fewest.choice != plans[0].choice:   # collectives by estimate; the traced programs'
+                plans.append(fewest)               # predicted step times decide
+        self.solved = plans[0]
+        measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
+        best = (measure(closed, ctx), closed, ctx, None)
+        for plan in plans:
+            if plan.gain <= 0.5:   # the rules' own choices are the plan
+                continue
+            self.plan = plan
+            planned = _traced(self.run, avals)
+            cost = measure(planned, self.last_ctx)
+            if cost < best[0]:
+                best = (cost, planned, self.last_ctx, plan)
+        _, closed, self.last_ctx, self.plan = best
+        self.solved = self.plan or self.solved
         return closed
 
     # -- the traced program ----------------------------------------------------------------------

@@ -51,6 +51,12 @@ def _put(a, sharding):
     return jax.device_put(a, sharding)
 
 
+def _one_of(option: str, value, choices) -> None:
+    """MeshDSLError unless ``value`` is one of ``choices``, naming the option and the nearest choice."""
+    if value not in choices:
+        raise MeshDSLError(f"md.lower: {option} must be one of {choices}, got {value!r}{suggest(str(value), choices)}")
+
+
 class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
@@ -64,15 +70,9 @@ class LoweredFunction:
             hint = f"; use md.Layout.parse({layout!r})" if isinstance(layout, str) else \
                 "; use md.Layout({'batch': 'data'})"
             raise LayoutError(f"md.lower: layout must be an md.Layout, got {type(layout).__name__}{hint}")
-        if backend not in BACKENDS:
-            raise MeshDSLError(f"md.lower: backend must be one of {BACKENDS}, got {backend!r}"
-                               f"{suggest(str(backend), BACKENDS)}")
-        if param_gather not in PARAM_GATHER:
-            raise MeshDSLError(f"md.lower: param_gather must be one of {PARAM_GATHER}, got {param_gather!r}"
-                               f"{suggest(str(param_gather), PARAM_GATHER)}")
-        if schedule not in SCHEDULES:
-            raise MeshDSLError(f"md.lower: schedule must be one of {SCHEDULES}, got {schedule!r}"
-                               f"{suggest(str(schedule), SCHEDULES)}")
+        _one_of("backend", backend, BACKENDS)
+        _one_of("param_gather", param_gather, PARAM_GATHER)
+        _one_of("schedule", schedule, SCHEDULES)
         if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
             raise MeshDSLError(f"md.lower: repeats must be a positive int (the circular schedule's chunks per "
                                f"stage), got {repeats!r}")
@@ -82,12 +82,8 @@ class LoweredFunction:
         if attention is not None and attention not in ATTENTION:
             raise MeshDSLError(f"md.lower: attention must be one of {ATTENTION} (or None: the planner "
                                f"chooses), got {attention!r}{suggest(str(attention), ATTENTION)}")
-        if unused_rules not in UNUSED_RULES:
-            raise MeshDSLError(f"md.lower: unused_rules must be one of {UNUSED_RULES}, got {unused_rules!r}"
-                               f"{suggest(str(unused_rules), UNUSED_RULES)}")
-        if objective not in OBJECTIVES:
-            raise MeshDSLError(f"md.lower: objective must be one of {OBJECTIVES}, got {objective!r}"
-                               f"{suggest(str(objective), OBJECTIVES)}")
+        _one_of("unused_rules", unused_rules, UNUSED_RULES)
+        _one_of("objective", objective, OBJECTIVES)
         if hardware is not None and not isinstance(hardware, (str, Hardware)):
             raise MeshDSLError(f"md.lower: hardware must be an md.Hardware or a profile's name "
                                f"({', '.join(PROFILES)}), got {type(hardware).__name__}")

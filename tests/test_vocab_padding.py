@@ -115,6 +115,16 @@ def check_padded_tables(model, table_paths):
 # -- Hugging Face models of vocabulary 97, vocab split over 4 devices ---------------------------------
 
 
+def equal_to_hugging_face(got, expected, targets, model, hm, prompt, **generate):
+    """Our logits on the true entries, the padding masked, the loss, and greedy tokens under
+    ``vocab:model`` equal Hugging Face's."""
+    np.testing.assert_allclose(got[..., :VOCAB], expected, atol=1e-4 * np.abs(expected).max())
+    assert np.all(got[..., VOCAB:] == np.finfo(np.float32).min), "padding masked"
+    np.testing.assert_allclose(split_loss(got, targets), numpy_loss(expected, targets), rtol=1e-5)
+    greedy = meshdsl.models.generate(model, prompt, max_new_tokens=NEW, mesh=MESH, layout=SPLIT)
+    np.testing.assert_array_equal(np.asarray(greedy.array), hf_greedy(hm, prompt, **generate))
+
+
 def test_hf_llama_of_an_odd_vocabulary_runs_split_over_vocab_like_hugging_face():
     hm = hf_model("llama")
     model = hf.load(hm)
@@ -123,13 +133,7 @@ def test_hf_llama_of_an_odd_vocabulary_runs_split_over_vocab_like_hugging_face()
     expected = hf_logits(hm, ids)
     got = our_logits(model, ids)
     assert got.shape == (2, 9, PADDED)
-    np.testing.assert_allclose(got[..., :VOCAB], expected, atol=1e-4 * np.abs(expected).max())
-    assert np.all(got[..., VOCAB:] == np.finfo(np.float32).min), "padding masked"
-    targets = tokens((2, 9), 2)
-    np.testing.assert_allclose(split_loss(got, targets), numpy_loss(expected, targets), rtol=1e-5)
-    prompt = tokens((2, 5), 3, low=2)
-    greedy = meshdsl.models.generate(model, prompt, max_new_tokens=NEW, mesh=MESH, layout=SPLIT)
-    np.testing.assert_array_equal(np.asarray(greedy.array), hf_greedy(hm, prompt))
+    equal_to_hugging_face(got, expected, tokens((2, 9), 2), model, hm, tokens((2, 5), 3, low=2))
 
 
 def test_hf_t5_of_an_odd_vocabulary_runs_split_over_vocab_like_hugging_face():
@@ -139,13 +143,8 @@ def test_hf_t5_of_an_odd_vocabulary_runs_split_over_vocab_like_hugging_face():
     enc, dec = tokens((2, 8), 4), tokens((2, 6), 5)
     expected = hf_logits(hm, enc, dec)
     got = our_logits(model, enc, dec)
-    np.testing.assert_allclose(got[..., :VOCAB], expected, atol=1e-4 * np.abs(expected).max())
-    assert np.all(got[..., VOCAB:] == np.finfo(np.float32).min), "padding masked"
-    targets = tokens((2, 6), 6)
-    np.testing.assert_allclose(split_loss(got, targets), numpy_loss(expected, targets), rtol=1e-5)
-    prompt = tokens((2, 7), 7, low=2)
-    greedy = meshdsl.models.generate(model, prompt, max_new_tokens=NEW, mesh=MESH, layout=SPLIT)
-    np.testing.assert_array_equal(np.asarray(greedy.array), hf_greedy(hm, prompt, decoder_start_token_id=0))
+    equal_to_hugging_face(got, expected, tokens((2, 6), 6), model, hm, tokens((2, 7), 7, low=2),
+                          decoder_start_token_id=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "t5"])

@@ -166,12 +166,13 @@ def compiled_note(report) -> str:
 
 def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str = "gpipe",
             repeats: int = 1, planner: bool = True, attention: str | None = None, unused_rules: str = "allow",
-            objective: str = "time", hardware=None) -> Report:
+            objective: str = "time", hardware=None, memory_budget=None) -> Report:
     """Trace ``fn(*args)`` under ``mesh`` and ``layout`` (explicit backend) without compiling;
     the options as in :func:`meshdsl.lower` (``objective`` and ``hardware``: what the plan
-    minimises, on which machine)."""
+    minimises, on which machine; ``memory_budget``: the bytes per device it may hold)."""
     f = lower(fn, mesh, layout, param_gather=param_gather, schedule=schedule, repeats=repeats, planner=planner,
-              attention=attention, unused_rules=unused_rules, objective=objective, hardware=hardware)
+              attention=attention, unused_rules=unused_rules, objective=objective, hardware=hardware,
+              memory_budget=memory_budget)
     closed, ctx, prog = f.trace(*args)
     body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
     runs = jaxpr_stats.name_scopes(body)
@@ -188,7 +189,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,
                   bytes_accessed=jaxpr_stats.bytes_accessed(body), kernels=roofline.program_kernels(body, ctx.attentions),
                   pipeline=_pipeline_entry(ctx.pipelines), attention=[dict(a) for a in ctx.attentions],
-                  plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None),
+                  plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None or not prog.solved.choice),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
 
 

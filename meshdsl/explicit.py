@@ -364,6 +364,7 @@ class ExplicitContext(LayoutContext):
     def rollback(self, mark) -> None:
         n_records, n_cache, planned, n_casts, n_attentions = mark
         del self.rec.casts[n_casts:]
+        del self.rec.cast_axes[n_casts:]
         del self.attentions[n_attentions:]
         if planned is not None:
             self.planner.rollback(planned)

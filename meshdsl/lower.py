@@ -33,6 +33,7 @@ from .ops.pipeline import SCHEDULES
 from .param_gather import POLICIES
 from .planner.plan import OBJECTIVES, hardware_of
 from .program import Program
+from .units import parse_bytes
 
 __all__ = ["lower", "LoweredFunction", "place"]
 
@@ -57,12 +58,26 @@ def _one_of(option: str, value, choices) -> None:
         raise MeshDSLError(f"md.lower: {option} must be one of {choices}, got {value!r}{suggest(str(value), choices)}")
 
 
+def _budget(memory_budget) -> float | None:
+    """``memory_budget`` in bytes per device (a number or text such as ``"12GiB"``), or None."""
+    if memory_budget is None:
+        return None
+    try:
+        budget = parse_bytes(memory_budget)
+    except (TypeError, ValueError) as e:
+        raise MeshDSLError(f"md.lower: memory_budget: {e}") from None
+    if not budget > 0:
+        raise MeshDSLError(f"md.lower: memory_budget must be a positive number of bytes per device "
+                           f"(or text such as '12GiB'), got {memory_budget!r}")
+    return budget
+
+
 class LoweredFunction:
     """A named program compiled for a mesh and a layout (see :func:`lower`)."""
 
     def __init__(self, fn, mesh: Mesh, layout: Layout, backend: str = "explicit", param_gather: str = "keep",
                  schedule: str = "gpipe", repeats: int = 1, planner: bool = True, attention: str | None = None,
-                 unused_rules: str = "allow", objective: str = "time", hardware=None):
+                 unused_rules: str = "allow", objective: str = "time", hardware=None, memory_budget=None):
         if not isinstance(mesh, Mesh):
             raise MeshError(f"md.lower: mesh must be an md.Mesh, got {type(mesh).__name__}; "
                             "build one with md.Mesh({'data': 2, 'model': 4}) or md.Mesh.parse('data:2;model:4')")
@@ -87,6 +102,7 @@ class LoweredFunction:
         if hardware is not None and not isinstance(hardware, (str, Hardware)):
             raise MeshDSLError(f"md.lower: hardware must be an md.Hardware or a profile's name "
                                f"({', '.join(PROFILES)}), got {type(hardware).__name__}")
+        self.memory_budget = _budget(memory_budget)
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.attention, self.unused_rules = attention, unused_rules
@@ -163,7 +179,7 @@ class LoweredFunction:
 def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_gather: str = "keep",
           schedule: str = "gpipe", repeats: int = 1, planner: bool = True,
           attention: str | None = None, unused_rules: str = "allow", objective: str = "time",
-          hardware=None) -> LoweredFunction:
+          hardware=None, memory_budget=None) -> LoweredFunction:
     """Compile ``fn`` (a function of NamedArrays) for ``mesh`` and ``layout``.
 
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
@@ -187,7 +203,11 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     that replicates work a layout split pays for it; ``"bytes"``, the bytes moved alone (the plan
     is followed only where it moves fewer than each op's own choice). ``hardware``: an
     ``md.Hardware`` or a profile's name (default: a profile of the mesh's platform, ``cpu``,
-    ``h100-80gb`` on a GPU, ``tpu-v5p`` on a TPU).
+    ``h100-80gb`` on a GPU, ``tpu-v5p`` on a TPU). ``memory_budget``: bytes per device (a number
+    or text such as ``"12GiB"``) the program's peak may hold: the solver takes the best plan by
+    ``objective`` whose memory fits (a constraint at each point of the program), and the traced
+    program's peak (``md.explain(...).memory``) is checked against it; a LayoutError where no plan
+    fits, naming the least peak found.
 
     ``attention``: how ``md.attention`` reaches keys split like its queries (context parallelism,
     :mod:`meshdsl.ops.attention`): ``"gather"``, ``"ring"`` or ``"ulysses"``; None (default): the
@@ -199,7 +219,7 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     listing its dims), e.g. ``heads: model`` on a model whose attention dim is ``kv_heads``.
     """
     return LoweredFunction(fn, mesh, layout, backend, param_gather, schedule, repeats, planner, attention,
-                           unused_rules, objective, hardware)
+                           unused_rules, objective, hardware, memory_budget)
 
 
 def place(tree, mesh: Mesh, layout: Layout):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import gcpause, jaxcompat, jaxpr_stats, param_gather, roofline
+from . import gcpause, jaxcompat, jaxpr_stats, liveness, param_gather, roofline
 from .contexts import GspmdContext
 from .errors import LayoutError, suggest
 from .explicit import ExplicitContext
@@ -31,9 +31,11 @@ from .jaxcompat import varying_axes
 from .layout import Layout, effective, mesh_spec, to_spec
 from .named import NamedArray, Placement, is_named
 from .planner.plan import choose
+from .planner.solve import NoPlanFits
 from .planner.record import Recording
 from .step_time import predict
 from .tracing import using
+from .units import fmt_bytes
 
 __all__ = ["Program"]
 
@@ -92,7 +94,9 @@ class Program:
         each op's candidates priced apart), the solve, and - where the plan differs from the rules'
         own choices - an emitting trace following it; under the time objective also the plan of
         fewest bytes where it differs. The trace best by the objective is kept (its predicted step
-        time, or the bytes it moves): at most two traces for bytes, three for time."""
+        time, or the bytes it moves) of those whose peak memory (:func:`meshdsl.liveness.memory`)
+        fits ``memory_budget``; where none fits, the solve runs again with the budget less the
+        excess (the graph's memory is an estimate), and at last a LayoutError."""
         planning = self.owner.backend == "explicit" and not self._planned and self.owner.planner
         self._recording = planning
         closed = _traced(self.run, avals)
@@ -100,27 +104,61 @@ class Program:
         if not planning:
             return closed
         self._planned = True
-        ctx, hw = self.last_ctx, self.owner.hardware
+        ctx, hw, budget = self.last_ctx, self.owner.hardware, self.owner.memory_budget
         recording, ctx.planner = ctx.planner, None
-        plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw)]
-        if self.owner.objective == "time":   # the plan of fewest bytes too, where it differs: the
-            fewest = choose(ctx, recording, objective="bytes", hardware=hw)   # graph prices a plan's
-            if fewest.choice != plans[0].choice:   # collectives by estimate; the traced programs'
-                plans.append(fewest)               # predicted step times decide
-        self.solved = plans[0]
         measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
-        best = (measure(closed, ctx), closed, ctx, None)
-        for plan in plans:
-            if plan.gain <= 0.5:   # the rules' own choices are the plan
-                continue
-            self.plan = plan
-            planned = _traced(self.run, avals)
-            cost = measure(planned, self.last_ctx)
-            if cost < best[0]:
-                best = (cost, planned, self.last_ctx, plan)
+        peak = _peak(closed)
+        best = (measure(closed, ctx), closed, ctx, None) if budget is None or peak <= budget else None
+        least = (peak, "the rules' own choices")
+        limit = budget
+        for _ in range(1 if budget is None else 3):
+            plans = self._plans(ctx, recording, hw, limit)
+            self.solved = plans[0]   # the latest solve: the budget it kept
+            over = []
+            for plan in plans:
+                if not plan.choice or (plan.gain <= 0.5 and budget is None):
+                    continue   # the rules' own choices are the plan
+                self.plan = plan
+                planned = _traced(self.run, avals)
+                used = _peak(planned)
+                least = min(least, (used, "the plan"))
+                if budget is not None and used > budget:
+                    over.append(used - budget)
+                    continue
+                cost = measure(planned, self.last_ctx)
+                if best is None or cost < best[0]:
+                    best = (cost, planned, self.last_ctx, plan)
+            if not over:
+                break
+            limit -= min(over)   # a plan the graph thought fits does not: ask the solve for less
+        if best is None:
+            raise LayoutError(
+                f"no plan of this program holds at most memory_budget={fmt_bytes(budget)} per device: the "
+                f"least peak found is {fmt_bytes(least[0])} ({least[1]}); raise memory_budget, split more of "
+                f"the program's dims over the mesh (or store parameters split: params= rules), or "
+                f"rematerialise activations (jax.checkpoint around a layer)")
         _, closed, self.last_ctx, self.plan = best
         self.solved = self.plan or self.solved
         return closed
+
+    def _plans(self, ctx, recording, hw, limit) -> list:
+        """The plan of the objective (and, under time, the plan of fewest bytes where it differs:
+        the graph prices a plan's collectives by estimate; the traced programs decide), holding at
+        most ``limit`` bytes per device as the graph sees it."""
+        try:
+            plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
+            if self.owner.objective == "time":
+                fewest = choose(ctx, recording, objective="bytes", hardware=hw, memory_budget=limit)
+                if fewest.choice != plans[0].choice:
+                    plans.append(fewest)
+        except NoPlanFits as e:
+            raise LayoutError(
+                f"no plan of this program holds at most memory_budget={fmt_bytes(self.owner.memory_budget)} per "
+                f"device: the least the planner finds is {fmt_bytes(e.least)} (values held from their "
+                f"producer to their last reader, the backward pass's to the end); raise memory_budget, split "
+                f"more of the program's dims over the mesh (or store parameters split: params= rules), or "
+                f"rematerialise activations (jax.checkpoint around a layer)") from None
+        return plans
 
     # -- the traced program ----------------------------------------------------------------------
 
@@ -259,6 +297,11 @@ def _moved(closed, ctx) -> float:
     recorded collectives, as often as the live program runs each (dead ones dropped)."""
     runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
     return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)
+
+
+def _peak(closed) -> float:
+    """A traced program's peak bytes per device, as :func:`meshdsl.explain` reports it."""
+    return liveness.memory(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))["peak"]
 
 
 def _seconds(closed, ctx, hardware) -> float:

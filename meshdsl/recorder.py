@@ -57,6 +57,7 @@ class Recorder:
         self.tracing = True            # False once the trace is over: late backward rules record nothing
         self._tags = 0
         self.casts: list = []          # backward bytes priced before emitted (casts, slices, own backwards)
+        self.cast_axes: list = []      # the mesh axes each of those moves over (() where not known)
         self.sandbox = None            # the planner's sandbox being traced now (an int), if any
         self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
         self._sandboxes = 0
@@ -88,20 +89,21 @@ class Recorder:
         """A value ``x`` that gets a gradient was cast to varying over ``axes``: the backward pass
         sums its cotangent there (an all-reduce the planner prices before it is emitted)."""
         b = cost.array_bytes(x.shape, x.dtype, self.mesh.platform)
-        self.backward_bytes(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)))
+        self.backward_bytes(cost.moved_bytes("all-reduce", b, b, self.mesh.axes_size(axes)), axes)
 
     def sliced(self, block, axes) -> None:
         """A value that gets a gradient, replicated over ``axes``, was sliced to this device's
         ``block`` (no data moves): the backward all-gathers the blocks' cotangents there."""
         b, n = cost.array_bytes(block.shape, block.dtype, self.mesh.platform), self.mesh.axes_size(axes)
-        self.backward_bytes(cost.moved_bytes("all-gather", b, b * n, n))
+        self.backward_bytes(cost.moved_bytes("all-gather", b, b * n, n), axes)
 
-    def backward_bytes(self, nbytes: float) -> None:
+    def backward_bytes(self, nbytes: float, axes=()) -> None:
         """The op being lowered has a hand-written backward that moves ``nbytes`` per execution
-        beyond its forward collectives' duals (a ring rotating gradients as well as keys): the
-        planner prices them before the backward is emitted."""
+        (over factor ``axes``) beyond its forward collectives' duals (a ring rotating gradients
+        as well as keys): the planner prices them before the backward is emitted."""
         if self.tracing and self.sandbox not in self._closed:
             self.casts.append(nbytes * self.multiplier)
+            self.cast_axes.append(self.mesh.collapse(tuple(axes)))
 
     @contextlib.contextmanager
     def at(self, name: str, line: str):

@@ -146,8 +146,8 @@ class _Move:
     ``dry=True`` emits nothing: it only adds up the bytes each step would move (``self.bytes``,
     ring formulas of :mod:`meshdsl.cost`), so plans are compared by what they really emit."""
 
-    def __init__(self, ctx, x, src, target, vary, keep_pending, *, dry=False, names=(), local=0.0):
-        self.ctx, self.target, self.vary, self.dry = ctx, target, vary, dry
+    def __init__(self, ctx, x, src, target, vary, keep_pending, *, dry=False, names=(), local=0.0, price=None):
+        self.ctx, self.target, self.vary, self.dry, self.price = ctx, target, vary, dry, price
         self.keep_pending = keep_pending
         self.cur = [list(axes) for axes in src.axes]
         self.pend = set(src.pending) - set(keep_pending)
@@ -165,7 +165,8 @@ class _Move:
         n = self.ctx.axes_size(axes)
         if self.dry:
             if kind:
-                self.bytes += moved_bytes(kind, self.local, self.local * grow, n)
+                moved = moved_bytes(kind, self.local, self.local * grow, n)
+                self.bytes += self.price(kind, axes, moved) if self.price else moved
             self.local *= grow
         else:
             self.others += kind != "all-gather"
@@ -321,26 +322,31 @@ def needs_gather(ctx, x, axes_by_name) -> bool:
     return any(tuple(axes_by_name.get(d.name, ()))[:len(a)] != a for d, a in zip(x.dims, pl.axes))
 
 
-def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pending=frozenset()) -> float:
+def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pending=frozenset(), price=None) -> float:
     """Estimated bytes one device moves to relay a tensor of ``dims`` from ``src_axes`` (axes per
     dim, with pending sums ``src_pending``) to ``target`` (axes per dim), keeping ``keep_pending``.
-    Used to choose between plans before emitting anything (ring formulas of :mod:`meshdsl.cost`)."""
+    Used to choose between plans before emitting anything (ring formulas of :mod:`meshdsl.cost`).
+    ``price(kind, factor axes, bytes)``: what each collective step costs instead of its bytes (the
+    planner's time objective: its seconds on the link of its axes, :mod:`meshdsl.planner.plan`)."""
     shape = tuple(d.size for d in dims)
     route = _route(ctx, shape, src_axes, src_pending, target, keep_pending)
     if route is not None:
         sizes, pre, mid = route
-        rounds = redistribute.piece_rounds(shape, pre, mid, ctx.mesh.factor_axes, sizes)
-        return itemsize * (math.prod(rounds) + _steps_bytes(ctx, shape, mid, target))
-    return _steps_bytes(ctx, shape, src_axes, target, itemsize, src_pending, keep_pending)
+        rounds = itemsize * math.prod(redistribute.piece_rounds(shape, pre, mid, ctx.mesh.factor_axes, sizes))
+        if price:
+            rounds = price("permute", tuple(a for a in ctx.mesh.factor_axes if a in sizes), rounds)
+        return rounds + _steps_bytes(ctx, shape, mid, target, itemsize, price=price)
+    return _steps_bytes(ctx, shape, src_axes, target, itemsize, src_pending, keep_pending, price)
 
 
-def _steps_bytes(ctx, shape, src_axes, target, itemsize=1, src_pending=frozenset(), keep_pending=frozenset()):
-    """Bytes the axis-by-axis steps (:class:`_Move`) move: a dry run of them."""
+def _steps_bytes(ctx, shape, src_axes, target, itemsize=1, src_pending=frozenset(), keep_pending=frozenset(),
+                 price=None):
+    """Bytes the axis-by-axis steps (:class:`_Move`) move (or what ``price`` makes of each): a dry run of them."""
     local = float(itemsize)
     for n in shape:
         local *= n
     local /= max(1, ctx.axes_size([a for axes in src_axes for a in axes]))
     src = Placement(tuple(map(tuple, src_axes)), frozenset(src_pending))
     move = _Move(ctx, None, src, tuple(map(tuple, target)), frozenset(), frozenset(keep_pending), dry=True,
-                 names=("",) * len(shape), local=local)
+                 names=("",) * len(shape), local=local, price=price)
     return move.run().bytes

@@ -2,6 +2,8 @@
 collective moves and each op's compute per device on the hardware, so a plan that replicates work
 a layout split pays for it. ``objective="bytes"`` minimises the bytes alone."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,3 +110,72 @@ def test_hardware_that_is_neither_a_profile_nor_a_name_is_refused():
     with raises(md.MeshDSLError, r"md.lower: hardware must be an md.Hardware or a profile's name \(tpu-v4, .*\), "
                                  r"got int"):
         md.lower(lambda x: x, md.Mesh({"data": 8}), md.Layout({}), hardware=3)
+
+
+def test_a_memory_budget_between_two_plans_peaks_takes_the_plan_that_fits():
+    """The fewest bytes gather the ids and compute the step whole on every device; a budget under
+    that plan's peak and over the split plan's makes the solver split, and the compiled program's
+    peak is under the budget."""
+    step, params, ids = _decoder()
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data"})
+    whole = md.explain(step, mesh, layout, params, ids, objective="bytes")
+    split = md.explain(step, mesh, layout, params, ids, objective="bytes", planner=False)
+    assert split.memory["peak"] < whole.memory["peak"]
+    budget = (split.memory["peak"] + whole.memory["peak"]) / 2
+    fits = md.explain(step, mesh, layout, params, ids, objective="bytes", memory_budget=budget)
+    assert fits.memory["peak"] <= budget and fits.total_bytes > whole.total_bytes
+    assert sum(fits.compiled_memory().values()) <= budget < sum(whole.compiled_memory().values())
+    assert any(r["memory"] != r["next_memory"] for r in fits.decisions())   # decisions show what each holds
+    lowered = md.lower(step, mesh, layout, objective="bytes", memory_budget=budget)
+    assert float(lowered(params, ids)[0]) == pytest.approx(float(step(params, ids)[0]), rel=1e-5)
+
+
+def test_a_memory_budget_no_plan_fits_is_refused_naming_the_least_peak():
+    step, params, ids = _decoder()
+    with raises(md.LayoutError, r"no plan of this program holds at most memory_budget=1.00 KiB per device: the "
+                                r"least .* is [\d.]+ KiB .*; raise memory_budget, split more of the program's dims"):
+        md.explain(step, md.Mesh({"data": 8}), md.Layout({"batch": "data"}), params, ids, memory_budget="1KiB")
+
+
+def test_a_memory_budget_that_is_no_size_is_refused():
+    with raises(md.MeshDSLError, r"md.lower: memory_budget: cannot read '12 GB/s' as a size in bytes"):
+        md.lower(lambda x: x, md.Mesh({"data": 8}), md.Layout({}), memory_budget="12 GB/s")
+    with raises(md.MeshDSLError, r"md.lower: memory_budget must be a positive number of bytes per device"):
+        md.lower(lambda x: x, md.Mesh({"data": 8}), md.Layout({}), memory_budget=0)
+
+
+def _mlp_grads(b=64, d=512, f=2048):
+    k = iter(jax.random.split(jax.random.key(1), 3))
+    x = md.named(jax.random.normal(next(k), (b, d)), "batch d_model")
+    w1 = _param(next(k), f"d_model:{d} d_ff:{f}")
+    w2 = _param(next(k), f"d_ff:{f} d_model:{d}")
+
+    def grads(x, w1, w2):
+        def loss(w1, w2):
+            return md.sum(md.square(md.einsum(md.tanh(md.einsum(x, w1, out="batch d_ff")), w2,
+                                              out="batch d_model"))).array
+        return jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return grads, (x, w1, w2)
+
+
+def test_on_two_links_the_plan_moves_more_bytes_on_the_fast_one_to_move_fewer_on_the_slow_one():
+    """Each collective is priced on the link of its axes: with ``slow`` on a link a hundredth of
+    ``fast``'s bandwidth (compute made free, so that only the links decide), the solver's plan
+    moves more bytes than the plan of fewest bytes and takes less time on that machine; on one
+    link kind it is the plan of fewest bytes."""
+    h100 = md.Hardware.profile("h100-80gb")
+    links = {"fast": md.hardware.Link(450e9, 1e-6), "slow": md.hardware.Link(4.5e9, 1e-6)}
+    free = dataclasses.replace(h100, flops={k: v * 1e6 for k, v in h100.flops.items()}, interconnect=links,
+                               hbm_bandwidth=h100.hbm_bandwidth * 1e6, kernel_launch_s=0.0, default_link="fast",
+                               cross_host_link=None)
+    two = free.with_links(slow="slow", fast="fast")
+    grads, args = _mlp_grads()
+    mesh, layout = md.Mesh.abstract({"slow": 2, "fast": 4}), md.Layout({"batch": "fast", "d_model": "slow"})
+    fewest = md.explain(grads, mesh, layout, *args, objective="bytes", hardware=two)
+    timed = md.explain(grads, mesh, layout, *args, hardware=two)
+    one_link = md.explain(grads, mesh, layout, *args, hardware=free)
+    assert timed.total_bytes > fewest.total_bytes == one_link.total_bytes
+    assert timed.time(two).total_s < fewest.time(two).total_s
+    assert all(r["followed"] for r in timed.decisions())   # the solver's plan, not a comparison's
+    slow_bytes = [sum(c.total_bytes for c in r.collectives if "slow" in c.axes) for r in (timed, fewest)]
+    assert slow_bytes[0] < slow_bytes[1]

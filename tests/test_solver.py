@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshdsl.planner.graph import Graph, Node, SharedCopy, Strategy
-from meshdsl.planner.solve import solve, solve_exact
+from meshdsl.planner.solve import NoPlanFits, solve, solve_exact
 
 # Placements are plain strings here; moving a value between two costs its size (1 if not given).
 SIZE = {}
@@ -139,9 +139,12 @@ def graphs(draw):
         n = draw(st.integers(1, 3))
         strategies = [Strategy(tuple(draw(st.sampled_from(places)) for _ in operands),
                                tuple(draw(st.sampled_from(places)) for _ in made),
-                               float(draw(st.integers(0, 6)))) for _ in range(n)]
+                               float(draw(st.integers(0, 6))),
+                               memory=tuple(float(draw(st.integers(1, 9))) for _ in made)) for _ in range(n)]
         g.add(Node(f"n{k}", operands, made, strategies))
         values += made
+        if made and draw(st.booleans()):   # read again by the backward pass
+            g.saved.add(made[0])
         if k and draw(st.booleans()):   # a strategy reading a copy an earlier node's strategies make
             maker = draw(st.integers(0, k - 1))
             makers = draw(st.sets(st.integers(0, len(g.nodes[maker].strategies) - 1)))
@@ -160,3 +163,35 @@ def test_the_ilp_finds_the_least_bytes_that_enumerating_every_plan_finds(g):
     assert sol.bytes == pytest.approx(g.cost(sol.choice))
     every = [g.cost(c) for c in itertools.product(*(range(len(n.strategies)) for n in g.nodes))]
     assert sol.bytes == pytest.approx(min(every))
+
+
+@given(graphs(), st.integers(1, 30))
+def test_under_a_memory_budget_the_ilp_finds_the_best_plan_that_fits(g, budget):
+    """Alpa's constraint at each point: the ILP's plan is the best of those whose values held
+    (each from its producer to its last reader, or to the end) fit, as enumeration finds; where
+    none fits, NoPlanFits names the least peak."""
+    plans = list(itertools.product(*(range(len(n.strategies)) for n in g.nodes)))
+    fitting = [g.cost(c) for c in plans if g.memory(c) <= budget]
+    if not fitting:
+        with pytest.raises(NoPlanFits) as e:
+            solve(g, memory_budget=budget)
+        assert e.value.least == pytest.approx(min(g.memory(c) for c in plans))
+        return
+    sol = solve(g, memory_budget=budget)
+    assert g.memory(sol.choice) <= budget
+    assert sol.bytes == pytest.approx(min(fitting)) == pytest.approx(solve_exact(g, budget).bytes)
+
+
+def test_a_value_is_held_from_its_producer_to_its_last_reader_or_to_the_end_when_saved():
+    g = Graph(relay)
+    source(g, "x", "a")
+    g.nodes[0] = Node("make x", [], ["x"], [Strategy((), ("a",), memory=(4.0,)), Strategy((), ("b",), memory=(1.0,))])
+    g.add(Node("make y", ["x"], ["y"], [Strategy(("a",), ("a",), memory=(2.0,))]))
+    g.add(Node("use y", ["y"], [], [Strategy(("a",), ())]))
+    g.add(Node("later", [], ["z"], [Strategy((), ("a",), memory=(8.0,))]))
+    assert g.live_range("x") == (0, 1) and g.live_range("y") == (1, 2)
+    assert g.memory([0, 0, 0, 0]) == 8.0 and g.memory([1, 0, 0, 0]) == 8.0
+    g.saved.add("x")
+    assert g.live_range("x") == (0, 3)
+    assert g.memory([0, 0, 0, 0]) == 12.0 and g.memory([1, 0, 0, 0]) == 9.0
+    assert solve(g, memory_budget=10.0).choice[0] == 1

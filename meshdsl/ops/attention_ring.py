@@ -42,7 +42,7 @@ def ring_attention(ctx, spec, dims, axes, ring, q, k, v, bias, mask, pos, block)
     scope = record(ctx, spec, dims, "ring", ring, ql, kl, vl, v.dtype, pos, block)
     kv_bytes = sum(cost.array_bytes(x.shape, x.dtype, ctx.mesh.platform) for x in (kl, vl))
     n = rings.n
-    ctx.rec.backward_bytes(cost.moved_bytes("collective-permute", kv_bytes, kv_bytes, n) * (n - 1))
+    ctx.rec.backward_bytes(cost.moved_bytes("collective-permute", kv_bytes, kv_bytes, n) * (n - 1), ring)
     out = C.attributed_vjp(ctx, kernel(scope, "f", rings.forward), kernel(scope, "b", rings.backward))(
         ql, kl, vl, b, m, qp, kp)
     return ctx.out(out, Shape(dims[name] for name in spec.out), axes)

@@ -32,7 +32,6 @@ each node is its default (the rule's own choice): a tie keeps it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Hashable
 
 __all__ = ["Strategy", "Node", "Graph", "SharedCopy"]
@@ -47,7 +46,15 @@ class Strategy:
     cost: float = 0.0      # own bytes per device, forward + backward, times executions
     label: str = ""        # what it computes, for reports ("[batch:data d_ff:model]")
     detail: object = dataclasses.field(default=None, compare=False)   # what the emitter needs
-    work: float = 0.0      # its compute per device, as the bytes the slowest link moves meanwhile
+    work: float = 0.0      # its compute per device, as the bytes the reference link moves meanwhile
+    own_time: float | None = None   # its own collectives' seconds on their links, as bytes of the
+    #                                 reference link (None: its bytes, the bytes objective)
+    memory: tuple = ()     # per result slot: the bytes per device the result holds
+
+    @property
+    def time(self) -> float:
+        """Its own collectives in the objective's units (its bytes where time is not priced)."""
+        return self.cost if self.own_time is None else self.own_time
 
 
 @dataclasses.dataclass
@@ -84,15 +91,18 @@ class SharedCopy:
 class Graph:
     """Nodes in program order; ``relay(value, src, dst)`` prices moving a value between keys."""
 
-    def __init__(self, relay: Callable[[int, Hashable, Hashable], float]):
+    def __init__(self, relay: Callable[[int, Hashable, Hashable], float],
+                 relay_time: Callable[[int, Hashable, Hashable], float] | None = None):
         self.nodes: list[Node] = []
         self.relay_fn = relay
+        self.relay_time_fn = relay_time
         self.producer: dict = {}    # value id -> (node index, result slot)
         self.consumers: dict = {}   # value id -> [(node index, operand slot)]
         self.shared: list[SharedCopy] = []
         self._relay_cache: dict = {}
-        self.rate = 0.0             # bytes per second of the link compute is priced at (0: bytes alone)
-        self.latency = 0.0          # what a relay that moves data costs beyond its bytes (its latency x rate)
+        self._time_cache: dict = {}
+        self.rate = 0.0             # bytes per second of the link time is priced at (0: bytes alone)
+        self.saved: set = set()     # value ids the backward pass reads: live to the program's end
 
     def add(self, node: Node) -> int:
         """Append ``node`` (its operands must have producers already); its index."""
@@ -119,26 +129,58 @@ class Graph:
         return hit
 
     def relay_cost(self, value, src, dst) -> float:
-        """What relaying ``value`` from ``src`` to ``dst`` adds to the objective: its bytes, and
-        under the time objective the latency of the collective doing it."""
-        moved = self.relay(value, src, dst)
-        return moved + self.latency if moved and moved != math.inf else moved
+        """What relaying ``value`` from ``src`` to ``dst`` adds to the objective: its bytes, or
+        under the time objective its collectives' seconds on their links (bandwidth and latency),
+        as bytes of the reference link (``relay_time``), cached."""
+        if self.relay_time_fn is None or src == dst:
+            return self.relay(value, src, dst)
+        key = (value, src, dst)
+        hit = self._time_cache.get(key)
+        if hit is None:
+            hit = self._time_cache[key] = float(self.relay_time_fn(value, src, dst))
+        return hit
 
     def cost(self, choice) -> float:
-        """The objective of the plan picking strategy ``choice[k]`` for node ``k``: its bytes and,
-        under the time objective, its compute and its relays' latencies (as bytes of the slowest
-        link)."""
-        return self.moved(choice, self.relay_cost) + sum(self.nodes[k].strategies[s].work for k, s in enumerate(choice))
+        """The objective of the plan picking strategy ``choice[k]`` for node ``k``: its bytes or,
+        under the time objective, its collectives' and compute's seconds (as bytes of the
+        reference link)."""
+        return self.moved(choice, self.relay_cost, own="time") + sum(
+            self.nodes[k].strategies[s].work for k, s in enumerate(choice))
 
-    def moved(self, choice, relay=None) -> float:
+    def moved(self, choice, relay=None, own="cost") -> float:
         """Bytes the plan picking strategy ``choice[k]`` for node ``k`` moves per device."""
         relay = relay or self.relay
-        total = sum(self.nodes[k].strategies[s].cost for k, s in enumerate(choice))
+        total = sum(getattr(self.nodes[k].strategies[s], own) for k, s in enumerate(choice))
         for v, (p, slot) in self.producer.items():
             src = self.nodes[p].strategies[choice[p]].gives[slot]
             wanted = {self.nodes[c].strategies[choice[c]].needs[j] for c, j in self.consumers.get(v, ())}
             total += sum(relay(v, src, t) for t in wanted)
         return total + sum(c.cost for c in self.shared if choice[c.reader] == c.strategy and choice[c.maker] not in c.makers)
+
+    def live_range(self, v) -> tuple[int, int]:
+        """``(first, last)`` node index where value ``v`` is held: from its producer to its last
+        consumer, or to the end of the program where the backward pass reads it."""
+        p = self.producer[v][0]
+        if v in self.saved:
+            return p, len(self.nodes) - 1
+        return p, max([p] + [c for c, _ in self.consumers.get(v, ())])
+
+    def memory(self, choice) -> float:
+        """Per-device bytes the plan ``choice`` holds at its peak, as the graph sees it: every
+        value from its producer to its last reader (to the end where the backward pass reads it),
+        in the placement its producer's strategy gives it."""
+        level = [0.0] * (len(self.nodes) + 1)
+        for v, (p, slot) in self.producer.items():
+            mem = self.nodes[p].strategies[choice[p]].memory
+            if mem:
+                first, last = self.live_range(v)
+                level[first] += mem[slot]
+                level[last + 1] -= mem[slot]
+        peak = held = 0.0
+        for x in level[:-1]:
+            held += x
+            peak = max(peak, held)
+        return peak
 
     def components(self) -> list[list[int]]:
         """Node indices of each connected part (nodes joined by a value), in program order."""

@@ -13,6 +13,7 @@ the entry placements of every op the plan moves off its default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from ..cost import element_bytes, moved_bytes
@@ -82,20 +83,54 @@ def _compute_cost(ctx, work, op, found, hw: Hardware, rate: float) -> float:
     return seconds * executions * (3.0 if op.grad else 1.0) * rate
 
 
+class _Prices:
+    """What movement costs under the time objective: a collective's seconds on the link of its
+    axes (:meth:`meshdsl.hardware.Hardware.link`: bandwidth, and latency for a relay's steps),
+    as the bytes the reference link (the mesh's slowest) moves in that time. ``rate`` is 0 under
+    the bytes objective (nothing priced but bytes)."""
+
+    def __init__(self, ctx, hw: Hardware, objective: str):
+        self.mesh, self.hw = ctx.mesh, hw
+        axes = tuple(a for a in ctx.mesh.axis_names if ctx.mesh.shape[a] > 1)
+        self.rate = hw.interconnect[hw.link(axes, ctx.mesh.shape)].bandwidth if axes and objective == "time" else 0.0
+
+    def _link(self, axes):
+        return self.hw.interconnect[self.hw.link(axes, self.mesh.shape)]
+
+    def step(self, kind, factor_axes, nbytes) -> float:
+        """One step of a relay (factor axes): bandwidth and latency."""
+        link = self._link(self.mesh.collapse(factor_axes))
+        return (nbytes / link.bandwidth + link.latency) * self.rate
+
+    def own(self, found) -> float:
+        """A rule's own bytes, forward and backward, each at the bandwidth of the links its
+        collectives run on (bytes whose axes are not known: the reference link's). (Not their
+        latency: the rules' collectives are counted per trace, not per run, so a latency here
+        would misprice loops.)"""
+        def ratio(parts):
+            moved = sum(b for _, b in parts)
+            return sum(b * self.rate / self._link(axes).bandwidth if axes else b for axes, b in parts) / moved \
+                if moved else 1.0
+        return found.forward * ratio([(axes, b) for _, axes, b in found.collectives]) + \
+            found.backward * ratio(found.duals)
+
+
 def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph, dict]:
     """The graph of ``recording`` (made in ``ctx``'s trace) and graph node -> op number. With the
-    ``"time"`` objective each strategy also pays its compute (:func:`_compute_cost`) and each relay
-    its latency, in bytes of the mesh's slowest link, so that the plan minimises the step's time,
-    not its bytes alone."""
+    ``"time"`` objective each strategy also pays its compute (:func:`_compute_cost`), and its own
+    collectives and each relay their seconds on the links of their axes (:class:`_Prices`), in
+    bytes of the mesh's slowest link, so that the plan minimises the step's time, not its bytes."""
     hw = hardware_of(hardware, ctx.mesh)
-    axes = tuple(a for a in ctx.mesh.axis_names if ctx.mesh.shape[a] > 1)
-    link = hw.interconnect[hw.link(axes, ctx.mesh.shape)] if axes and objective == "time" else None
-    rate = link.bandwidth if link else 0.0
-    graph = Graph(lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst))
-    graph.rate, graph.latency = rate, (link.latency * link.bandwidth if link else 0.0)
+    prices = _Prices(ctx, hw, objective)
+    rate = prices.rate
+    timed = (lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst, prices.step)) if rate else None
+    graph = Graph(lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst), timed)
+    graph.rate = rate
     nodes = {}
+    held = functools.partial(_held, ctx, recording)
     for v, pl in recording.entered.items():
-        graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered")]))
+        graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered", memory=(held(v, pl),))]))
+        graph.saved.add(v)   # an argument's buffer is held throughout
     live = _live(recording)
     node_of = {}
     for k, op in enumerate(recording.ops):
@@ -103,19 +138,27 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
             continue   # nothing it makes reaches an output: the compiler drops it
         for v in op.operands:   # made by an op of an aborted trace (a md.scan body traced again)
             if v not in graph.producer:
-                graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made")]))
+                graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made",
+                                                                memory=(held(v, recording.placed[v]),))]))
         # a copy another op made is free to read only if that op stays (else it is made for the reader)
         work = _work(ctx, recording, op) if rate and op.name in _CONTRACTIONS else None
-        strategies = [Strategy(f.entry, f.gives, f.forward + (f.backward if op.grad else 0.0)
-                               + sum(cost for maker, cost, _ in f.reads if maker not in live), detail=f,
-                               label=_label(ctx, recording, op, f),
-                               work=_compute_cost(ctx, work, op, f, hw, rate) if work else 0.0) for f in op.strategies]
+        strategies = []
+        for f in op.strategies:
+            reads = sum(cost for maker, cost, _ in f.reads if maker not in live)
+            own = f if op.grad else dataclasses.replace(f, backward=0.0)
+            strategies.append(Strategy(
+                f.entry, f.gives, own.forward + own.backward + reads, detail=f, label=_label(ctx, recording, op, f),
+                work=_compute_cost(ctx, work, op, f, hw, rate) if work else 0.0,
+                own_time=prices.own(own) + reads if rate else None,
+                memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives))))
+        if op.grad:   # what a differentiated op reads, the backward pass reads again
+            graph.saved.update(v for v in op.operands if recording.values[v][3])
         node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
         nodes[node_of[k]] = k
         _share_copies(graph, node_of, op.strategies)
     for v, pl in recording.sinks:
         if v in graph.producer:
-            _replicate_at(ctx, graph, recording.values[v], v, pl)
+            _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
             graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
     return graph, nodes
 
@@ -152,7 +195,7 @@ def _reads_from(graph, reader: int, maker: int) -> bool:
     return False
 
 
-def _replicate_at(ctx, graph, value, v, pl) -> None:
+def _replicate_at(ctx, graph, value, v, pl, prices) -> None:
     """A value leaving the program typed varying over axes its placement ``pl`` does not split
     (computed from a parameter and data, widened to the data axes) is all-reduced there to type
     it replicated: charged to each strategy of its producer that leaves it so."""
@@ -165,14 +208,17 @@ def _replicate_at(ctx, graph, value, v, pl) -> None:
         extra = (found.vary[slot] - pl.split_axes()) if found is not None and found.vary else frozenset()
         if extra:
             cost = moved_bytes("all-reduce", local, local, ctx.mesh.axes_size(tuple(extra))) * executions
-            node.strategies[i] = dataclasses.replace(s, cost=s.cost + cost)
+            node.strategies[i] = dataclasses.replace(s, cost=s.cost + cost, own_time=None if s.own_time is None else
+                                                     s.own_time + prices.step("all-reduce", tuple(extra), cost))
 
 
-def choose(ctx, recording, *, time_limit: float = 60.0, objective: str = "time", hardware=None) -> Plan:
-    """Solve the program ``recording`` holds for ``objective`` on ``hardware``; the ops the plan
-    moves, with their entries."""
+def choose(ctx, recording, *, time_limit: float = 60.0, objective: str = "time", hardware=None,
+           memory_budget: float | None = None) -> Plan:
+    """Solve the program ``recording`` holds for ``objective`` on ``hardware``, holding at most
+    ``memory_budget`` bytes per device as the graph sees it; the ops the plan moves, with their
+    entries. Raises :class:`~meshdsl.planner.solve.NoPlanFits` where no plan holds so little."""
     graph, nodes = build(ctx, recording, objective, hardware)
-    solution = solve(graph, time_limit=time_limit)
+    solution = solve(graph, time_limit=time_limit, memory_budget=memory_budget)
     default = graph.cost([0] * len(graph.nodes))
     choice = {}
     for g, k in nodes.items():
@@ -199,7 +245,8 @@ def decisions(plan, followed: bool) -> list:
         other = list(plan.solution.choice)
         other[g] = nxt
         row = {"op": node.name, "chosen": chosen.label, "bytes": graph.moved(plan.solution.choice),
-               "next": node.strategies[nxt].label, "next_bytes": graph.moved(other), "followed": followed}
+               "memory": graph.memory(plan.solution.choice), "next": node.strategies[nxt].label,
+               "next_bytes": graph.moved(other), "next_memory": graph.memory(other), "followed": followed}
         if rate:
             row.update(seconds=plan.solution.bytes / rate, next_seconds=nxt_cost / rate)
         out.append(row)
@@ -226,11 +273,19 @@ def _live(recording) -> set:
     return live
 
 
-def _relay_bytes(ctx, value, src, dst) -> float:
+def _held(ctx, recording, v, pl) -> float:
+    """Bytes per device value ``v`` holds in placement ``pl``."""
+    dims, dtype, _, _ = recording.values[v]
+    return element_bytes(dtype, ctx.mesh.platform) * math.prod(dims.sizes) / ctx.mesh.axes_size(tuple(pl.split_axes()))
+
+
+def _relay_bytes(ctx, value, src, dst, price=None) -> float:
+    """Bytes (or, with ``price``, what its steps cost) of relaying ``value`` from ``src`` to
+    ``dst``, forward and, differentiated, back, as often as the value's trace runs."""
     dims, dtype, executions, grad = value
     if not dst.pending <= src.pending:
         return math.inf   # no collective creates a pending sum
     itemsize = element_bytes(dtype, ctx.mesh.platform)
-    forward = relayout_bytes(ctx, dims, itemsize, src.axes, src.pending, dst.axes, dst.pending)
-    backward = relayout_bytes(ctx, dims, itemsize, dst.axes, frozenset(), src.axes) if grad else 0.0
+    forward = relayout_bytes(ctx, dims, itemsize, src.axes, src.pending, dst.axes, dst.pending, price)
+    backward = relayout_bytes(ctx, dims, itemsize, dst.axes, frozenset(), src.axes, price=price) if grad else 0.0
     return (forward + backward) * executions

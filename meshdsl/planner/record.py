@@ -204,6 +204,8 @@ class Found:
     points: tuple = ()     # candidates of each decision point the rule met, in order
     reads: tuple = ()      # (op number, bytes, copy) of the copies other ops made that the rule read
     makes: frozenset = frozenset()   # the copies (keys) the rule made
+    collectives: tuple = ()   # (kind, mesh axes, bytes) of each collective the rule emitted, forward
+    duals: tuple = ()         # (mesh axes, bytes) of what its backward moves (the part priced ahead)
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -229,9 +231,12 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
     forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
+    emitted = tuple((r.kind, r.axes, r.total_bytes) for r in ctx.rec.records[start[0]:])
+    duals = tuple((r.axes, dual_bytes([r])) for r in ctx.rec.records[start[0]:]) + \
+        tuple(zip(ctx.rec.cast_axes[start[1]:], ctx.rec.casts[start[1]:]))
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
-                         tuple(reads), frozenset(makes))
+                         tuple(reads), frozenset(makes), emitted, duals)
 
 
 def _sliced(held: Placement, entry: Placement) -> bool:

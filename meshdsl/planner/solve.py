@@ -22,6 +22,14 @@ Ties go to the default strategies (index 0: the rule's own choice): each op off 
 costs a ten-thousandth of a byte, so a program where nothing can be gained lowers as the rules
 alone would. (Memory is not a tie-break yet: the strategies do not price it.)
 
+With a memory budget (bytes per device), Alpa's constraint at each point of the program:
+
+    sum over values v live at node t, over their producer's strategies s, of
+        x[producer, s] * bytes per device v holds under s   <=  budget
+
+(:meth:`~meshdsl.planner.graph.Graph.live_range`: from its producer to its last reader, to the
+end where the backward pass reads it); the whole graph is then one part.
+
 Parts of the graph no value joins are solved apart; a part whose nodes all have one strategy is
 not solved at all. :func:`solve_exact` enumerates every plan of a small graph (the tests' check
 of the ILP).
@@ -39,7 +47,7 @@ from scipy.sparse import coo_array
 
 from .graph import Graph
 
-__all__ = ["Solution", "solve", "solve_exact"]
+__all__ = ["Solution", "solve", "solve_exact", "NoPlanFits"]
 
 
 @dataclasses.dataclass
@@ -68,17 +76,30 @@ _TIE = 1e-4   # bytes charged per op off its default: a tie keeps the rules' cho
 #               the smallest difference in bytes two plans can have (half a byte)
 
 
-def solve(graph: Graph, *, time_limit: float = 20.0) -> Solution:
-    """The plan of least bytes (then most defaults) for ``graph``; ``optimal`` is False where the
-    solver ran out of ``time_limit`` (seconds per part) and kept the best plan it had, or the
-    defaults."""
+class NoPlanFits(Exception):
+    """No plan of the graph holds at most the memory budget (``least``: the least peak a plan has)."""
+
+    def __init__(self, least: float):
+        super().__init__(least)
+        self.least = least
+
+
+def solve(graph: Graph, *, time_limit: float = 20.0, memory_budget: float | None = None) -> Solution:
+    """The plan of least cost (then most defaults) for ``graph`` holding at most ``memory_budget``
+    bytes per device at every point (None: no limit); ``optimal`` is False where the solver ran
+    out of ``time_limit`` (seconds per part) and kept the best plan it had, or the defaults.
+
+    Raises:
+        NoPlanFits: no plan holds at most ``memory_budget``.
+    """
     start = time.perf_counter()
     choice = [0] * len(graph.nodes)
     variables, optimal = 0, True
-    for part in graph.components():
-        if all(len(graph.nodes[k].strategies) == 1 for k in part):
+    parts = graph.components() if memory_budget is None else [list(range(len(graph.nodes)))]
+    for part in parts:
+        if all(len(graph.nodes[k].strategies) == 1 for k in part) and memory_budget is None:
             continue
-        picked, n, exact = _solve_part(graph, part, time_limit)
+        picked, n, exact = _solve_part(graph, part, time_limit, memory_budget)
         variables += n
         optimal = optimal and exact
         for k, s in picked.items():
@@ -87,14 +108,18 @@ def solve(graph: Graph, *, time_limit: float = 20.0) -> Solution:
                     variables, optimal)
 
 
-def solve_exact(graph: Graph) -> Solution:
-    """Every plan enumerated (small graphs only), least bytes then most defaults, as :func:`solve`."""
+def solve_exact(graph: Graph, memory_budget: float | None = None) -> Solution:
+    """Every plan enumerated (small graphs only), least cost then most defaults, as :func:`solve`."""
     start = time.perf_counter()
     best = None
     for choice in itertools.product(*(range(len(n.strategies)) for n in graph.nodes)):
+        if memory_budget is not None and graph.memory(choice) > memory_budget:
+            continue
         key = (round(graph.cost(choice), 6), sum(1 for s in choice if s))
         if best is None or key < best[0]:
             best = (key, list(choice))
+    if best is None:
+        raise NoPlanFits(min(graph.memory(c) for c in itertools.product(*(range(len(n.strategies)) for n in graph.nodes))))
     choice = best[1]
     return Solution(choice, graph.cost(choice), time.perf_counter() - start)
 
@@ -135,14 +160,14 @@ class _Program:
         return res
 
 
-def _solve_part(graph: Graph, part: list, time_limit: float):
+def _solve_part(graph: Graph, part: list, time_limit: float, memory_budget: float | None = None):
     """``({node: strategy}, variables, optimal)`` for one connected part; the defaults when the
     solver finds no plan in ``time_limit`` seconds."""
     prog = _Program()
     x = {}
     for k in part:
         node = graph.nodes[k]
-        ids = [prog.var(s.cost + s.work + (_TIE if i else 0.0)) for i, s in enumerate(node.strategies)]
+        ids = [prog.var(s.time + s.work + (_TIE if i else 0.0)) for i, s in enumerate(node.strategies)]
         x[k] = ids
         prog.row({i: 1.0 for i in ids}, 1.0, 1.0)
     members = set(part)
@@ -153,8 +178,12 @@ def _solve_part(graph: Graph, part: list, time_limit: float):
         if c.reader in members:
             z = prog.var(c.cost, integer=False, upper=1.0)
             prog.row({z: 1.0, x[c.reader][c.strategy]: -1.0, **{x[c.maker][s]: 1.0 for s in c.makers}}, 0.0, np.inf)
+    if memory_budget is not None:
+        _memory_rows(graph, prog, x, memory_budget)
     res = prog.run(prog.bytes, time_limit=time_limit)
     if res.x is None:
+        if memory_budget is not None and res.status == 2:   # infeasible: no plan fits
+            raise NoPlanFits(_least_memory(graph, x))
         return {k: 0 for k in part}, prog.n, False
     picked = {k: int(np.argmax([res.x[i] for i in ids])) for k, ids in x.items()}
     return picked, prog.n, bool(res.status == 0)
@@ -180,3 +209,45 @@ def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) ->
                 prog.row({ys[s]: 1.0, x[p][s]: -1.0}, -np.inf, 0.0)
         for c, strategies in by_consumer.items():
             prog.row({**{y: 1.0 for y in ys.values()}, **{x[c][s]: -1.0 for s in strategies}}, 0.0, np.inf)
+
+
+def _memory_rows(graph: Graph, prog: _Program, x: dict, budget: float) -> None:
+    """One row per point of the program where the values held may exceed ``budget``: the bytes
+    per device each holds under its producer's strategy, summed over the values live there."""
+    starts: dict = {}
+    for v, (p, slot) in graph.producer.items():
+        sizes = [s.memory[slot] if s.memory else 0.0 for s in graph.nodes[p].strategies]
+        if any(sizes):
+            first, last = graph.live_range(v)
+            starts.setdefault(first, []).append((last, p, sizes))
+    live: list = []
+    seen = set()
+    for t in range(len(graph.nodes)):
+        live = [e for e in live if e[0] >= t] + starts.get(t, [])
+        if sum(max(sizes) for _, _, sizes in live) <= budget:
+            continue   # no plan holds more here than the budget
+        coefs: dict = {}
+        for _, p, sizes in live:
+            for s, size in enumerate(sizes):
+                if size:
+                    coefs[x[p][s]] = coefs.get(x[p][s], 0.0) + size
+        key = tuple(sorted(coefs.items()))
+        if key not in seen:
+            seen.add(key)
+            prog.row(coefs, -np.inf, budget)
+
+
+def _least_memory(graph: Graph, x: dict) -> float:
+    """The least peak any plan holds (the ILP minimising its memory, no budget)."""
+    prog = _Program()
+    ids = {}
+    for k in range(len(graph.nodes)):
+        ids[k] = [prog.var() for _ in graph.nodes[k].strategies]
+        prog.row({i: 1.0 for i in ids[k]}, 1.0, 1.0)
+    peak = prog.var(1.0, integer=False, upper=np.inf)
+    rows = _Program()
+    _memory_rows(graph, rows, ids, 0.0)
+    for coefs, _, _ in rows.rows:
+        prog.row({**coefs, peak: -1.0}, -np.inf, 0.0)
+    res = prog.run(prog.bytes)
+    return float(res.x[peak]) if res.x is not None else float("nan")

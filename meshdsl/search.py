@@ -168,7 +168,9 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             hardware's device memory.
         hardware: an :class:`~meshdsl.Hardware` or a profile name (default ``"h100-80gb"``).
         top: how many ranked candidates to keep.
-        dims: the dims to place (default: every dim of the arguments).
+        dims: the dims to place (default: every dim of the arguments, and every dim a rename in
+            the program gives one of them: a model's ``length`` fed by the batch's ``targets``;
+            any dim the program has may be named).
         zero: also try each assignment with its parameters stored split (ZeRO-3).
         choices: keyword arguments of ``fn`` to try with each of their values (``{"remat":
             ["none", "full"]}``); a candidate's ``choices`` say which it was costed with.
@@ -190,10 +192,10 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     """
     start = time.perf_counter()
     hw, budget = _hardware_and_budget(hardware, memory_budget)
-    sizes, params = space.dims_of(args, dims)
-    meshes = space.meshes(mesh_or_device_count, mesh_axes)
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
     held = {id(p): Held(p, args) for _, p in programs}
+    sizes, params = space.dims_of(args, dims, held[id(programs[0][1])])
+    meshes = space.meshes(mesh_or_device_count, mesh_axes)
     dim_sets = set().union(*(h.dim_sets for h in held.values()))
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)

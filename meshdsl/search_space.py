@@ -23,9 +23,12 @@ __all__ = ["AXIS_NAMES", "dims_of", "meshes", "factorisations", "groups", "layou
 AXIS_NAMES = ("data", "model", "pipe")   # the axes a device count is factorised into (names only)
 
 
-def dims_of(args, dims) -> tuple[dict, list]:
-    """dim name -> size over the arguments' NamedArrays (the sizes must agree), and the dims of
-    each parameter; ``dims`` (names) narrows which dims a layout may place."""
+def dims_of(args, dims, program=None) -> tuple[dict, list]:
+    """dim name -> size over the arguments' NamedArrays (the sizes must agree) and the dims a
+    rename gives them in the program (a model's ``length`` fed by the batch's ``targets``), and
+    the dims of each parameter; ``dims`` (names of any dim the program has) narrows which dims a
+    layout may place. ``program``: what one shape-only trace saw (:class:`meshdsl.search_floor.Held`:
+    ``sizes`` of every dim, ``renamed``: dim -> the names renames gave it)."""
     sizes, params = {}, []
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=is_named):
         if not is_named(leaf):
@@ -37,13 +40,22 @@ def dims_of(args, dims) -> tuple[dict, list]:
     if not sizes:
         raise MeshDSLError("md.search: the arguments hold no NamedArray, so there is no dim to place; "
                            "pass the program's inputs and parameters as NamedArrays")
+    known = dict(program.sizes) if program is not None else {}
+    renamed = program.renamed if program is not None else {}
+    frontier = list(sizes)
+    while frontier:   # the names renames give the arguments' dims, through chains of renames
+        for new in sorted(renamed.get(frontier.pop(), ())):
+            if new not in sizes and new in known:
+                sizes[new] = known[new]
+                frontier.append(new)
     if dims is not None:
         dims = [dims] if isinstance(dims, str) else list(dims)
-        unknown = [d for d in dims if d not in sizes]
+        every = {**known, **sizes}
+        unknown = [d for d in dims if d not in every]
         if unknown:
-            raise MeshDSLError(f"md.search: dims={unknown} are not dims of the arguments "
-                               f"(they have {sorted(sizes)}); name dims the inputs or parameters carry")
-        sizes = {d: sizes[d] for d in dims}
+            raise MeshDSLError(f"md.search: dims={unknown} are not dims of the program (it has "
+                               f"{sorted(every)}); name dims its values carry")
+        sizes = {d: every[d] for d in dims}
     return sizes, params
 
 

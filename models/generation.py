@@ -26,6 +26,8 @@ hypotheses with one-hot einsums over the ``beam`` dim, never a positional gather
 
 from __future__ import annotations
 
+import difflib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,8 @@ import numpy as np
 import meshdsl as md
 
 from .decode import token_ids, decode_logits, encoder_mask_like_hf, prefill
+from .generation_lm import generate_lm
+from .generation_setup import cache_length, phase_layouts as _layouts
 from .sampling import filter_logits, gumbel_argmax
 
 __all__ = ["generate", "Generator", "METHODS"]
@@ -45,7 +49,6 @@ _GENERATORS: dict = {}    # generate()'s options -> Generator (compiled programs
 
 def _check(method, max_new_tokens, num_beams, temperature, top_k, top_p, key, vocab):
     if method not in METHODS:
-        import difflib
         close = difflib.get_close_matches(str(method), METHODS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise md.MeshDSLError(f"generate: method must be one of {METHODS}, got {method!r}{hint}")
@@ -66,32 +69,6 @@ def _check(method, max_new_tokens, num_beams, temperature, top_k, top_p, key, vo
     elif key is not None or top_k is not None or top_p is not None or temperature != 1.0:
         raise md.MeshDSLError(f"generate: key, temperature, top_k and top_p are for method='sample', "
                               f"not {method!r}")
-
-
-def _layouts(mesh, layout):
-    """(mesh, prefill layout, decode layout); no mesh: one device, nothing split."""
-    if mesh is None:
-        if layout is not None:
-            raise md.MeshDSLError("generate: a layout needs a mesh= (e.g. md.Mesh({'data': 2, 'model': 4}))")
-        return md.Mesh({"data": 1}, devices=jax.devices()[:1]), md.Layout({}), md.Layout({})
-    if isinstance(layout, dict) and not isinstance(layout, md.Layout):
-        unknown = set(layout) - {"prefill", "decode"}
-        if unknown or not layout:
-            raise md.MeshDSLError(f"generate: a layout per phase is a dict with keys 'prefill' and 'decode', "
-                                  f"got {sorted(layout)}")
-        pre, dec = layout.get("prefill", md.Layout({})), layout.get("decode", md.Layout({}))
-    else:
-        pre = dec = md.Layout({}) if layout is None else layout
-    for name, lay in (("prefill", pre), ("decode", dec)):
-        if isinstance(lay, str):
-            lay = md.Layout.parse(lay)
-        if not isinstance(lay, md.Layout):
-            raise md.MeshDSLError(f"generate: the {name} layout must be an md.Layout, got {type(lay).__name__}")
-        if name == "prefill":
-            pre = lay
-        else:
-            dec = lay
-    return mesh, pre, dec
 
 
 class Generator:
@@ -231,16 +208,6 @@ def _reorder(cache: md.NamedArray, parent_oh: md.NamedArray) -> md.NamedArray:
     return out
 
 
-def cache_length(max_new_tokens: int, mesh: md.Mesh | None = None) -> int:
-    """Positions in the KV cache: the ``max_new_tokens`` decoder inputs, rounded up to a multiple
-    of 8 (and of the mesh size, so any ``kv_length`` rule divides it). Extra positions are masked;
-    a fixed rounding keeps the attention sums the same on every mesh."""
-    size = 8
-    while size % (mesh.size if mesh is not None else 1):
-        size += 8
-    return -(-max_new_tokens // size) * size
-
-
 def _as_ids(inputs) -> md.NamedArray:
     if isinstance(inputs, md.NamedArray):
         return inputs
@@ -265,7 +232,6 @@ def generate(model, inputs, *, max_new_tokens: int, method: str = "greedy", temp
     ids = _as_ids(inputs)
     _check(method, max_new_tokens, num_beams, temperature, top_k, top_p, key, model.config.vocab)
     if getattr(model.config, "decoder_only", False):
-        from .generation_lm import generate_lm
         return generate_lm(model, ids, max_new_tokens=max_new_tokens, method=method, temperature=temperature,
                            top_k=top_k, top_p=top_p, eos_id=eos_id, key=key, mesh=mesh, layout=layout,
                            attention_mask=attention_mask, generator=generator)

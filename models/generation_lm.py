@@ -29,6 +29,7 @@ import numpy as np
 import meshdsl as md
 
 from .decode import token_ids
+from .generation_setup import cache_length, phase_layouts as _layouts
 from .llama_decode import decode_logits, prefill
 from .sampling import filter_logits, gumbel_argmax
 
@@ -118,8 +119,6 @@ def generate_lm(model, inputs, *, max_new_tokens: int, method: str = "greedy", t
                 top_k=None, top_p=None, eos_id: int = 1, key=None, mesh=None, layout=None, attention_mask=None,
                 generator: LMGenerator | None = None):
     """Prompt and new tokens ``[batch, length]`` (a NamedArray); see the module docstring."""
-    from .generation import _layouts, cache_length
-
     ids, mask = _prompt(inputs, attention_mask)
     if generator is None:
         mesh, pre_layout, dec_layout = _layouts(mesh, layout)

@@ -243,10 +243,29 @@ def test_a_budget_written_as_text_is_read_and_an_unreadable_one_is_refused():
         md.search(_mlp_grads, mesh, *args, memory_budget="1 GX")
 
 
-def test_dims_the_arguments_do_not_have_are_refused():
-    with raises(md.MeshDSLError, r"dims=\['dff'\] are not dims of the arguments \(they have \['batch', "
+def test_dims_the_program_does_not_have_are_refused():
+    with raises(md.MeshDSLError, r"dims=\['dff'\] are not dims of the program \(it has \['batch', "
                                  r"'d_ff', 'd_model'\]\)"):
         md.search(_mlp_grads, 8, *_mlp(16, 64, 256), dims=["batch", "dff"])
+
+
+def test_a_dim_the_program_renames_an_argument_dim_to_is_searched():
+    """The batch names its positions ``targets``; the model attends over ``length`` (a rename):
+    context parallelism (a layout splitting ``length``) is in the default space, and ``length``
+    may be named in ``dims=``."""
+    x = md.named(jax.ShapeDtypeStruct((2, 2048, 2, 64), jnp.float32), "batch targets heads d_kv")
+
+    def attend(x):
+        q = md.rename(x, {"targets": "length"})
+        kv = md.rename(q, {"length": "kv_length"})
+        return md.attention(q, kv, kv, causal=True)
+    mesh = md.Mesh.abstract({"data": 2, "ctx": 4})
+    every = md.search(attend, mesh, x, top=1000)
+    placed = {d for c in every.candidates + every.rejected for d in c.layout.rules}
+    assert {"length", "kv_length"} <= placed
+    assert any(c.layout.rules.get("length") == ("ctx",) for c in every.candidates)
+    named = md.search(attend, mesh, x, dims=["batch", "length"], top=1000)
+    assert {d for c in named.candidates for d in c.layout.rules} <= {"batch", "length"}
 
 
 def test_arguments_without_named_arrays_are_refused():

@@ -21,8 +21,8 @@ if "jax" not in sys.modules:
 import jax  # noqa: E402
 
 import meshdsl as md  # noqa: E402
-from meshdsl import hlo_comm  # noqa: E402
-from meshdsl.units import fmt_bytes  # noqa: E402
+from meshdsl.costmodel import hlo_comm  # noqa: E402
+from meshdsl.names.units import fmt_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

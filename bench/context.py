@@ -32,8 +32,8 @@ from flax import nnx  # noqa: E402
 import meshdsl as md  # noqa: E402
 import meshdsl.layers as L  # noqa: E402
 from bench.common import hlo_bytes, ratio, total, write  # noqa: E402
-from meshdsl.named import is_named  # noqa: E402
-from meshdsl.units import fmt_bytes  # noqa: E402
+from meshdsl.names.named import is_named  # noqa: E402
+from meshdsl.names.units import fmt_bytes  # noqa: E402
 
 WIDTHS = {   # d_model, heads, d_kv, d_ff, layers
     "t5-small": (512, 8, 64, 2048, 2),

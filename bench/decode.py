@@ -34,8 +34,8 @@ from flax import nnx  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 from bench.common import write  # noqa: E402
-from meshdsl.units import fmt_bytes as _fmt_bytes  # noqa: E402
-from meshdsl import hlo_comm  # noqa: E402
+from meshdsl.names.units import fmt_bytes as _fmt_bytes  # noqa: E402
+from meshdsl.costmodel import hlo_comm  # noqa: E402
 from meshdsl.models.configs import get_config  # noqa: E402
 from meshdsl.models.generation import Generator, cache_length  # noqa: E402
 from meshdsl.models.inference import INFERENCE_LAYOUTS, bytes_per_device  # noqa: E402

@@ -53,7 +53,7 @@ from bench.step_time import matmul_peak_flops  # noqa: E402
 from meshdsl.models.llama import Llama  # noqa: E402
 from meshdsl.models.llama_configs import LLAMA_CONFIGS  # noqa: E402
 from meshdsl.models.loss import lm_loss  # noqa: E402
-from meshdsl.units import fmt_bytes  # noqa: E402
+from meshdsl.names.units import fmt_bytes  # noqa: E402
 
 PROFILES = {"H100": "h100-80gb", "H200": "h200", "A100": "a100-80gb"}   # device_kind substring -> profile
 

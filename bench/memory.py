@@ -35,7 +35,7 @@ from bench import models  # noqa: E402
 from bench.common import write  # noqa: E402
 from meshdsl.models.loss import t5_loss  # noqa: E402
 from meshdsl.models.t5 import count_params  # noqa: E402
-from meshdsl.named import is_named  # noqa: E402
+from meshdsl.names.named import is_named  # noqa: E402
 
 CASES = {  # name: (mesh, rules, params rules, parameters marked md.param)
     "data parallel": ("data:8", {"batch": "data"}, None, True),

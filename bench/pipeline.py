@@ -44,7 +44,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshdsl as md  # noqa: E402
-from meshdsl import hlo_comm  # noqa: E402
+from meshdsl.costmodel import hlo_comm  # noqa: E402
 from bench import models  # noqa: E402
 from bench.common import fmt_kinds, hlo_bytes, ratio, same_bytes, total, write  # noqa: E402
 from meshdsl.models.loss import t5_loss  # noqa: E402

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import meshdsl as md  # noqa: E402
-from meshdsl import hlo_comm  # noqa: E402
+from meshdsl.costmodel import hlo_comm  # noqa: E402
 from bench.common import fmt_kinds, ratio, same_bytes, total, write  # noqa: E402
 
 F32 = 4

@@ -33,7 +33,7 @@ from bench.common import write  # noqa: E402
 from meshdsl.models.configs import get_config  # noqa: E402
 from meshdsl.models.autolayout import abstract_batch, step_of  # noqa: E402
 from meshdsl.models.t5 import T5  # noqa: E402
-from meshdsl.units import fmt_bytes  # noqa: E402
+from meshdsl.names.units import fmt_bytes  # noqa: E402
 
 DEVICES, HARDWARE = 256, "h100-80gb"
 MEGATRON = {"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}

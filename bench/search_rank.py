@@ -24,7 +24,7 @@ from scipy import stats  # noqa: E402
 import meshdsl as md  # noqa: E402
 from bench import models  # noqa: E402
 from bench.common import write  # noqa: E402
-from meshdsl.units import fmt_bytes  # noqa: E402
+from meshdsl.names.units import fmt_bytes  # noqa: E402
 
 
 def _measured(f, args, steps: int) -> float:

@@ -8,7 +8,7 @@ enumerated, how many were pruned or rejected before tracing, traced (``costed``)
 program of a traced layout under other axis names), the seconds, and the seconds per traced
 layout. Nothing is compiled. "rejected before tracing" counts the layouts pruned (axes that do not
 divide a dim), those whose arguments and outputs alone are over the budget, and those the screen
-puts over it (``meshdsl/search_floor.py``: arguments and outputs plus the unsharded program's
+puts over it (``meshdsl/search/floor.py``: arguments and outputs plus the unsharded program's
 temporaries as the layout could split them, an estimate that errs low).
 
 Run: ``python -m bench.search_speed`` (writes bench/results/search_speed.{json,md}).

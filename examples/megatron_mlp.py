@@ -2,7 +2,7 @@
 
 For each layout it prints what ``md.explain`` predicts (before compiling), then compiles, runs,
 checks the result against the unsharded program, and prints the bytes the compiled HLO moves
-(``meshdsl.hlo_comm``) next to the prediction. Runs on 8 virtual CPU devices when no accelerator
+(``meshdsl.costmodel.hlo_comm``) next to the prediction. Runs on 8 virtual CPU devices when no accelerator
 has 8 devices.
 """
 
@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import meshdsl as md  # noqa: E402
-from meshdsl import hlo_comm  # noqa: E402
+from meshdsl.costmodel import hlo_comm  # noqa: E402
 
 LAYOUTS = {
     "data parallel": "batch:data",

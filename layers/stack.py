@@ -32,7 +32,7 @@ import meshdsl as md
 
 __all__ = ["scan_layers", "layer_at", "with_remat", "remat_policy", "REMAT_POLICIES", "NAMES"]
 
-# Names the rewriter gives to values (meshdsl.collectives, the einsum rule): remat policies keep or
+# Names the rewriter gives to values (meshdsl.rewrite.collectives, the einsum rule): remat policies keep or
 # recompute them by name.
 NAMES = ("einsum", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLLECTIVES = NAMES[1:]

@@ -7,16 +7,16 @@ and :func:`explain` reports what they cost before compiling. This module is the 
 """
 
 from . import random
-from .dims import Dim, Shape, shape
-from .display import register_treescope, report_html, reports_table
-from .errors import LayoutError, MeshDSLError, MeshError, ShapeError
-from .explain import Report, explain
-from .hardware import Hardware
-from .layout import Layout
-from .lower import LoweredFunction, lower, place
-from .mesh import Mesh
-from .named import NamedArray, named, param
-from .search import Candidate, SearchResult, search
+from .names.dims import Dim, Shape, shape
+from .views.display import register_treescope, report_html, reports_table
+from .names.errors import LayoutError, MeshDSLError, MeshError, ShapeError
+from .views.explain import Report, explain
+from .costmodel.hardware import Hardware
+from .names.layout import Layout
+from .lowering.lower import LoweredFunction, lower, place
+from .names.mesh import Mesh
+from .names.named import NamedArray, named, param
+from .search.search import Candidate, SearchResult, search
 from .ops import (
     abs, add, arange, argmax, attention, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, erf, exp, expm1,
     floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, local_map, log, log1p, logical_and,
@@ -25,8 +25,8 @@ from .ops import (
     slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
     where, zeros,
 )
-from .pipeline_plot import plot_pipeline
-from .plots import device_blocks, plot_placement, plot_reports
+from .views.pipeline_plot import plot_pipeline
+from .views.plots import device_blocks, plot_placement, plot_reports
 
 from ._version import __version__
 

@@ -16,7 +16,7 @@ import math
 import sys
 import types
 
-from meshdsl.layout import register_padding_hint
+from meshdsl.names.layout import register_padding_hint
 
 from .generation import generate
 from .llama import Llama

@@ -26,7 +26,7 @@ import meshdsl as md
 from meshdsl.models.faults import UsageError
 from meshdsl.models.family import model_class, objective
 from meshdsl.models.loss import t5_loss
-from meshdsl.units import fmt_bytes
+from meshdsl.names.units import fmt_bytes
 
 __all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "choose_for_run", "rules_text", "step_of"]
 

@@ -42,8 +42,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshdsl.named import NamedArray, is_named
-from meshdsl.units import fmt_bytes
+from meshdsl.names.named import NamedArray, is_named
+from meshdsl.names.units import fmt_bytes
 
 __all__ = ["Checkpoints", "CheckpointError", "save", "restore", "latest_step", "abstract_like", "shardings",
            "MANIFEST", "state_bytes"]

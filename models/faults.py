@@ -20,7 +20,7 @@ import tempfile
 import threading
 
 from meshdsl.ops.pipeline import SCHEDULES
-from meshdsl.units import fmt_bytes
+from meshdsl.names.units import fmt_bytes
 
 __all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
            "checked_vocabulary", "mesh_warnings", "check_schedule"]

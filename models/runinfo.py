@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from meshdsl.units import fmt_bytes
+from meshdsl.names.units import fmt_bytes
 
 __all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths"]
 
@@ -80,7 +80,7 @@ def explain_text(report, accum: int) -> str:
 
 
 def hlo_text(compiled) -> str:
-    from meshdsl import hlo_comm
+    from meshdsl.costmodel import hlo_comm
     rep = hlo_comm.analyze(compiled)
     kinds = ", ".join(f"{k} x{v['count']}" for k, v in rep.summary().items())
     return (f"the compiled step (with the optimizer update) moves {fmt_bytes(rep.total_moved_bytes())} "

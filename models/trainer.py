@@ -35,12 +35,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
-from meshdsl.errors import suggest
+from meshdsl.names.errors import suggest
 from meshdsl.models import checkpoint
 from meshdsl.models.data import make_dataset
 from meshdsl.models.family import model_class, objective
 from meshdsl.models.loss import batch_arrays
-from meshdsl.named import is_named
+from meshdsl.names.named import is_named
 
 __all__ = ["Trainer", "Feed", "host_metrics", "named_batch"]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl import hlo_comm
+from meshdsl.costmodel import hlo_comm
 
 
 def is_named(x) -> bool:

@@ -4,6 +4,7 @@ contract. Reads the source with ``ast``: nothing is imported or compiled."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -107,6 +108,45 @@ def test_the_model_package_has_no_import_cycle():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
+FLOORS = ["platform", "names", "costmodel", "rewrite", "ops", "planner", "lowering", "views", "search"]
+
+
+def _floor(module: str) -> int:
+    """The floor of a meshdsl module (its subpackage's place in ``FLOORS``); the facade is above all."""
+    parts = module.split(".")
+    return FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in FLOORS else len(FLOORS)
+
+
+def test_every_module_lives_in_a_subpackage_of_one_concept():
+    loose = sorted(n for n in MODULES if _floor(n) == len(FLOORS) and n not in ("meshdsl", "meshdsl.random",
+                                                                                "meshdsl._version"))
+    assert not loose, loose
+
+
+def test_subpackages_import_only_their_own_floor_and_the_floors_below():
+    graph = _graph()
+    upward = sorted(f"{u} -> {v}" for u, deps in graph.items() for v in deps if _floor(v) > _floor(u))
+    assert not upward, upward
+
+
+@pytest.mark.parametrize("floor", FLOORS)
+def test_each_subpackage_says_what_it_owns_and_what_it_may_import(floor):
+    doc = ast.get_docstring(ast.parse((ROOT / floor / "__init__.py").read_text())) or ""
+    assert len(doc) > 80, floor
+    if floor != "platform":
+        assert "May import" in doc, floor
+
+
+def test_the_module_map_of_the_architecture_doc_is_the_code():
+    """docs/architecture.md names every module by its path under meshdsl/, and no module that is not."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    named = {p for p in re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)`", text)
+             if not p.startswith("tests/") and p != "__init__.py"}
+    paths = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if p.name != "__init__.py"}
+    assert paths - named == set(), sorted(paths - named)
+    assert named - paths == set(), sorted(named - paths)
+
+
 def test_a_cycle_is_detected():  # the checker itself can fail
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
@@ -123,8 +163,8 @@ def test_values_do_not_import_rules_backends_or_reports():
                 reach(v, seen)
         return seen
 
-    low = {"meshdsl.dims", "meshdsl.errors", "meshdsl.named", "meshdsl.mesh", "meshdsl.layout",
-           "meshdsl.tracing", "meshdsl.cost", "meshdsl.units", "meshdsl.jaxcompat"}
+    low = {"meshdsl.names.dims", "meshdsl.names.errors", "meshdsl.names.named", "meshdsl.names.mesh", "meshdsl.names.layout",
+           "meshdsl.names.tracing", "meshdsl.costmodel.cost", "meshdsl.names.units", "meshdsl.platform.jaxcompat"}
     for name in low:
         assert reach(name) <= low, (name, sorted(reach(name) - low))
 
@@ -174,7 +214,7 @@ def test_operators_and_views_are_installed_by_their_layers():
     x = md.named([1.0, 2.0], "a")
     assert (x + 1).names == ("a",) and (-x).names == ("a",) and x.astype("int32").dtype == "int32"
     assert "<table" in x._repr_html_()
-    methods = [n.name for c in ast.walk(ast.parse((ROOT / "named.py").read_text()))
+    methods = [n.name for c in ast.walk(ast.parse((ROOT / "names" / "named.py").read_text()))
                if isinstance(c, ast.ClassDef) and c.name == "NamedArray" for n in c.body
                if isinstance(n, ast.FunctionDef)]
     assert "__add__" not in methods and "_repr_html_" not in methods and "astype" not in methods

@@ -11,8 +11,8 @@ import pytest
 
 import meshdsl as md
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
-from meshdsl import balance, flash
-from meshdsl.jaxcompat import varying_axes
+from meshdsl.ops import balance, flash
+from meshdsl.platform.jaxcompat import varying_axes
 from meshdsl.layers.position import relative_position_bucket
 
 B, L, H, D = 2, 24, 4, 8

@@ -85,7 +85,7 @@ def test_campaign_linear_op_on_a_pending_value_that_is_also_returned():
 
 def test_campaign_reshape_of_a_dim_split_finer_than_its_leading_part():
     """d split over x:4 reshaped to p2 q4 (x does not divide p2): p takes the major half of x and
-    q its minor half (factor axes, meshdsl.mesh) - before them it gathered d, 24 B where gspmd
+    q its minor half (factor axes, meshdsl.names.mesh) - before them it gathered d, 24 B where gspmd
     moves 16 B."""
     v = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "d"))
     moved = _moved(lambda v: md.reshape(v, "p2:2 q4:4"), md.Mesh({"x": 4, "y": 2}),

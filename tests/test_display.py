@@ -15,7 +15,7 @@ import pytest
 from matplotlib.patches import Rectangle
 
 import meshdsl as md
-from meshdsl import display
+from meshdsl.views import display
 
 B, D, F = 8, 16, 32
 
@@ -246,7 +246,7 @@ def test_plot_placement_1d_3d_and_large_meshes():
 
 
 def test_plot_reports_stacks_bytes_per_kind_and_marks_measured(args, mesh):
-    from meshdsl import hlo_comm
+    from meshdsl.costmodel import hlo_comm
     layouts = {"data": md.Layout({"batch": "data"}), "Megatron": MEGATRON, "ZeRO-3": ZERO3}
     reports = {n: md.explain(mlp, mesh, lay, *args) for n, lay in layouts.items()}
     measured = {"Megatron": hlo_comm.analyze(md.lower(mlp, mesh, MEGATRON).lower(*args).compile())}
@@ -290,7 +290,7 @@ def test_treescope_renders_named_arrays_with_their_dim_names(args, mesh):
 
 
 def test_plot_pipeline_draws_which_stage_works_on_which_microbatch():
-    from meshdsl.pipeline_plot import schedule_grid
+    from meshdsl.views.pipeline_plot import schedule_grid
     assert schedule_grid(3, 2, backward=False) == [[0, 1, None, None], [None, 0, 1, None], [None, None, 0, 1]]
     assert schedule_grid(2, 2)[1] == [None, 0, 1, 1, 0, None]          # forward, then the ticks in reverse
     entry = {"schedule": "gpipe", "axis": "pipe", "stages": 4, "microbatches": 3, "ticks": 6,
@@ -310,7 +310,7 @@ def test_plot_pipeline_draws_which_stage_works_on_which_microbatch():
 def test_plot_pipeline_draws_the_1f1b_schedule():
     """Each tick's forward and backward phase: stage s runs microbatch t - s forward and
     t - (2S - 2 - s) backward; the last stage's forward pass is part of its backward phase."""
-    from meshdsl.pipeline_plot import one_f_one_b_grid
+    from meshdsl.views.pipeline_plot import one_f_one_b_grid
     grid = one_f_one_b_grid(2, 2)
     assert grid == [[(0, None), (1, None), (None, 0), (None, 1)], [(None, None), (None, 0), (None, 1), (None, None)]]
     entry = {"schedule": "1f1b", "axis": "pipe", "stages": 4, "microbatches": 3, "ticks": 3 + 2 * 4 - 2,
@@ -326,7 +326,7 @@ def test_plot_pipeline_draws_the_1f1b_schedule():
 def test_plot_pipeline_draws_the_circular_schedule():
     """Stage s works on item k = t - s at tick t: repeat k // M of microbatch k mod M, R*M + S - 1
     ticks; a cell reads m on a microbatch's first repeat and m·r on its repeat r, the bubble blank."""
-    from meshdsl.pipeline_plot import schedule_grid
+    from meshdsl.views.pipeline_plot import schedule_grid
     assert schedule_grid(2, 2, backward=False, repeats=2) == [[(0, 0), (1, 0), (0, 1), (1, 1), None],
                                                               [None, (0, 0), (1, 0), (0, 1), (1, 1)]]
     assert schedule_grid(2, 2, repeats=2)[0][5:] == [None, (1, 1), (0, 1), (1, 0), (0, 0)]   # then in reverse

@@ -1,4 +1,4 @@
-"""Factor axes (meshdsl.mesh): inside the rewriter every mesh axis is cut into its prime factors,
+"""Factor axes (meshdsl.names.mesh): inside the rewriter every mesh axis is cut into its prime factors,
 so a value can be split over part of an axis. The sub-axis reshapes fuzz campaigns 13 to 15 found
 (a dim split over more devices than the new leading dim has) now move what gspmd moves."""
 

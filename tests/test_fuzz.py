@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 
 import meshdsl as md
-from meshdsl import hlo_comm
+from meshdsl.costmodel import hlo_comm
 
 from fuzz_draw import programs
 from fuzz_programs import ALL_OPS, FAMILY_OPS, NEW_OPS, OPS

@@ -1,6 +1,6 @@
 """Hardware profiles: their numbers, which link each mesh axis runs on, and measuring them here.
 
-The profiles' numbers are vendor datasheet values (cited in ``meshdsl/hardware.py``); these tests
+The profiles' numbers are vendor datasheet values (cited in ``meshdsl/costmodel/hardware.py``); these tests
 pin what must hold whatever the exact values: positive, and ordered as the parts are. Links follow
 row-major device order: on a GPU profile (8 devices per host) an axis whose groups stay inside one
 host's block of 8 devices runs on NVLink, one whose groups span hosts on the network.
@@ -13,7 +13,7 @@ import jax
 import pytest
 
 import meshdsl as md
-from meshdsl.hardware import PROFILES, Hardware, Link
+from meshdsl.costmodel.hardware import PROFILES, Hardware, Link
 
 
 @pytest.mark.parametrize("name", PROFILES)

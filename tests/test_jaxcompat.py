@@ -4,7 +4,7 @@ jax 0.10 writes a ``scan``'s operand groups as counts (``num_consts``, ``num_car
 jax 0.11 and 0.12 as flat trees (``ft_in = (consts, carry, xs)``, ``ft_out = (carry, ys)``). The
 installed jax makes only its own form, so the other is built by hand from it: a program's scans
 rewritten to the 0.11 form must read exactly as the original (the explain counts, the memory
-model), and no module of meshdsl reads ``eqn.params`` outside :mod:`meshdsl.jaxcompat`.
+model), and no module of meshdsl reads ``eqn.params`` outside :mod:`meshdsl.platform.jaxcompat`.
 """
 
 import pathlib
@@ -16,7 +16,8 @@ import pytest
 from jax.extend import core as jcore
 
 import meshdsl as md
-from meshdsl import jaxcompat, jaxpr_stats, liveness
+from meshdsl.platform import jaxcompat
+from meshdsl.costmodel import jaxpr_stats, liveness
 
 
 class _FlatTree:

@@ -1,4 +1,4 @@
-"""md.explain's memory: a liveness model of the per-device program (meshdsl.liveness) that predicts
+"""md.explain's memory: a liveness model of the per-device program (meshdsl.costmodel.liveness) that predicts
 what XLA allocates. Checked against the compiled program's memory_analysis(): exact on small
 programs whose buffers are known by hand, within 10% of the compiled peak (arguments + outputs +
 temporaries) and 25% of its temporaries on t5-small training steps under the usual layouts and
@@ -12,11 +12,11 @@ from flax import nnx
 
 import meshdsl as md
 from bench import memory as bench_memory, models as bench_models
-from meshdsl import liveness
+from meshdsl.costmodel import liveness
 from meshdsl.models.configs import get_config
 from meshdsl.models.loss import t5_loss
 from meshdsl.models.t5 import T5
-from meshdsl.named import is_named
+from meshdsl.names.named import is_named
 
 MEGATRON = {"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}
 LAYOUTS = {

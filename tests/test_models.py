@@ -116,7 +116,7 @@ def test_model_initialised_inside_md_lower_is_placed_and_identical():
 
 
 def count_equations(jaxpr) -> int:
-    from meshdsl.jaxpr_stats import sub_jaxprs
+    from meshdsl.costmodel.jaxpr_stats import sub_jaxprs
     return sum(1 + sum(count_equations(j) for j in sub_jaxprs(e)) for e in jaxpr.eqns)
 
 

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import meshdsl as md
+from meshdsl.costmodel.hardware import Link
 from helpers import raises
 
 B, L, D, F, V = 8, 32, 64, 256, 128
@@ -94,7 +95,7 @@ def test_the_plan_is_priced_on_the_hardware_given():
     step, params, ids = _decoder()
     mesh = md.Mesh({"data": 8})
     slow = md.Hardware.profile("cpu")
-    slow = slow.__class__(**{**slow.__dict__, "interconnect": {"host": md.hardware.Link(1e6, 1e-3)}})
+    slow = slow.__class__(**{**slow.__dict__, "interconnect": {"host": Link(1e6, 1e-3)}})
     on_slow = md.explain(step, mesh, md.Layout({"batch": "data"}), params, ids, hardware=slow)
     default = md.explain(step, mesh, md.Layout({"batch": "data"}), params, ids, hardware="cpu")
     assert on_slow.total_bytes < default.total_bytes and on_slow.flops > default.flops
@@ -164,7 +165,7 @@ def test_on_two_links_the_plan_moves_more_bytes_on_the_fast_one_to_move_fewer_on
     moves more bytes than the plan of fewest bytes and takes less time on that machine; on one
     link kind it is the plan of fewest bytes."""
     h100 = md.Hardware.profile("h100-80gb")
-    links = {"fast": md.hardware.Link(450e9, 1e-6), "slow": md.hardware.Link(4.5e9, 1e-6)}
+    links = {"fast": Link(450e9, 1e-6), "slow": Link(4.5e9, 1e-6)}
     free = dataclasses.replace(h100, flops={k: v * 1e6 for k, v in h100.flops.items()}, interconnect=links,
                                hbm_bandwidth=h100.hbm_bandwidth * 1e6, kernel_launch_s=0.0, default_link="fast",
                                cross_host_link=None)

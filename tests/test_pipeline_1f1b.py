@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl import hlo_comm
+from meshdsl.costmodel import hlo_comm
 from helpers import assert_same, bytes_by_kind, explain_summary, hlo_summary
 
 MESH = md.Mesh({"pipe": 4, "data": 2})

@@ -9,13 +9,15 @@ import jax.numpy as jnp
 import pytest
 
 import meshdsl as md
-from meshdsl import collectives, cost, jaxcompat, param_gather
-from meshdsl.explicit import ExplicitContext
-from meshdsl.named import NamedArray, Placement
-from meshdsl.relayout import needs_gather, relayout_bytes
+from meshdsl.rewrite import collectives, param_gather
+from meshdsl.costmodel import cost
+from meshdsl.platform import jaxcompat
+from meshdsl.rewrite.explicit import ExplicitContext
+from meshdsl.names.named import NamedArray, Placement
+from meshdsl.rewrite.relayout import needs_gather, relayout_bytes
 
 MESH = md.Mesh.abstract({"data": 2, "model": 4}, platform="cpu")
-MODEL = MESH.expand(("model",))   # the rewriter places values over factor axes (meshdsl.mesh)
+MODEL = MESH.expand(("model",))   # the rewriter places values over factor axes (meshdsl.names.mesh)
 
 
 def factored(axes_per_dim):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl import hlo_comm
+from meshdsl.costmodel import hlo_comm
 
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, same_unsharded
 

@@ -19,8 +19,8 @@ from meshdsl.models.configs import get_config
 from meshdsl.models.t5 import T5
 
 SEARCH = importlib.import_module("meshdsl.search")   # the module (md.search is the function)
-SPACE = importlib.import_module("meshdsl.search_space")
-FLOOR = importlib.import_module("meshdsl.search_floor")
+SPACE = importlib.import_module("meshdsl.search.space")
+FLOOR = importlib.import_module("meshdsl.search.floor")
 
 
 def _arg(spec, param=False, concrete=False):

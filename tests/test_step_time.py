@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 
 import meshdsl as md
-from meshdsl.hardware import Hardware, Link
-from meshdsl.roofline import Kernel
-from meshdsl.step_time import StepTime, kernel_seconds, predict
+from meshdsl.costmodel.hardware import Hardware, Link
+from meshdsl.costmodel.roofline import Kernel
+from meshdsl.costmodel.step_time import StepTime, kernel_seconds, predict
 
 TOY = Hardware(name="toy", flops={"bfloat16": 1e12, "float32": 2.5e11}, hbm_bandwidth=1e11, memory_bytes=1e9,
                interconnect={"fast": Link(bandwidth=1e11, latency=1e-6), "slow": Link(bandwidth=1e9, latency=1e-4)},

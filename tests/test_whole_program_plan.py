@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl import program
+from meshdsl.lowering import program
 from fuzz_replay import parse
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
 

@@ -1,4 +1,10 @@
-"""Named ops: one lowering rule per op, registered in :mod:`meshdsl.ops.registry`."""
+"""Named ops: one lowering rule per op, registered in :mod:`meshdsl.ops.registry` (its strategies'
+costs declared next to it: :mod:`~meshdsl.ops.attention_cost`), and the math they share
+(:mod:`~meshdsl.ops.flash`: blockwise attention; :mod:`~meshdsl.ops.balance`: zigzag positions).
+
+May import: :mod:`meshdsl.platform`, :mod:`meshdsl.names`, :mod:`meshdsl.costmodel`,
+:mod:`meshdsl.rewrite`.
+"""
 
 from .attention import attention
 from .creation import arange, bernoulli, full, normal, ones, uniform, zeros

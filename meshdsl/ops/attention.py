@@ -4,7 +4,7 @@
 
 ``stats`` are q's dims less the ``features`` q and k contract (batch, heads, the query ``length``;
 a dim of q that k and v lack, ``groups``, is grouped-query attention by broadcasting). The local
-computation is :mod:`meshdsl.flash`: keys in blocks, no ``[length, over]`` logits held, a
+computation is :mod:`meshdsl.ops.flash`: keys in blocks, no ``[length, over]`` logits held, a
 hand-written backward that recomputes them.
 
 Where it computes, per mesh axis ``a`` (the op's strategies, :data:`STRATEGIES`):
@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import flash
-from ..dims import Shape
-from ..errors import LayoutError, ShapeError, suggest
-from ..named import NamedArray, is_named
+from . import flash
+from ..names.dims import Shape
+from ..names.errors import LayoutError, ShapeError, suggest
+from ..names.named import NamedArray, is_named
 from .attention_bias import bias_names, is_bias_fn, with_tile_bias
 from .attention_dense import dense_attention
 from .attention_local import local_attention
@@ -55,7 +55,7 @@ from .registry import op
 __all__ = ["attention", "STRATEGIES"]
 
 STRATEGIES = ("gather", "ring", "ulysses")   # context parallelism's candidates, in decision order
-IMPLEMENTATIONS = ("flash", "cudnn", "xla")  # the local kernel: meshdsl.flash, jax.nn.dot_product_attention
+IMPLEMENTATIONS = ("flash", "cudnn", "xla")  # the local kernel: meshdsl.ops.flash, jax.nn.dot_product_attention
 
 
 @op("attention")
@@ -111,7 +111,7 @@ def attention(ctx, q, k, v, *, over="kv_length", length=None, features=None, bia
 
 
 def _spec(ctx, q, k, v, over, length, features, bias, mask, causal, scale):
-    """The flash :class:`~meshdsl.flash.Spec` of the operands, every name checked."""
+    """The flash :class:`~meshdsl.ops.flash.Spec` of the operands, every name checked."""
     for x, role in ((k, "k"), (v, "v")):
         if over not in x.names:
             raise ShapeError(f"{where_(ctx)}: {role} [{x.dims}] has no dim {over!r} to attend over"

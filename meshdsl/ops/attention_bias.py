@@ -14,11 +14,11 @@ import dataclasses
 
 import jax
 
-from ..contexts import GlobalContext
-from ..dims import Dim, Shape
-from ..errors import ShapeError
-from ..named import NamedArray, is_named
-from ..tracing import using
+from ..rewrite.contexts import GlobalContext
+from ..names.dims import Dim, Shape
+from ..names.errors import ShapeError
+from ..names.named import NamedArray, is_named
+from ..names.tracing import using
 from .common import where_
 
 __all__ = ["is_bias_fn", "bias_names", "with_tile_bias", "local_table", "named_operands"]

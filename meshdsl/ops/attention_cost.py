@@ -15,7 +15,7 @@ Formulas, per device and execution, ``n`` devices on the context axis, local siz
 The work balance is ``max / mean`` over the devices of the tiles (a block of queries against a
 block of keys) each computes, counted from the global positions where they are constants
 (the default ``0 .. n-1``, or given from numpy: a zigzag order); with a causal mask a tile no
-query sees is skipped (:func:`meshdsl.balance.tiles`).
+query sees is skipped (:func:`meshdsl.ops.balance.tiles`).
 
 The fused kernel (:func:`kernel_cost`): the FLOPs and HBM bytes of one forward and one backward
 pass of a fused attention kernel (FlashAttention, cuDNN's) over the device's queries and all the
@@ -24,7 +24,7 @@ recomputed, ``dv``, ``dp``, ``dq``, ``dk``) for ``P`` query-key pairs computed (
 those of the 128 x 128 tiles some query sees, on the device with the most); bytes: q, k, v, the
 output and its statistics read or written once forward, and q, k, v, the output, its gradient and
 statistics read and dq, dk, dv written backward. The op's computation runs in the name scopes
-``mdk<N>f`` / ``mdk<N>b`` (:func:`kernel`), which :mod:`meshdsl.roofline` prices with these
+``mdk<N>f`` / ``mdk<N>b`` (:func:`kernel`), which :mod:`meshdsl.costmodel.roofline` prices with these
 numbers instead of op by op.
 """
 
@@ -37,9 +37,9 @@ import math
 import jax
 import numpy as np
 
-from .. import cost
-from .. import balance, flash
-from ..jaxcompat import pricing
+from ..costmodel import cost
+from . import balance, flash
+from ..platform.jaxcompat import pricing
 
 __all__ = ["describe", "record", "kernel", "kernel_cost"]
 

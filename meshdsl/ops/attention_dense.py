@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .. import flash
-from ..named import NamedArray, named
+from . import flash
+from ..names.named import NamedArray, named
 from .einsum import einsum
 from .elementwise import less_equal, where
 from .creation import arange

@@ -1,5 +1,5 @@
 """Attention where its placement puts it: local blocks of every operand, the flash computation
-(:mod:`meshdsl.flash`) with its hand-written backward, and - where the keys stay split and the
+(:mod:`meshdsl.ops.flash`) with its hand-written backward, and - where the keys stay split and the
 queries do not (``partial``) - the devices' results combined by their softmax statistics."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from .. import flash
-from ..dims import Shape
-from ..named import NamedArray
+from ..rewrite import collectives as C
+from . import flash
+from ..names.dims import Shape
+from ..names.named import NamedArray
 from .attention_bias import is_bias_fn, local_table, named_operands
 from .attention_cost import kernel, record
 from .common import as_named
@@ -55,7 +55,7 @@ def operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary):
 def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, strategy="local", ring=(),
                     implementation="flash"):
     """Attention where ``axes`` puts it; a split ``over`` (``partial``) combines the devices'
-    results by their statistics. ``implementation``: ``"flash"`` (:mod:`meshdsl.flash`), or
+    results by their statistics. ``implementation``: ``"flash"`` (:mod:`meshdsl.ops.flash`), or
     ``"cudnn"`` / ``"xla"`` (``jax.nn.dot_product_attention``) where the keys are whole."""
     vary = ctx.vary(axes.values(), [q, k, v] + named_operands(bias, mask))
     (ql, kl, vl), b, m, qp, kp = operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary)

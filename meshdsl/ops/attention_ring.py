@@ -2,7 +2,7 @@
 
 The queries' ``length`` and the keys' ``over`` are both split over ``ring`` (``n`` devices, device
 ``d`` holding chunk ``d`` of each). Forward: ``n`` steps; at step ``s`` device ``d`` folds key/value
-chunk ``d - s`` into its running max and sum (:func:`meshdsl.flash.forward_chunk`), then passes
+chunk ``d - s`` into its running max and sum (:func:`meshdsl.ops.flash.forward_chunk`), then passes
 its chunk to device ``d + 1``: ``n - 1`` rotations of k and v, ``2 (n-1) |K_loc|`` bytes, and no
 device ever holds more than its own chunk and the one passing through.
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from .. import cost
-from .. import flash
-from ..dims import Shape
+from ..rewrite import collectives as C
+from ..costmodel import cost
+from . import flash
+from ..names.dims import Shape
 from .attention_bias import named_operands
 from .attention_cost import kernel, record
 from .attention_local import chunk, dense, operands

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import collectives as C
-from ..dims import Dim, Shape, parse_dims
-from ..errors import ShapeError, suggest
-from ..named import NamedArray
+from ..rewrite import collectives as C
+from ..names.dims import Dim, Shape, parse_dims
+from ..names.errors import ShapeError, suggest
+from ..names.named import NamedArray
 
 __all__ = ["where_", "as_named", "union_dims", "names_in", "one_dim", "align", "new_dims", "axis_of", "block_offset"]
 

@@ -1,8 +1,8 @@
 """Which contraction an einsum runs: where it computes, which dims it sums first, which pending
 sums it carries through. Each choice compares bytes (the ring estimates of
-:func:`meshdsl.relayout.relayout_bytes`), the gradients included where they differ.
+:func:`meshdsl.rewrite.relayout.relayout_bytes`), the gradients included where they differ.
 
-Where: the plan (:mod:`meshdsl.placement`) gives a dim the operands disagree on the layout's
+Where: the plan (:mod:`meshdsl.rewrite.placement`) gives a dim the operands disagree on the layout's
 placement. A dim one operand holds split where the layout does not split it may instead stay
 split there, the operands holding it whole sliced locally: a contracted dim leaves a (small)
 pending result, a kept dim a result split off the layout, charged for its move to the layout's
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 
-from ..dims import Shape
-from ..jaxcompat import differentiated
-from ..placement import propose, settle
-from ..relayout import relayout_bytes
+from ..names.dims import Shape
+from ..platform.jaxcompat import differentiated
+from ..rewrite.placement import propose, settle
+from ..rewrite.relayout import relayout_bytes
 from .common import union_dims
 
 __all__ = ["choose", "linear_pending"]
@@ -52,7 +52,7 @@ def _where_held(ctx, dims, xs, contracted, out_names, out_dims, target, itemsize
     contracted dim leaves the (small) result pending (``einsum(v[a:y], w[a], out="")``: a scalar
     all-reduce, not a gather of ``v``); a kept dim leaves the result split there, charged for its
     move to the layout's placement only where it is sure to move (returned: the previous trace
-    tells, as for a reshape). Rule 2 of :mod:`meshdsl.placement` for einsums, by bytes; a
+    tells, as for a reshape). Rule 2 of :mod:`meshdsl.rewrite.placement` for einsums, by bytes; a
     parameter stored split is left to the ``param_gather`` policy."""
     if not ctx.explicit or len(xs) < 2:
         return target

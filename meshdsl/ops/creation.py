@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p
 
-from .. import collectives as C
-from ..errors import ShapeError
-from ..jaxcompat import varying_axes
+from ..rewrite import collectives as C
+from ..names.errors import ShapeError
+from ..platform.jaxcompat import varying_axes
 from .common import new_dims, where_
-from ..named import NamedArray
+from ..names.named import NamedArray
 from .registry import op
 
 __all__ = ["full", "zeros", "ones", "arange", "normal", "uniform", "bernoulli"]

@@ -24,10 +24,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from ..dims import Dim, Shape
-from ..errors import ShapeError
-from ..named import NamedArray
+from ..rewrite import collectives as C
+from ..names.dims import Dim, Shape
+from ..names.errors import ShapeError
+from ..names.named import NamedArray
 from .common import align, as_named, names_in, where_, whole_copy_made
 from .registry import op
 

@@ -1,7 +1,7 @@
 """``md.einsum``: contraction by dim name.
 
 ``md.einsum(x, w, out="batch d_ff")``: dims of the operands missing from ``out`` are summed over.
-Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.placement`):
+Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.rewrite.placement`):
 
 * a kept dim split on ``a`` in every operand that has it: local, the result stays split;
 * an operand holding that dim whole: it is sliced locally (no communication);
@@ -15,7 +15,7 @@ Per mesh axis ``a`` of the iteration space (see :mod:`meshdsl.placement`):
 Where it computes and which dims it sums first is chosen by bytes: :mod:`meshdsl.ops.contraction`.
 
 Parameters stored split (``params=`` rules) are all-gathered for the contraction and their
-gradients reduce-scattered, unless the ``param_gather`` policy (:mod:`meshdsl.param_gather`)
+gradients reduce-scattered, unless the ``param_gather`` policy (:mod:`meshdsl.rewrite.param_gather`)
 decides otherwise: ``"auto"`` may run the contraction where the parameter is stored and relay the
 result to the planned placement; ``"regather"`` gathers the parameter again in the backward pass
 instead of keeping the gathered value.
@@ -28,10 +28,10 @@ import math
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..dims import Shape, parse_dims
-from ..errors import ShapeError, suggest
-from ..named import NamedArray, Placement
-from ..relayout import relayout_bytes
+from ..names.dims import Shape, parse_dims
+from ..names.errors import ShapeError, suggest
+from ..names.named import NamedArray, Placement
+from ..rewrite.relayout import relayout_bytes
 from .common import as_named, union_dims, where_
 from .contraction import choose, linear_pending
 from .reductions import sum as reduce_sum

@@ -1,7 +1,7 @@
 """Elementwise ops, broadcasting by name.
 
 The result has the union of the operands' dims (first appearance order). It is computed where the
-operands already are (see :mod:`meshdsl.placement`): ``x * scale`` of a split ``x`` is local.
+operands already are (see :mod:`meshdsl.rewrite.placement`): ``x * scale`` of a split ``x`` is local.
 
 Pending partial sums stay pending through linear ops, so they are reduced once, late:
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from .common import align, as_named, union_dims
 from .creation import full
-from ..named import NamedArray
+from ..names.named import NamedArray
 from .registry import op
 
 __all__ = [

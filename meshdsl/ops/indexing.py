@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from ..dims import Dim, Shape
-from ..errors import LayoutError, ShapeError
-from ..named import NamedArray
+from ..rewrite import collectives as C
+from ..names.dims import Dim, Shape
+from ..names.errors import LayoutError, ShapeError
+from ..names.named import NamedArray
 from .common import as_named, block_offset, new_dims, one_dim, where_, whole_copy_made
 from .registry import op
 from .restructure import reshape

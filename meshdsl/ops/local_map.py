@@ -15,10 +15,10 @@ global arrays: that is the reference every layout reproduces, and gradients flow
 
 from __future__ import annotations
 
-from ..dims import Dim, Shape, parse_dims
-from ..errors import ShapeError
+from ..names.dims import Dim, Shape, parse_dims
+from ..names.errors import ShapeError
 from .common import as_named, union_dims, where_
-from ..named import NamedArray
+from ..names.named import NamedArray
 from .registry import op
 
 __all__ = ["local_map"]

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .. import collectives as C
-from ..dims import Dim, Shape
-from ..errors import LayoutError, ShapeError
-from ..named import NamedArray
-from ..relayout import relayout_bytes
+from ..rewrite import collectives as C
+from ..names.dims import Dim, Shape
+from ..names.errors import LayoutError, ShapeError
+from ..names.named import NamedArray
+from ..rewrite.relayout import relayout_bytes
 from .common import align, as_named, block_offset, one_dim, where_
 from .registry import op
 from .restructure import rename

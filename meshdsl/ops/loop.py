@@ -20,13 +20,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from .. import jaxcompat
-from ..dims import Dim, Shape
-from ..errors import ShapeError
-from ..jaxcompat import varying_axes
-from ..named import NamedArray, Placement, is_named as _is_named
-from ..relayout import relayout_bytes
+from ..rewrite import collectives as C
+from ..platform import jaxcompat
+from ..names.dims import Dim, Shape
+from ..names.errors import ShapeError
+from ..platform.jaxcompat import varying_axes
+from ..names.named import NamedArray, Placement, is_named as _is_named
+from ..rewrite.relayout import relayout_bytes
 from .restructure import transpose
 
 __all__ = ["run", "Widen", "order"]

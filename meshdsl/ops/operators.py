@@ -1,11 +1,11 @@
-"""Python operators of :class:`~meshdsl.named.NamedArray`, installed here (as jax installs its
+"""Python operators of :class:`~meshdsl.names.named.NamedArray`, installed here (as jax installs its
 array methods): ``x + y``, ``x * 2``, ``-x``, ``x < y``, ``m & n``, ``~m``, ``x.astype(...)`` run
 the named ops and broadcast by name. ``==`` is not overloaded (NamedArrays hash by identity):
 use ``md.equal``."""
 
 from __future__ import annotations
 
-from ..named import NamedArray
+from ..names.named import NamedArray
 from .elementwise import (
     add, astype, divide, greater, greater_equal, less, less_equal, logical_and, logical_not, logical_or,
     multiply, negative, power, subtract,

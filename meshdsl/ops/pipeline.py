@@ -9,7 +9,7 @@ is cut into ``M`` microbatches along ``batch``, and ``T = M + S - 1`` ticks each
 2. run the stage's layers on the microbatch at hand (an ordinary loop, :mod:`meshdsl.ops.loop`),
 3. let the last stage keep its finished microbatch,
 4. shift every stage's microbatch one stage on: one ``ppermute`` over ``pipe``
-   (:func:`meshdsl.collectives.ppermute`), the ``shift`` rule of the rewriter table.
+   (:func:`meshdsl.rewrite.collectives.ppermute`), the ``shift`` rule of the rewriter table.
 
 The finished carry lives on the last stage; the others hold zeros, so the result is a *pending*
 sum over ``pipe``: the next op that needs whole values reduces it (or reduce-scatters it where the
@@ -40,12 +40,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from .. import jaxcompat
-from ..dims import Dim, Shape
-from ..errors import LayoutError, MeshDSLError
-from ..jaxcompat import varying_axes
-from ..named import NamedArray, Placement, is_named
+from ..rewrite import collectives as C
+from ..platform import jaxcompat
+from ..names.dims import Dim, Shape
+from ..names.errors import LayoutError, MeshDSLError
+from ..platform.jaxcompat import varying_axes
+from ..names.named import NamedArray, Placement, is_named
 from . import loop, pipeline_1f1b, pipeline_circular, pipeline_ys
 
 __all__ = ["run", "SCHEDULES"]
@@ -58,7 +58,7 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, where, head=
     ``head``): a GPipe pipeline, or 1F1B (:mod:`meshdsl.ops.pipeline_1f1b`); ``schedule`` (this
     scan's) overrides md.lower's."""
     schedule = schedule or ctx.schedule
-    axis, stages = _pipe_axis(ctx, dim, length, where)   # the stage axis's factor axes (meshdsl.mesh)
+    axis, stages = _pipe_axis(ctx, dim, length, where)   # the stage axis's factor axes (meshdsl.names.mesh)
     name = ctx.layout.axes(dim)[0]
     others = sorted(d for d, axes in ctx.layout.rules.items() if name in axes and d != dim)
     if others:

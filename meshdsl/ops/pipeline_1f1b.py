@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import collectives as C
-from ..errors import LayoutError
-from ..jaxcompat import varying_axes
-from ..named import NamedArray, is_named
+from ..rewrite import collectives as C
+from ..names.errors import LayoutError
+from ..platform.jaxcompat import varying_axes
+from ..names.named import NamedArray, is_named
 from . import loop
 from .elementwise import stop_gradient
 

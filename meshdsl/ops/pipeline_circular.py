@@ -20,10 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from ..errors import LayoutError
-from ..jaxcompat import varying_axes
-from ..named import NamedArray
+from ..rewrite import collectives as C
+from ..names.errors import LayoutError
+from ..platform.jaxcompat import varying_axes
+from ..names.named import NamedArray
 from . import loop
 
 __all__ = ["check", "cyclic", "rounds", "entering", "wait"]

@@ -20,10 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from ..dims import Dim, Shape
-from ..errors import LayoutError
-from ..named import is_named
+from ..rewrite import collectives as C
+from ..names.dims import Dim, Shape
+from ..names.errors import LayoutError
+from ..names.named import is_named
 from . import loop
 
 __all__ = ["per_tick", "assemble"]

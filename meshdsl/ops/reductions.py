@@ -17,12 +17,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .. import collectives as C
-from ..dims import Shape
-from ..errors import ShapeError
+from ..rewrite import collectives as C
+from ..names.dims import Shape
+from ..names.errors import ShapeError
 from .common import as_named, names_in, where_
 from .elementwise import divide
-from ..named import NamedArray
+from ..names.named import NamedArray
 from .registry import op
 
 __all__ = ["sum", "mean", "max", "min", "softmax", "logsumexp"]

@@ -2,7 +2,7 @@
 
 ``@op("einsum")`` registers ``rule(ctx, *args, **kwargs)`` under its name and returns the public
 function users call (without ``ctx``). The public function looks up the current context (global,
-gspmd or explicit: :mod:`meshdsl.contexts`, :mod:`meshdsl.explicit`), remembers which op and user source line is being
+gspmd or explicit: :mod:`meshdsl.rewrite.contexts`, :mod:`meshdsl.rewrite.explicit`), remembers which op and user source line is being
 lowered (errors and ``md.explain`` records name them), and runs the rule. A rule that calls other
 public ops is attributed as a whole to the outermost op.
 
@@ -18,9 +18,9 @@ import inspect
 
 import jax
 
-from ..contexts import active
-from ..errors import user_line
-from ..named import is_named
+from ..rewrite.contexts import active
+from ..names.errors import user_line
+from ..names.named import is_named
 
 __all__ = ["RULES", "op"]
 

@@ -11,7 +11,7 @@ is split on the mesh axes of its first dim: those of the first old dim (no move 
 layout gives the first new dim (a move now instead of later), whichever moves fewer bytes; where
 neither divides the sizes, the group is gathered first. A dim split over several axes spreads
 them over the dims it is split into, and dims merged keep their axes, when every element stays
-where it is (:func:`_spread`). Axes are factor axes (:mod:`meshdsl.mesh`), so a dim split over more
+where it is (:func:`_spread`). Axes are factor axes (:mod:`meshdsl.names.mesh`), so a dim split over more
 devices than a new leading dim has - ``d`` over ``x:8`` into ``p:2 q:4`` - spreads too: ``p`` over
 the major factor of ``x``, ``q`` over the other two; nothing moves.
 """
@@ -22,10 +22,10 @@ import math
 
 import jax.numpy as jnp
 
-from ..dims import Dim, Shape, parse_dims
-from ..errors import ShapeError, suggest
-from ..named import NamedArray
-from ..relayout import relayout_bytes
+from ..names.dims import Dim, Shape, parse_dims
+from ..names.errors import ShapeError, suggest
+from ..names.named import NamedArray
+from ..rewrite.relayout import relayout_bytes
 from .common import align, as_named, names_in, where_
 from .registry import op
 

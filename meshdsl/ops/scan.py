@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import jax
 
-from ..contexts import active
-from ..errors import LayoutError, ShapeError, user_line
-from ..named import is_named as _is_named
+from ..rewrite.contexts import active
+from ..names.errors import LayoutError, ShapeError, user_line
+from ..names.named import is_named as _is_named
 from . import loop, pipeline, pipeline_1f1b
 
 __all__ = ["scan"]

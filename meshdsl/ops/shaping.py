@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import collectives as C
-from ..dims import Dim, Shape
-from ..errors import ShapeError
-from ..relayout import relayout_bytes
+from ..rewrite import collectives as C
+from ..names.dims import Dim, Shape
+from ..names.errors import ShapeError
+from ..rewrite.relayout import relayout_bytes
 from .common import align, as_named, names_in, where_
 from .elementwise import add
-from ..named import NamedArray
+from ..names.named import NamedArray
 from .registry import op
 
 __all__ = ["concat", "slice", "pad"]

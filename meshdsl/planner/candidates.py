@@ -15,8 +15,8 @@ An op reads each value in one placement (:func:`one_per_value`).
 
 from __future__ import annotations
 
-from ..errors import MeshDSLError
-from ..named import Placement
+from ..names.errors import MeshDSLError
+from ..names.named import Placement
 
 __all__ = ["op_tries", "loop_tries", "one_per_value", "valid"]
 

@@ -4,7 +4,7 @@
 :class:`~meshdsl.planner.graph.Graph`: inputs pinned where they enter, one node per outermost op
 with the strategies its rule showed, sinks (outputs, ``x.array`` reads) needing their placement.
 A relay of a value from one placement to another costs the relayout's bytes
-(:func:`meshdsl.relayout.relayout_bytes`, run as often as the value's trace runs) and, when the
+(:func:`meshdsl.rewrite.relayout.relayout_bytes`, run as often as the value's trace runs) and, when the
 value is differentiated, the relayout back in the backward pass (a gather's reduce-scatter, an
 all-to-all back; a reduced sum's transpose moves nothing). :func:`choose` solves it and returns
 the entry placements of every op the plan moves off its default.
@@ -16,9 +16,9 @@ import dataclasses
 import functools
 import math
 
-from ..cost import element_bytes, moved_bytes
-from ..hardware import Hardware
-from ..relayout import relayout_bytes
+from ..costmodel.cost import element_bytes, moved_bytes
+from ..costmodel.hardware import Hardware
+from ..rewrite.relayout import relayout_bytes
 from .graph import Graph, Node, SharedCopy, Strategy
 from .solve import Solution, solve
 
@@ -85,7 +85,7 @@ def _compute_cost(ctx, work, op, found, hw: Hardware, rate: float) -> float:
 
 class _Prices:
     """What movement costs under the time objective: a collective's seconds on the link of its
-    axes (:meth:`meshdsl.hardware.Hardware.link`: bandwidth, and latency for a relay's steps),
+    axes (:meth:`meshdsl.costmodel.hardware.Hardware.link`: bandwidth, and latency for a relay's steps),
     as the bytes the reference link (the mesh's slowest) moves in that time. ``rate`` is 0 under
     the bytes objective (nothing priced but bytes)."""
 
@@ -168,7 +168,7 @@ def _share_copies(graph, node_of, found) -> None:
     only where that op takes a strategy making them (it may take one that does not: a cast its
     default makes and the plan's candidate leaves out). A reader computing from the maker's
     results follows the maker's choice (an op reading what an op left uncast computed is not
-    cast either: :meth:`meshdsl.explicit.ExplicitContext.vary`): its copy stays free."""
+    cast either: :meth:`meshdsl.rewrite.explicit.ExplicitContext.vary`): its copy stays free."""
     reader = len(graph.nodes) - 1
     for s, f in enumerate(found):
         for maker, cost, copy in f.reads:

@@ -25,10 +25,10 @@ import dataclasses
 
 import jax
 
-from ..cost import dual_bytes
-from ..errors import MeshDSLError
-from ..jaxcompat import apart, differentiated, pricing, varying_axes
-from ..named import NamedArray, Placement, is_named
+from ..costmodel.cost import dual_bytes
+from ..names.errors import MeshDSLError
+from ..platform.jaxcompat import apart, differentiated, pricing, varying_axes
+from ..names.named import NamedArray, Placement, is_named
 from .candidates import loop_tries, op_tries
 
 __all__ = ["Recording", "OpRecord", "Found"]
@@ -294,7 +294,7 @@ def _sandboxed(policy):
 
 def _backward_guess(ctx, start) -> float:
     """The backward bytes of what the op emitted since ``start``: its collectives' duals
-    (:func:`meshdsl.cost.dual_bytes`) and its casts' psums."""
+    (:func:`meshdsl.costmodel.cost.dual_bytes`) and its casts' psums."""
     return dual_bytes(ctx.rec.records[start[0]:]) + sum(ctx.rec.casts[start[1]:])
 
 

@@ -1,8 +1,8 @@
 """Tests for hlo_comm on hand-written HLO text (no JAX needed).
 
-The tool lives in the package as ``meshdsl.hlo_comm``.
+The tool lives in the package as ``meshdsl.costmodel.hlo_comm``.
 """
-from meshdsl import hlo_comm, hlo_text
+from meshdsl.costmodel import hlo_comm, hlo_text
 
 ASYNC_HLO = """\
 HloModule m, is_scheduled=true, num_partitions=8

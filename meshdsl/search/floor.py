@@ -1,0 +1,116 @@
+"""What a layout of a program holds per device at least, known before tracing the layout: the
+floor under which ``md.search`` rejects a layout without costing it.
+
+* **arguments and outputs** (exact): their dims come from one shape-only trace of the unsharded
+  program; per device they are split as the layout places them (parameters by the storage rules).
+* **the screen** (an estimate meant to stay under the costed peak): arguments and outputs, plus
+  the temporaries the unsharded program holds at its peak (one trace of it, its liveness, a loop
+  body's peak as the body's own buffers), each divided by at most what the layout could split it
+  by. A buffer's dims are not known, only its shape: an axis of size ``s`` may be split by every
+  placed dim whose size divides ``s`` (the dim itself, or a merge holding it), the buffer by no
+  more than the placed dims fitting one of its axes together. Where two dims have one size this
+  divides by both: the estimate errs low. A rename keeps the split. A layout splitting a dim an
+  ``md.scan`` runs over or an attention's positions is not screened (its pipeline or context
+  parallel variants hold otherwise). Measured against the costed peak on every layout of
+  the t5-v1_1-xxl search (``bench/search_speed.py``) and of tests/test_search.py, it never
+  exceeded it; ``md.search(..., screen=False)`` costs every layout anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from ..costmodel import jaxpr_stats, liveness
+from ..rewrite.contexts import DimsRecorder
+from ..platform.jaxcompat import fresh
+from ..costmodel.jaxpr_stats import nbytes
+from ..names.layout import Layout, effective
+from ..lowering.lower import lower
+from ..names.named import is_named
+from ..names.tracing import using
+
+__all__ = ["Held"]
+
+
+class Held:
+    """What every layout of ``fn(*args)`` holds whatever it computes (see the module doc)."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.leaves = jax.tree_util.tree_leaves(args, is_leaf=is_named)
+        recorder = DimsRecorder()
+        try:
+            with using(recorder), fresh():   # traced anew: a trace jax cached runs no rule
+                out = jax.eval_shape(fn, *args)
+            self.leaves += jax.tree_util.tree_leaves(out, is_leaf=is_named)
+        except Exception:   # noqa: BLE001 - a program jax cannot trace unsharded: costed as before
+            pass
+        # the dims of each value the program holds: dims sharing one may not share an axis
+        self.dim_sets = recorder.dim_sets | {frozenset(d.name for d in x.dims) for x in self.leaves if is_named(x)}
+        self.sizes = {d.name: d.size for x in self.leaves if is_named(x) for d in x.dims}
+        self.sizes.update({d: size for shape, dims in recorder.shapes.items() for names in dims
+                           for d, size in zip(names, shape)})
+        self.shapes = recorder.shapes             # shape -> the dims of the named values of it
+        self.renamed, self.variant_dims = recorder.renamed, recorder.variant_dims
+        self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened
+
+    def per_device(self, mesh, layout) -> int:
+        """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
+        total = 0
+        for leaf in self.leaves:
+            if is_named(leaf):
+                axes = effective(layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
+                                                    what=f"{'parameter' if leaf.is_param else 'value'} [{leaf.dims}]"), mesh)
+                split = math.prod(mesh.axis_size(a) for ax in axes for a in ax)
+                total += nbytes(leaf.raw) // split
+            elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                total += nbytes(leaf)
+        return total
+
+    def screen(self, mesh, layout, floor: int) -> int:
+        """The screen's estimate of the layout's peak per device (``floor``: its arguments and
+        outputs); ``floor`` itself where the unsharded program cannot be traced."""
+        splits = {d: math.prod(mesh.shape[a] for a in axes) for d, axes in layout.rules.items() if axes}
+        splits = {d: k for d, k in splits.items() if k > 1}
+        grown = True
+        while grown:   # a rename keeps the split (through chains of renames)
+            before = len(splits)
+            splits.update({d: splits[old] for old, new in self.renamed.items() if old in splits
+                           for d in new if d not in splits and d not in layout.rules})
+            grown = len(splits) > before
+        if set(splits) & self.variant_dims:
+            return floor   # a pipeline or context parallelism: costed with its variants, not screened
+        splits = {d: k for d, k in splits.items() if d in self.sizes}
+        temps = self.temporaries(mesh)
+        return floor + sum(b.size // _most_split(b.shape, splits, self.sizes, self.shapes) for b in temps)
+
+    def temporaries(self, mesh) -> list:
+        """The temporaries live at the unsharded program's peak (traced once, on ``mesh``
+        with nothing split); none where it cannot be traced."""
+        if self._temporaries is None:
+            try:
+                closed, _, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
+                self._temporaries = liveness.at_peak(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
+            except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
+                self._temporaries = []
+        return self._temporaries
+
+
+def _most_split(shape, splits, sizes, named) -> int:
+    """The most a buffer of ``shape`` can be split by the placed dims (``splits``: dim -> the
+    devices splitting it). Where named values of the program have that shape (or it stacked by a
+    loop: one more leading axis), by their dims (the most any of them is split); else per axis by
+    the dims whose size divides the axis's, and in all by no more than the dims fitting some axis
+    (a dim splits one axis)."""
+    if shape is None:
+        return math.prod(splits.values()) or 1
+    known = named.get(shape, set()) | {(None, *dims) for dims in named.get(shape[1:], ())}
+    if known:
+        lead = {d for d, k in splits.items() if shape and sizes[d] == shape[0]}   # a loop over a placed dim
+        return max(math.prod(splits.get(d, 1) for d in dims if d is not None) *
+                   (max((splits[d] for d in lead), default=1) if dims and dims[0] is None else 1) for dims in known)
+    per_axis = [min(s, math.prod(k for d, k in splits.items() if s % sizes[d] == 0)) for s in shape]
+    fitting = math.prod(k for d, k in splits.items() if any(s % sizes[d] == 0 for s in shape))
+    return max(1, min(math.prod(per_axis), fitting))

@@ -1,0 +1,386 @@
+"""``md.search``: which layout - candidates ranked by the cost model, before compiling.
+
+``md.search(fn, mesh_or_device_count, *args)`` enumerates layouts of the program, costs each with
+:func:`meshdsl.explain` (exact bytes per collective, matmul FLOPs, the memory estimate) and the
+time model (:mod:`meshdsl.costmodel.step_time` on a :class:`~meshdsl.costmodel.hardware.Hardware`), drops those that
+are invalid or over the memory budget (saying why), and ranks the rest by predicted step time,
+then bytes, then memory.
+
+The space, per mesh (the mesh given, or every factorisation of a device count into ``data``,
+``data x model`` or, with ``mesh_axes=3``, ``data x model x pipe``):
+
+* every assignment of the program's dims (those of its arguments, or ``dims=``) to the mesh
+  axes: each axis splits nothing, one dim, or a group of parameter dims no value of the program
+  holds two of (Megatron's ``heads``, ``d_ff``, ``vocab``); a dim may take several axes (in mesh order). An
+  assignment whose axes do not divide a dim's size is pruned before costing;
+* with ``zero=True``, each assignment also with its parameters stored split (ZeRO-3): each mesh
+  axis the assignment uses stores the parameters not computed split over it on one dim, the one
+  holding the most parameter elements that axis divides (``params=`` rules), gathered where read
+  (``param_gather``, default ``"keep"``);
+* with ``choices={"remat": ["none", "full"], ...}``, each layout with each combination of the
+  program's keyword arguments;
+* where a layout makes the program a pipeline (an ``md.scan`` over a dim it splits), also each
+  of ``microbatches=`` over ``microbatch_dim`` with each of ``schedules=``.
+
+Before tracing, a layout is rejected when its arguments and outputs alone (known from shapes)
+are over the budget, or (``screen=True``) its screened estimate is (:mod:`meshdsl.search.floor`). A layout whose per-device program is one already costed under other names
+for the axes is retimed on its own links rather than traced again.
+
+Context parallelism is a layout placing an attention's positions (``length``), costed also with
+each of ``attentions=`` forced. The memory estimate is
+:func:`meshdsl.costmodel.liveness.memory`'s (XLA's buffer reuse modelled: within 10% of the compiled peak on
+the measured training steps, ``docs/cost_model.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import html
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from ..platform import gcpause
+from . import space
+from ..names.errors import LayoutError, MeshDSLError
+from ..views.explain import Report, explain
+from ..costmodel.hardware import Hardware
+from ..platform.jaxcompat import forget_staged
+from ..names.layout import Layout
+from ..names.mesh import Mesh
+from ..ops.attention import STRATEGIES as ATTENTION
+from .floor import Held
+from ..costmodel.step_time import StepTime
+from ..names.units import fmt_bytes, parse_bytes
+
+__all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
+
+DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
+_DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True, "attention": None}
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One costed layout: ``layout``, ``mesh``, ``lower_kwargs`` (for :func:`meshdsl.lower`),
+    ``choices`` (the keyword arguments of the program it was costed with, from ``choices=``), predicted ``time`` (seconds per step), ``bytes`` (kind -> count and bytes per device),
+    ``total_bytes``, ``memory`` (per device, as :attr:`meshdsl.Report.memory`), ``why`` (what
+    ranks it here, or what rejected it), and the ``report``."""
+
+    layout: Layout
+    mesh: Mesh
+    lower_kwargs: dict
+    choices: dict = dataclasses.field(default_factory=dict)
+    time: float = math.inf
+    step_time: StepTime | None = None
+    bytes: dict = dataclasses.field(default_factory=dict)
+    total_bytes: float = math.inf
+    memory: dict = dataclasses.field(default_factory=dict)
+    why: str = ""
+    report: Report | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple:
+        return self.time, self.total_bytes, self.memory.get("peak", math.inf)
+
+    def describe(self) -> str:
+        """The layout, with the program choices and the non-default lowering options (the
+        schedule of a pipeline) it was costed with."""
+        extra = [f"{k}={v}" for k, v in self.choices.items()]
+        extra += [f"{k}={v}" for k, v in self.lower_kwargs.items() if _DEFAULTS.get(k, object()) != v]
+        return " · ".join([str(self.layout), *extra])
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """Ranked candidates (best first; iterate, index, ``len``), ``best``, ``rejected`` (each with
+    its ``why``), how many layouts were ``costed`` (traced and explained), how many were
+    ``retimed`` (the program of a costed layout under other axis names: timed on their links)
+    and the search's ``seconds``."""
+
+    candidates: list
+    rejected: list
+    costed: int
+    seconds: float
+    hardware: str
+    retimed: int = 0
+
+    @property
+    def best(self) -> Candidate:
+        if not self.candidates:
+            raise MeshDSLError("md.search found no valid layout within the budget; see .rejected for why "
+                               "each was rejected")
+        return self.candidates[0]
+
+    def __iter__(self):
+        return iter(self.candidates)
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __getitem__(self, i):
+        return self.candidates[i]
+
+    def rows(self) -> list[tuple]:
+        """One tuple of cells per ranked candidate (the table's rows)."""
+        return [(str(i + 1), str(c.mesh), f"`{c.describe()}`", _fmt_s(c.time), fmt_bytes(c.total_bytes),
+                 fmt_bytes(c.memory.get("peak", 0)), c.why) for i, c in enumerate(self.candidates)]
+
+    def to_markdown(self, top: int | None = None) -> str:
+        """The ranking as a markdown table (its first ``top`` rows, default all)."""
+        head = ("rank", "mesh", "layout", "step (predicted)", "bytes/device", "peak memory/device", "why")
+        retimed = f" (+{self.retimed} retimed)" if self.retimed else ""
+        lines = [f"{len(self.candidates)} ranked, {len(self.rejected)} rejected, {self.costed} costed{retimed} in "
+                 f"{self.seconds:.1f} s; times on {self.hardware}", "",
+                 "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows()[:top]]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = ("rank", "mesh", "layout", "step", "bytes/device", "peak memory/device", "why")
+        cells = "".join("<tr>" + "".join(f"<td>{html.escape(x.strip('`'))}</td>" for x in r) + "</tr>"
+                        for r in self.rows())
+        return (f"<p>{len(self.candidates)} ranked, {len(self.rejected)} rejected; times on "
+                f"{html.escape(self.hardware)}</p><table><tr>" + "".join(f"<th>{h}</th>" for h in head)
+                + f"</tr>{cells}</table>")
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_budget: int | float | str | None = None,
+           hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
+           zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
+           microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), attentions: Sequence[str] = ("ring",),
+           dtype: str | None = None, overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
+           **options: Any) -> SearchResult:
+    """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
+
+    Args:
+        fn: the program, as for :func:`meshdsl.explain`.
+        mesh_or_device_count: a mesh, or a device count to factorise (see the module doc).
+        args: its arguments (abstract shapes are fine).
+        memory_budget: bytes per device (a number, or text such as ``"12GiB"``); layouts whose
+            estimated peak, plus ``memory_margin`` of it, is over it are rejected. Default: the
+            hardware's device memory.
+        hardware: an :class:`~meshdsl.Hardware` or a profile name (default ``"h100-80gb"``).
+        top: how many ranked candidates to keep.
+        dims: the dims to place (default: every dim of the arguments, and every dim a rename in
+            the program gives one of them: a model's ``length`` fed by the batch's ``targets``;
+            any dim the program has may be named).
+        zero: also try each assignment with its parameters stored split (ZeRO-3).
+        choices: keyword arguments of ``fn`` to try with each of their values (``{"remat":
+            ["none", "full"]}``); a candidate's ``choices`` say which it was costed with.
+        microbatches: where a layout makes the program a pipeline, also these microbatch counts
+            over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
+        attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
+            strategy by bytes), also each of these forced (``md.lower(attention=)``).
+        dtype: the dtype every matmul is priced at (:meth:`meshdsl.Report.time`; default: each
+            kernel's own; ``overlap`` too).
+        overlap: the overlap of compute and communication.
+        memory_margin: the share of the estimated peak kept free for the estimate's error (the
+            memory model is within 10% of the compiled peak where measured, ``docs/cost_model.md``).
+        mesh_axes: for a device count, the most axes of a factorisation (1 to 3: ``data``,
+            ``model``, ``pipe``; names only).
+        screen: reject before tracing a layout whose estimate by :mod:`meshdsl.search.floor` (which
+            errs low) is over the budget; ``False`` costs every layout.
+        options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
+            returned in each candidate's ``lower_kwargs``.
+    """
+    start = time.perf_counter()
+    hw, budget = _hardware_and_budget(hardware, memory_budget)
+    programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
+    held = {id(p): Held(p, args) for _, p in programs}
+    sizes, params = space.dims_of(args, dims, held[id(programs[0][1])])
+    meshes = space.meshes(mesh_or_device_count, mesh_axes)
+    dim_sets = set().union(*(h.dim_sets for h in held.values()))
+    counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
+    run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
+    with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
+        _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options)
+    ranked = _ranked(run.ranked)
+    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
+
+
+def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options) -> None:
+    """Every layout of ``meshes`` for each program, costed or rejected by ``run``."""
+    seen: set = set()
+    for mesh in meshes:
+        for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
+            same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
+            if same in seen or alike in seen:
+                continue   # the same blocks on the same devices, or on devices as far apart, as one costed
+            seen.update((same, alike))
+            for chosen, program in programs:
+                cand = Candidate(layout, mesh, dict(options), chosen)
+                if pruned:
+                    run.reject(cand, pruned)
+                    continue
+                report = run.cost(cand, program, held[id(program)])
+                if report is not None:
+                    run.variants(cand, program, held[id(program)], report)
+
+
+def _hardware_and_budget(hardware, memory_budget) -> tuple:
+    hw = Hardware.profile(hardware or DEFAULT_HARDWARE) if hardware is None or isinstance(hardware, str) else hardware
+    try:
+        return hw, hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget)
+    except ValueError as e:
+        raise MeshDSLError(f"md.search: memory_budget: {e}") from None
+
+
+def _ranked(candidates) -> list:
+    """Best first, each with the reason for its rank."""
+    ranked = sorted(candidates, key=lambda c: c.key)
+    for i, c in enumerate(ranked):
+        c.why = _why(i, c, ranked[0])
+    return ranked
+
+
+class _Costing:
+    """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
+
+    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, (), ()), screen=True):
+        self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
+        self.screen = screen
+        self.counts, self.schedules, self.strategies = variants   # what to try again: pipelines, attention
+        self.ranked, self.rejected, self.costed, self.retimed = [], [], 0, 0
+        self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
+
+    def variants(self, cand, program, held, report) -> None:
+        """Cost ``cand`` again where its report shows a pipeline (its microbatch counts and
+        schedules) or a context-parallel attention (its forced strategies)."""
+        if report.pipeline is not None:
+            self.pipelines(cand, program, held, self.counts, self.schedules)
+        if any(a["devices"] > 1 and a["strategy"] in ATTENTION for a in report.attention):
+            self.attentions(cand, program, held, self.strategies, report)
+
+    def pipelines(self, cand, program, held, counts, schedules) -> None:
+        """Cost ``cand`` (a layout under which the program pipelines) with each microbatch count
+        (``{dim: counts}``) and schedule."""
+        (dim, ms), = counts.items()
+        for m in ms:
+            for schedule in schedules:
+                piped = Layout(cand.layout.rules, params=cand.layout.param_rules, microbatches={dim: m})
+                self.cost(Candidate(piped, cand.mesh, {**cand.lower_kwargs, "schedule": schedule}, cand.choices),
+                          program, held)
+
+    def attentions(self, cand, program, held, strategies, report) -> None:
+        """Cost ``cand`` (a layout under which an attention is context-parallel) with each of
+        ``strategies`` forced, but the planner's own choice."""
+        chosen = {a["strategy"] for a in report.attention}
+        for strategy in strategies:
+            if {strategy} != chosen:
+                self.cost(Candidate(cand.layout, cand.mesh, {**cand.lower_kwargs, "attention": strategy},
+                                    cand.choices), program, held)
+
+    def reject(self, cand, why: str) -> None:
+        cand.why = why
+        self.rejected.append(cand)
+
+    def cost(self, cand, program, held) -> Report | None:
+        """Cost ``cand`` (ranked or rejected); its report, or None when it was not traced."""
+        try:
+            floor = held.per_device(cand.mesh, cand.layout)
+        except LayoutError as e:
+            return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+        if floor * (1 + self.margin) > self.budget:
+            return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
+                                     f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
+        least = held.screen(cand.mesh, cand.layout, floor) if self.screen else floor
+        if least * (1 + self.margin) > self.budget:
+            return self.reject(cand, f"over the memory budget before costing (screen): its arguments and outputs "
+                                     f"({fmt_bytes(floor)}) and the unsharded program's temporaries as it could split "
+                                     f"them take ~{fmt_bytes(least)} per device + {self.margin:.0%} > "
+                                     f"{fmt_bytes(self.budget)}; screen=False costs it")
+        shape, rename = _shape_of(cand, program)
+        known = self.traced.get(shape) if cand.mesh.is_abstract else None
+        report = None if known is None else _renamed(known, rename, cand)
+        if report is None:
+            self.costed += 1
+            try:
+                report = explain(program, cand.mesh, cand.layout, *self.args, hardware=self.hw, **cand.lower_kwargs)
+            except MeshDSLError as e:
+                self.traced[shape] = (rename, e)
+                return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+            finally:
+                forget_staged()   # the next layout traces other local shapes
+                gcpause.collect_young()
+            self.traced.setdefault(shape, (rename, report))
+        elif isinstance(report, MeshDSLError):
+            self.retimed += 1
+            return self.reject(cand, f"invalid: {str(report).splitlines()[0]}")
+        else:
+            self.retimed += 1
+        _cost(cand, report, self.hw, self.dtype, self.overlap)
+        if cand.memory["peak"] * (1 + self.margin) > self.budget:
+            self.reject(cand, f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
+                              f"+ {self.margin:.0%} > {fmt_bytes(self.budget)}")
+        else:
+            self.ranked.append(cand)
+        return report
+
+
+def _shape_of(cand, program) -> tuple:
+    """What a layout's per-device program is, whatever its axes are called: per dim (compute and
+    storage) the sizes of the axes splitting it, with the program and options; and the axes in
+    the same order. Two layouts of one shape (``batch:data;d_ff:model`` on ``data:64 x model:8``,
+    ``batch:model;d_ff:data`` on ``data:8 x model:64``) trace to one program up to the axes'
+    names: its collectives, FLOPs and memory are the same, its times differ by the links."""
+    def split(rules):
+        return tuple(sorted((d, tuple(cand.mesh.shape[a] for a in axes)) for d, axes in rules.items() if axes))
+
+    def axes(rules):
+        return [a for d, ax in sorted(rules.items()) for a in ax]
+    layout = cand.layout
+    shape = (id(program), tuple(sorted(cand.lower_kwargs.items())), tuple(sorted(layout.microbatches.items())),
+             split(layout.rules), split(layout.param_rules), space.sharing(layout, lambda a: cand.mesh.shape[a]))
+    return shape, axes(layout.rules) + axes(layout.param_rules)
+
+
+def _renamed(known, rename, cand):
+    """The known report (or error) of a layout of the same shape, with its axes called as
+    ``cand``'s (``rename``: the axes in :func:`_shape_of`'s order); None where a collective runs
+    over an axis the names do not map (a part of an axis)."""
+    old_names, report = known
+    if isinstance(report, MeshDSLError):
+        return report
+    names: dict = {}
+    for old, new in zip(old_names, rename):
+        if names.setdefault(old, new) != new:
+            return None
+    if len(set(names.values())) != len(names) or any(a not in names for r in report.collectives for a in r.axes):
+        return None
+    collectives = [dataclasses.replace(r, axes=tuple(names[a] for a in r.axes)) for r in report.collectives]
+    pipeline = report.pipeline
+    if pipeline is not None and "axis" in pipeline:
+        if pipeline["axis"] not in names:
+            return None
+        pipeline = {**pipeline, "axis": names[pipeline["axis"]]}
+    return dataclasses.replace(report, mesh=str(cand.mesh), layout=str(cand.layout), collectives=collectives,
+                               pipeline=pipeline, compile=None)
+
+
+def _cost(cand, report, hw, dtype, overlap) -> None:
+    cand.report = report
+    cand.step_time = report.time(hw, dtype=dtype, overlap=overlap)
+    cand.time = cand.step_time.total_s
+    cand.bytes = report.summary()
+    cand.total_bytes = report.total_bytes
+    cand.memory = dict(report.memory)
+
+
+def _why(i, c, best) -> str:
+    t = c.step_time
+    text = (f"{_fmt_s(t.compute_s)} compute + {_fmt_s(t.communication_s)} communication "
+            f"({fmt_bytes(c.total_bytes)}), peak {fmt_bytes(c.memory['peak'])}")
+    if i == 0:
+        return "fastest predicted: " + text
+    return f"{c.time / best.time:.2f}x the best's time: " + text if best.time else text
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"

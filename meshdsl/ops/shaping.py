@@ -258,7 +258,7 @@ def slice(ctx, x, dim, start: int, size: int) -> NamedArray:  # noqa: A001 - the
             out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
             axes = ctx.canonical(out)
             local = [n // ctx.axes_size(a) for n, a in zip(out.sizes, axes)]
-            return ctx.out(jnp.zeros(local, x.dtype), out, dict(zip(out.names, axes)))
+            return _pieces(ctx, ctx.out(jnp.zeros(local, x.dtype), out, dict(zip(out.names, axes))), name, [])
         return _windows_of(ctx, [(p, start - o) for p, o in pieces], name, size, "slice of a pad or concat")
     return _windows_of(ctx, [(x, start)], name, size, "slice")
 

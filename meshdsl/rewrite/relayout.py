@@ -111,6 +111,8 @@ def _by_pieces(ctx, x, src, target, vary, keep_pending):
                               tuple(by_name[d.name] for d in y.dims), keep_pending)
     if sum(cost(p) for p, _ in pieces) >= cost(x):
         return None
+    if not pieces:   # zeros alone (a slice of a pad's padding): placed, nothing moves
+        return jnp.zeros([d.size // ctx.axes_size(axes) for d, axes in zip(x.dims, target)], x.dtype)
     out = None
     for p, offset in pieces:
         local = relayout(ctx, p, tuple(by_name[d.name] for d in p.dims), vary, keep_pending)

@@ -67,7 +67,7 @@ def bytes_by_kind(summary: dict) -> dict:
     return {k: v[1] for k, v in summary.items()}
 
 
-# -- the three promises on one program (test_repros, test_fuzz_repros, test_campaign_findings) -----
+# -- the three promises on one program (test_outside_programs_keep_the_promises, test_reduced_programs_keep_the_promises, test_small_programs_keep_the_promises) -----
 
 def moved_by_backend(fn, mesh, layout, *args, **kw):
     """Bytes per device the compiled program moves, explicit and gspmd backends (the explicit plan

@@ -45,7 +45,7 @@ def test_explain_shows_a_gather_over_part_of_an_axis():
     _kept(fn, mesh, layout, v, moved={"all-reduce": 4, "all-gather": 12})
 
 
-def test_campaign_reshape_into_a_leading_dim_smaller_than_its_split_moves_nothing():
+def test_reshape_into_a_leading_dim_smaller_than_its_split_moves_nothing():
     """Campaign 15: a:16 split over x:8 reshaped to p4:4 q4:4 under jax.grad. p4 cannot be split
     over all of x, so the group was gathered: 63 B where gspmd moves 7 B. With factor axes p4 takes
     x:(1)4 and q4 x:(4)2, every element stays where it is, and only the loss is reduced."""

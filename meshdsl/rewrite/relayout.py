@@ -1,6 +1,6 @@
 """Relayout: move a tensor's local block from its current placement to the one an op needs.
 
-This is where the rewriter table of DESIGN.md lives. For each mesh axis ``a``:
+This is where the rewriter table (``docs/rewriter.md``) lives. For each mesh axis ``a``:
 
 ======================================  =============================================
 current placement -> needed             emitted

@@ -17,7 +17,7 @@ from helpers import promises_kept as _kept
 
 # -- campaign 12 (on 48840f9) ---------------------------------------------------------------------
 
-def test_campaign_contraction_run_where_the_parameter_is_stored_returns_typed_replicated():
+def test_contraction_run_where_the_parameter_is_stored_returns_typed_replicated():
     """einsum(w[d], x[d e c], out="") with w stored split on d and param_gather="auto": the
     contraction runs where w is stored and its sum is reduced when relaid to the plan; that
     scalar is replicated and typed so (it was typed varying over x and all-reduced again at the
@@ -30,7 +30,7 @@ def test_campaign_contraction_run_where_the_parameter_is_stored_returns_typed_re
     _kept(fn, mesh, layout, w, x, param_gather="auto", moved={"all-reduce": 7})
 
 
-def test_campaign_pieces_moving_rows_opposite_ways_share_one_permute():
+def test_pieces_moving_rows_opposite_ways_share_one_permute():
     """slice(concat([v, v]), start=3) of v[c:8] split on x:2: block 0 reads 3 rows of block 1 (a
     +1 move of the first piece), block 1 reads 3 rows of block 0 (a -1 move of the second). No
     device sends or receives twice, so both go in one ppermute (it was one per piece: 24 B
@@ -45,7 +45,7 @@ def test_campaign_pieces_moving_rows_opposite_ways_share_one_permute():
     _kept(lambda a, b: md.concat([a, b], "c"), mesh, layout, a, b, moved={"collective-permute": 4 * 3 * 4})
 
 
-def test_campaign_scan_and_sum_read_the_copy_gathered_for_the_return():
+def test_scan_and_sum_read_the_copy_gathered_for_the_return():
     """v = shift(w) of a parameter stored split on a, returned (gathered whole) and scanned over e
     with a carry started from sum(v, e): the sum and the scan read the gathered copy (they ran on
     the split v and their [d a] result was gathered again at the return: 15808 B where gspmd
@@ -65,7 +65,7 @@ def test_campaign_scan_and_sum_read_the_copy_gathered_for_the_return():
           moved={"all-gather": 32 * 8 * 16 * 4 * 7 // 8})
 
 
-def test_campaign_broadcast_of_a_split_parameter_that_is_only_summed_stays_split():
+def test_broadcast_of_a_split_parameter_that_is_only_summed_stays_split():
     """where(a > 0, a, w) broadcasts a[b] against w[e c] stored split on e. Returned, the operands
     move to the layout's placement first (w's 896 B, not the [b e c] result's 14336 B, gspmd's
     choice). Only summed into a loss, under jax.grad, nothing needs the result whole: it stays
@@ -82,7 +82,7 @@ def test_campaign_broadcast_of_a_split_parameter_that_is_only_summed_stays_split
     _kept(grad, mesh, layout, a, w, param_gather="auto", moved={"all-reduce": 112})
 
 
-def test_campaign_pad_of_a_parameter_stored_split_moves_only_rows_unless_returned():
+def test_pad_of_a_parameter_stored_split_moves_only_rows_unless_returned():
     """slice(pad(w, a, 3, 5), a, 7) of w[b a] stored split on a, which the layout leaves whole: a
     shift of a by 4 rows. Returned, the result is wanted whole: w's piece is gathered once (896 B;
     gspmd: 1600 B). Only summed, under jax.grad, it stays split and only the rows that change
@@ -95,7 +95,7 @@ def test_campaign_pad_of_a_parameter_stored_split_moves_only_rows_unless_returne
     _kept(grad, mesh, layout, w, param_gather="auto", moved={"collective-permute": 256})
 
 
-def test_campaign_returned_cumsum_along_a_stored_split_gathers_its_operand_once():
+def test_returned_cumsum_along_a_stored_split_gathers_its_operand_once():
     """cumsum(w, d) of w[c d] stored split on d and returned (wanted whole): w is gathered first
     and summed whole (it summed the blocks, gathered their totals, then gathered the result at
     the return: 448 B where gspmd moves 224 B). Campaign 14."""
@@ -106,7 +106,7 @@ def test_campaign_returned_cumsum_along_a_stored_split_gathers_its_operand_once(
 
 # -- campaign 21 (on 820a2f4) ---------------------------------------------------------------------
 
-def test_campaign_a_cast_to_a_wider_type_moves_its_narrow_operand_first():
+def test_cast_to_a_wider_type_moves_its_narrow_operand_first():
     """astype(max(v > 0, p4), float32) of v[b p4:x q4:x c] (a reshaped a:x), returned with q4
     whole: the float32 result was gathered at the return (1408 B where gspmd moves 640 B); the
     boolean it is cast from is gathered first, a quarter of the bytes."""
@@ -115,7 +115,7 @@ def test_campaign_a_cast_to_a_wider_type_moves_its_narrow_operand_first():
     _kept(fn, md.Mesh({"x": 8}), md.Layout({"a": "x"}), v, moved={"all-reduce": 384, "all-gather": 256})
 
 
-def test_campaign_a_pending_scalar_times_a_vector_is_reduced_before_the_broadcast():
+def test_pending_scalar_times_a_vector_is_reduced_before_the_broadcast():
     """s = v[3] of a parameter v[d] stored split (a masked local read: s is a pending sum), then
     s * v, shift(v) and sum(shift(v)), all returned: once v is gathered for the shift, s * v kept
     s's sum pending at v's size (a 56 B all-reduce of the product where the scalar's is 7 B; 84 B
@@ -134,7 +134,7 @@ def test_campaign_a_pending_scalar_times_a_vector_is_reduced_before_the_broadcas
 
 # -- campaign 22 (on 820a2f4) ---------------------------------------------------------------------
 
-def test_campaign_a_returned_function_of_a_stored_parameter_gathers_the_parameter():
+def test_returned_function_of_a_stored_parameter_gathers_the_parameter():
     """tanh(w) returned and einsum(tanh(w), w, out="") of w[a:y b] stored split, under
     param_gather="auto": tanh ran where w is stored and its result was gathered at the return
     (512 B); the einsum then contracted where w is stored (a 4 B scalar all-reduce; gspmd moves
@@ -151,7 +151,7 @@ def test_campaign_a_returned_function_of_a_stored_parameter_gathers_the_paramete
 # -- campaign 23 (on 29fb3c8) ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("wrap", [False, True])
-def test_campaign_cumsum_and_shift_read_the_copy_top_k_gathers(wrap):
+def test_cumsum_and_shift_read_the_copy_top_k_gathers(wrap):
     """top_k(v[b:x], b) gathers v whole; cumsum(v, b) then gathered its block totals and the
     shift of that moved boundary rows (88 B where gspmd moves 60 B). Both read the gathered copy
     instead: 56 B, the gather alone."""
@@ -169,7 +169,7 @@ def _stored_cond_and_whole_value():
     return c, v, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": "x"}, params={"c": ("y", "x")})
 
 
-def test_campaign_where_of_one_value_twice_reads_no_condition():
+def test_where_of_one_value_twice_reads_no_condition():
     """s = sigmoid(v) returned, and where(c > 0, s, s) returned, c[c] stored split: the condition's
     values do not matter (XLA's simplifier drops them); they were still read split, so the
     result was computed split and gathered at the return (14336 B where gspmd moves 7168 B).
@@ -182,7 +182,7 @@ def test_campaign_where_of_one_value_twice_reads_no_condition():
     _kept(fn, mesh, layout, c, v, param_gather="auto", moved={"all-gather": 7168})
 
 
-def test_campaign_a_returned_where_gathers_its_small_condition_not_its_result():
+def test_returned_where_gathers_its_small_condition_not_its_result():
     """The same with where(c > 0, s, 2 * s): the condition holds c split, s holds it whole; the
     cheapest operands (slice s, keep c split) made a split result gathered at the return (7168 B
     more). A result that moves later counts: the boolean condition is gathered (7 B) instead."""
@@ -196,7 +196,7 @@ def test_campaign_a_returned_where_gathers_its_small_condition_not_its_result():
 
 # -- campaign 24 (on 3c5e72e) ---------------------------------------------------------------------
 
-def test_campaign_a_sum_carried_into_two_values_is_reduced_once_where_made():
+def test_sum_carried_into_two_values_is_reduced_once_where_made():
     """rows = take(t[a:y+x], ids[d c:x]) is a pending sum over y (each device looked up the rows it
     holds); rows * 0.5 + 0.25 and rows * -1 + 0.25 each carried the sum through the product and
     reduced it for the add (384 B where gspmd moves 200 B). The plan gathers the 64 B table

@@ -2,8 +2,7 @@
 replayed with tests/fuzz_replay.py), each with the promise it broke: which collectives XLA folds
 or merges (explain must predict exactly the compiled ones), a pending sum carried into values
 of other dims or into a loop (a candidate of the plan: reduced once, where made), and moves the planner had no cheap route
-for (``test_campaign_b_*``: campaigns 34 and 37), and gradients that took the long way
-(``test_campaign_c_*``: campaign 38)."""
+for (campaigns 34 and 37), and gradients that took the long way (campaign 38)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ def _normal(shape, names, seed=0):
     return md.named(jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32), names)
 
 
-def test_campaign_a_sum_of_a_one_element_constant_is_not_folded():
+def test_sum_of_a_one_element_constant_is_not_folded():
     """slice(pad(v, q4, 8, 8), q4, 16, 4) reads padding only: zeros, split on q4 over x. Its
     einsum with v sums the zeros on each device and all-reduces the scalar. XLA folds a sum of a
     broadcast constant (the same on every device) but not of a one-element constant: explain
@@ -33,7 +32,7 @@ def test_campaign_a_sum_of_a_one_element_constant_is_not_folded():
     _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"q4": "x"}), v, moved={"all-reduce": 4})
 
 
-def test_campaign_a_scan_retry_does_not_hide_the_live_collectives():
+def test_scan_retry_does_not_hide_the_live_collectives():
     """A scan over p2 of reshape(v[d:x]) under jax.grad: md.scan retried its step (the carry left
     wider than it entered) and rolled the first try's records back, but that try's collectives
     stayed in the trace, dead, identical to the live ones. Explain merged identical computations
@@ -51,7 +50,7 @@ def test_campaign_a_scan_retry_does_not_hide_the_live_collectives():
           moved={"all-reduce": 4, "all-gather": 4})
 
 
-def test_campaign_a_sum_carried_into_a_reduction_and_a_shift_is_reduced_once():
+def test_sum_carried_into_a_reduction_and_a_shift_is_reduced_once():
     """m = mean(v, d) of v[e c d:x] is a pending sum over x; sum(m, e) and shift(m, c, 0), both
     returned, each carried it on and reduced it: [c] (56 B) and [e c] (1792 B), where gspmd reduces
     m once (1792 B) and sums it locally. The values the sum reached are larger together than m:
@@ -64,7 +63,7 @@ def test_campaign_a_sum_carried_into_a_reduction_and_a_shift_is_reduced_once():
     _kept(fn, md.Mesh({"x": 8, "y": 1}), md.Layout({"d": ("x", "y")}), v, moved={"all-reduce": 1792})
 
 
-def test_campaign_a_merge_moves_a_later_dims_split_onto_its_first():
+def test_merge_moves_a_later_dims_split_onto_its_first():
     """reshape(rename(v[b a:x d], a <-> b), "m256 d") under jax.grad: the merged group [a b] had
     its split on b, its second dim, and the first was whole, so the reshape gathered b (7168 B)
     where gspmd moves the split onto a (an all-to-all, 896 B each way: 1792 B) and merges a
@@ -82,7 +81,7 @@ def test_campaign_a_merge_moves_a_later_dims_split_onto_its_first():
     _kept(merged, mesh, layout, v, moved={"all-gather": 7168})
 
 
-def test_campaign_a_read_before_a_merge_shares_the_gathered_operand():
+def test_read_before_a_merge_shares_the_gathered_operand():
     """dynamic_slice(v[d:y+x a], d, 6) and reshape(v, "m128"), both returned: the reshape kept d's
     split on m128 and the return gathered m128 (448 B), while the read summed its masked row on
     its own (a 112 B all-reduce). gspmd gathers v once and reads the row from it. Gathering v or
@@ -95,7 +94,7 @@ def test_campaign_a_read_before_a_merge_shares_the_gathered_operand():
     _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"d": ("y", "x")}), v, moved={"all-gather": 448})
 
 
-def test_campaign_a_returned_outer_product_gathers_the_small_sum():
+def test_returned_outer_product_gathers_the_small_sum():
     """einsum(w[c e], v[a], out="e a") with w stored split on e, returned: c is w's own dim,
     summed first, and the [e] sum met v where w holds e, so the [e a] result was gathered at the
     return (1792 B; under every param_gather mode). gspmd gathers the [e] sum (112 B). The
@@ -108,7 +107,7 @@ def test_campaign_a_returned_outer_product_gathers_the_small_sum():
               w, v, param_gather=mode, moved={"all-gather": 112})
 
 
-def test_campaign_a_merge_bet_on_staying_split_is_checked_against_none():
+def test_merge_bet_on_staying_split_is_checked_against_none():
     """relu(reshape(w[c e:x], "m256")) * 2 + 0.25 returned: the merge moved e's split onto c (a
     112 B all-to-all, the candidate added for campaign 31) hoping m256 stays split; it did not,
     the returned value was gathered (896 B) after the elementwise ops (1008 B where gspmd moves
@@ -122,7 +121,7 @@ def test_campaign_a_merge_bet_on_staying_split_is_checked_against_none():
           moved={"all-gather": 896})
 
 
-def test_campaign_b_scanned_pending_rows_read_twice_are_reduced_once():
+def test_scanned_pending_rows_read_twice_are_reduced_once():
     """rows = take(v[d:x], ids[c]) is a pending sum over x; md.scan over c of rows (the carry
     starts as sum(rows, c)) reduced the carry's start (7 B) and, in every step, that step's row
     (8 x 7 B): 63 B where gspmd reduces rows once before the loop (56 B). A reduction in a loop
@@ -139,7 +138,7 @@ def test_campaign_b_scanned_pending_rows_read_twice_are_reduced_once():
     _kept(fn, md.Mesh({"x": 8}), md.Layout({"d": "x"}), v, ids, moved={"all-reduce": 56})
 
 
-def test_campaign_b_redistribution_routes_a_dropped_split_through_another_dim():
+def test_redistribution_routes_a_dropped_split_through_another_dim():
     """reshape(one_hot(ids[d c:y+x]), "d p2 q4 e") under q4:y, returned with its operand: p2 is
     split over y and q4 over x (factors x.0, x.1) where made, the return wants q4 over y alone.
     Routing through the target with the dropped splits trailing needs q4 over y+x.0+x.1 (8 ways of
@@ -155,7 +154,7 @@ def test_campaign_b_redistribution_routes_a_dropped_split_through_another_dim():
           moved={"collective-permute": 1024, "all-gather": 3072})
 
 
-def test_campaign_c_gathered_copy_cast_varying_reduces_its_gradient_ungathered():
+def test_gathered_copy_cast_varying_reduces_its_gradient_ungathered():
     """Campaign 38 (bf16; f32 alike): a replicated table [b] (from v[a:x]) is gathered over x for
     an add and for take(table, ids[d:x+y]), which varies over y too: the gathered copy was cast
     varying over y, and its gradient summed over y on the whole [b] (96 B) before the
@@ -176,7 +175,7 @@ def test_campaign_c_gathered_copy_cast_varying_reduces_its_gradient_ungathered()
           v, ids, moved={"all-gather": 32, "reduce-scatter": 32, "all-reduce": 48})
 
 
-def test_campaign_c_dim_entering_whole_is_computed_split_when_its_sum_is_reduced():
+def test_dim_entering_whole_is_computed_split_when_its_sum_is_reduced():
     """Campaign 38: top_k(v1[a:x]) -> [k2] (whole) compared with v0[a:x] -> [k2 a], looked up
     by ids -> rows[b k2], a pending sum over x, reduced whole by the loss: 192 B for [16 x 2]
     (252 B in all, gspmd 182 B: it computes k2 split over y from the top_k on, as the layout
@@ -208,7 +207,7 @@ def test_a_max_and_a_sum_of_a_constant_that_xla_folds_are_not_counted():
     _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("y", "x")}), v, moved={})
 
 
-def test_campaign_two_attentions_reading_one_value_gather_it_once():
+def test_two_attentions_reading_one_value_gather_it_once():
     """Two attentions read v[c d] (c split over x), one over c and one over d: the first gathers
     its keys through the attention's own map (a gather typed varying), the second its features
     (typed invariant), both of v along c. XLA merges them into one all-gather; explain compared

@@ -1,7 +1,7 @@
 """Regression tests for the defects the fuzzer found (tests/test_fuzz.py, and the long campaign,
 tests/fuzz_campaign.py), one test per finding, each reduced to the smallest program. Each asserts
 the property the contract promises: the lowered value equals the unsharded one, explicit bytes <=
-gspmd bytes, explain == HLO. The defects found from outside (issue 9): test_repros.py."""
+gspmd bytes, explain == HLO. The defects found from outside (issue 9): test_outside_programs_keep_the_promises.py."""
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ from helpers import same_unsharded as _same
 # -- new bugs found by the fuzzer (tests/test_fuzz.py) ------------------------------------------------
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_fuzz_top_k_candidates_larger_than_blocks(k):
+def test_top_k_candidates_larger_than_blocks(k):
     """top_k over a split dim gathered k candidates and their indices per device even when that
     is more than the blocks themselves (k=4 over blocks of 2: 2x gspmd's bytes)."""
     x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((3, 16)), jnp.float32), "r b")
@@ -29,7 +29,7 @@ def test_fuzz_top_k_candidates_larger_than_blocks(k):
 
 
 @pytest.mark.parametrize("op", ["logsumexp", "softmax", "cumsum", "shift", "top_k", "slice", "reshape"])
-def test_fuzz_parameter_only_value_all_reduced_to_fix_its_type(op):
+def test_parameter_only_value_all_reduced_to_fix_its_type(op):
     """A value computed from a replicated parameter alone (logsumexp(w) next to an input split
     over the mesh) was typed varying and all-reduced at the output (gspmd: no communication)."""
     x = md.named(jnp.ones((8, 4)), "c d")
@@ -44,7 +44,7 @@ def test_fuzz_parameter_only_value_all_reduced_to_fix_its_type(op):
     _same(fn, {"x": 4, "y": 2}, {"c": ("y", "x")}, x, w)
 
 
-def test_fuzz_explain_counts_a_computation_the_program_repeats():
+def test_explain_counts_a_computation_the_program_repeats():
     """Two identical einsums (and their all-reduces) in one program: XLA merges them (CSE), so
     explain must count the all-reduce once, forward and backward."""
     x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32), "b d")
@@ -56,7 +56,7 @@ def test_fuzz_explain_counts_a_computation_the_program_repeats():
         assert e == h and e
 
 
-def test_fuzz_pad_then_slice_of_a_split_dim():
+def test_pad_then_slice_of_a_split_dim():
     """slice(pad(x)) along a split dim reads x through one window (a 2-row shift, as gspmd fuses them), not
     pad rows moved by +1 block and then by -1 block."""
     x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32), "c")
@@ -65,7 +65,7 @@ def test_fuzz_pad_then_slice_of_a_split_dim():
     assert moved["explicit"] <= moved["gspmd"], moved
 
 
-def test_fuzz_parameters_broadcast_together_stay_replicated():
+def test_parameters_broadcast_together_stay_replicated():
     """w0[a b] + w1[a] (parameters only, replicated) next to an input split over the mesh was
     typed varying and all-reduced at the output (1536 B/device; gspmd: none)."""
     r = np.random.default_rng(0)
@@ -78,7 +78,7 @@ def test_fuzz_parameters_broadcast_together_stay_replicated():
     _same(fn, {"x": 4, "y": 2}, {"c": "x"}, w0, w1, ids)
 
 
-def test_fuzz_concat_then_slice_of_a_split_dim():
+def test_concat_then_slice_of_a_split_dim():
     """slice(concat([x, w])) reads each piece through its own window: no all-to-all of the parts the
     slice never reads (explain counted 288 B, XLA moved 192 B)."""
     r = np.random.default_rng(0)
@@ -91,7 +91,7 @@ def test_fuzz_concat_then_slice_of_a_split_dim():
     assert e == h and moved["explicit"] <= moved["gspmd"], (e, h, moved)
 
 
-def test_fuzz_regather_einsum_split_parameter():
+def test_regather_einsum_split_parameter():
     """einsum(w[a b d], x[c]) with a split: w's own contracted dims are summed first (a small
     pending sum), not carried into the larger result (it was 8x gspmd's bytes)."""
     r = np.random.default_rng(0)
@@ -103,7 +103,7 @@ def test_fuzz_regather_einsum_split_parameter():
     assert moved["explicit"] <= moved["gspmd"], moved
 
 
-def test_fuzz_concat_of_values_computed_from_a_parameter_alone():
+def test_concat_of_values_computed_from_a_parameter_alone():
     """A value computed from a parameter alone (slice of concat of w) stays free of the data axes:
     the next op meeting it and the parameter does not vary over them (it all-reduced the
     replicated output: 64 B where gspmd moves 0)."""
@@ -118,7 +118,7 @@ def test_fuzz_concat_of_values_computed_from_a_parameter_alone():
     assert moved["explicit"] <= moved["gspmd"], moved
 
 
-def test_fuzz_axis_of_size_one_splits_nothing():
+def test_axis_of_size_one_splits_nothing():
     """A merge whose result is split over ('y', 'x') with y of size 1 is placed exactly like its
     major dim split over x: no communication (it all-gathered 14336 B; gspmd: none). Found by the
     long campaign (tests/fuzz_campaign.py)."""

@@ -24,7 +24,7 @@ def _table_and_ids():
     return table, ids
 
 
-def test_campaign_few_ids_into_a_table_split_along_the_lookup_dim_move_instead_of_the_table():
+def test_few_ids_into_a_table_split_along_the_lookup_dim_move_instead_of_the_table():
     """take(softplus(t)[a e:x], ids[c:x]) on x:8: the table was gathered along e (1792 B where
     gspmd moves 924 B); now the 8 ids are gathered (28 B), each device looks up the rows it
     holds, and the [c a] rows are reduce-scattered onto c (448 B)."""
@@ -34,7 +34,7 @@ def test_campaign_few_ids_into_a_table_split_along_the_lookup_dim_move_instead_o
     _kept(fn, mesh, layout, table, ids, moved={"all-gather": 28, "reduce-scatter": 448})
 
 
-def test_campaign_lookup_gradient_with_the_table_kept_split():
+def test_lookup_gradient_with_the_table_kept_split():
     """The same lookup under jax.grad (of the table): the rows' cotangent is gathered back to every
     device that looked up, and each scatters into the rows it holds."""
     table, ids = _table_and_ids()
@@ -43,7 +43,7 @@ def test_campaign_lookup_gradient_with_the_table_kept_split():
     _kept(grad, md.Mesh({"x": 8}), md.Layout({"c": "x", "e": "x"}), table, ids)
 
 
-def test_campaign_cache_write_and_shift_of_one_stored_parameter_gather_it_once():
+def test_cache_write_and_shift_of_one_stored_parameter_gather_it_once():
     """dynamic_update_slice(w, sum(w, d) / 2, d, -1) and shift(w, d, 0) of w[b:x a d] stored split
     on b (params=), both returned whole: each result was gathered at the return (14336 B where
     gspmd moves 8064 B). Moving w whole first costs what moving a result does, and both ops share
@@ -56,7 +56,7 @@ def test_campaign_cache_write_and_shift_of_one_stored_parameter_gather_it_once()
     _kept(fn, mesh, layout, w, moved={"all-gather": 7168})
 
 
-def test_campaign_lookup_into_a_table_split_on_its_other_dim_moves_the_ids_and_rows():
+def test_lookup_into_a_table_split_on_its_other_dim_moves_the_ids_and_rows():
     """take(v[b:y+x a], ids[c:x+y], a) under jax.grad, v a copy of a parameter stored split on b:
     the table was gathered along b and its gradient reduce-scattered back (1792 B where gspmd moves
     268 B); now the 8 ids are gathered and each device looks up its b-columns of every row, which
@@ -76,7 +76,7 @@ def _swapped():
     return v, md.Mesh({"x": 2, "y": 4}), md.Layout({"b": ("y", "x")})
 
 
-def test_campaign_returned_cumsum_of_a_swapped_split_moves_it_by_all_to_all():
+def test_returned_cumsum_of_a_swapped_split_moves_it_by_all_to_all():
     """v[b:y+x a d] with b and a swapped by a rename (a now holds the split), then cumsum along a,
     returned: the operand moves to the layout's placement first, every dim of it - a's split goes
     to b by one all-to-all (896 B), and the cumsum and top_k along a run locally. (The plan moved
@@ -89,7 +89,7 @@ def test_campaign_returned_cumsum_of_a_swapped_split_moves_it_by_all_to_all():
     _kept(fn, mesh, layout, v, moved={"all-to-all": 896})
 
 
-def test_campaign_top_k_along_a_split_dim_hands_the_split_to_the_dim_the_layout_splits():
+def test_top_k_along_a_split_dim_hands_the_split_to_the_dim_the_layout_splits():
     """Campaign 16 under jax.grad: top_k along a (split over y+x, off the layout) with b whole, which
     the layout splits over y+x: the values gather a's blocks - a's split moves to b by all-to-all
     instead (14336 B where gspmd moves 8960 B; now 1792 B, both ways)."""
@@ -98,7 +98,7 @@ def test_campaign_top_k_along_a_split_dim_hands_the_split_to_the_dim_the_layout_
     _kept(lambda v: jax.grad(loss)(v), mesh, layout, v, moved={"all-to-all": 1792})
 
 
-def test_campaign_cumsum_over_blocks_of_one_row_shares_the_gather_of_its_operand():
+def test_cumsum_over_blocks_of_one_row_shares_the_gather_of_its_operand():
     """cumsum(w, d) and local_map(fn, w, keep="") of w[d:y+x] (x:8, y:1: one row per device),
     both returned (campaign 18): the cumsum gathered its block totals, the local_map gathered w -
     the same 28 B, which XLA merged into one all-gather while md.explain counted two. A block of
@@ -112,7 +112,7 @@ def test_campaign_cumsum_over_blocks_of_one_row_shares_the_gather_of_its_operand
     _kept(grad, mesh, layout, w)
 
 
-def test_campaign_lookup_gathers_the_table_only_over_the_axes_the_ids_are_split_on():
+def test_lookup_gathers_the_table_only_over_the_axes_the_ids_are_split_on():
     """take(t[a:x+y], ids[b:x]) on x:4, y:2 (campaign 18): the table was gathered whole, 56 B,
     where gspmd gathers it over x only and sums the rows found over y, 48 B. Gathered over x, each
     device holds every y-th block of rows (x is the major axis): it looks up the ids whose block
@@ -128,7 +128,7 @@ def test_campaign_lookup_gathers_the_table_only_over_the_axes_the_ids_are_split_
         _kept(grad, mesh, md.Layout(rules), t, ids)
 
 
-def test_campaign_lookup_over_part_of_the_table_keeps_its_other_dims_split():
+def test_lookup_over_part_of_the_table_keeps_its_other_dims_split():
     """A [a e] table split a:x+y, ids [c d] split c:x: the table is gathered over x only (96 B, not
     224 B whole), each device looks up its ids' rows of [c d e] in every y-th block, and the rows
     are summed over y (64 B). Values and gradients as unsharded."""
@@ -141,7 +141,7 @@ def test_campaign_lookup_over_part_of_the_table_keeps_its_other_dims_split():
     _kept(lambda t, i: jax.grad(lambda t: md.sum(md.sin(fn(t, i))).array)(t), mesh, layout, t, ids)
 
 
-def test_campaign_shift_of_a_stored_parameter_moves_only_the_rows_that_stay():
+def test_shift_of_a_stored_parameter_moves_only_the_rows_that_stay():
     """shift(w, e, -2) of w[a e] stored a:x (params=), returned with its negation (campaign 19):
     w was gathered before the shift (its result is gathered at the return), 1792 B, where gspmd
     gathers the 30 columns that stay, 1680 B. No other op reads that copy of w: the shift runs

@@ -1,7 +1,7 @@
 """Regression tests for the defects found from outside (issue 9), one test per repro script, named
 after it, plus the neighbours each defect had. Each asserts the property the contract promises:
 the lowered value equals the unsharded one, explicit bytes <= gspmd bytes, explain == HLO. The
-defects the fuzzer found: test_fuzz_repros.py."""
+defects the fuzzer found: test_reduced_programs_keep_the_promises.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _moved, _explain_vs_hlo, _same = moved_by_backend, explain_vs_hlo, same_unsharde
 # -- 01: block order of a dim split over two axes against mesh order ---------------------------------
 
 @pytest.mark.parametrize("offset,wrap", [(1, False), (-3, False), (5, False), (9, True), (-1, True)])
-def test_01_shift_reversed_axes(offset, wrap):
+def test_shift_reversed_axes(offset, wrap):
     x = md.named(jnp.arange(32.0).reshape(1, 32), "b s")
     fn = lambda x: md.shift(x, "s", offset, wrap=wrap)
     for axes in (("data", "model"), ("model", "data")):
@@ -34,7 +34,7 @@ def test_01_shift_reversed_axes(offset, wrap):
 
 
 @pytest.mark.parametrize("axes", [("model", "data"), ("data", "model")])
-def test_01_neighbours_block_index_reversed_axes(axes):
+def test_neighbours_block_index_reversed_axes(axes):
     """Every op that computes a device's block index over a multi-axis split."""
     mesh, layout = {"data": 2, "model": 4}, {"v": axes}
     ids = md.named(jnp.array([0, 3, 9, 15, 12, 7, 1, 8]), "b")
@@ -52,7 +52,7 @@ def test_01_neighbours_block_index_reversed_axes(axes):
 
 # -- 02 / 03: min / max over a split dim for every dtype ---------------------------------------------
 
-def test_02_min_int_split_dim():
+def test_min_int_split_dim():
     f = md.lower(lambda a: md.min(a, "s"), md.Mesh({"data": 8}), md.Layout({"s": "data"}))
     for arr in (np.array([[5, 6, 7, 8, 0, 9, 10, 11]], np.uint32),
                 np.array([[5, 6, 7, 8, np.iinfo(np.int32).min, 9, 10, 11]], np.int32)):
@@ -60,7 +60,7 @@ def test_02_min_int_split_dim():
         np.testing.assert_array_equal(np.asarray(f(x).array), np.asarray(md.min(x, "s").array))
 
 
-def test_03_min_bool_split_dim():
+def test_min_bool_split_dim():
     mask = md.named(jnp.asarray(np.array([[True] * 7 + [False], [True] * 8])), "b s")
     for reduce in (md.min, md.max):
         got = md.lower(lambda m: reduce(m, "s"), md.Mesh({"data": 8}), md.Layout({"s": "data"}))(mask)
@@ -70,7 +70,7 @@ def test_03_min_bool_split_dim():
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.int8, np.int32, np.float32, np.bool_])
 @pytest.mark.parametrize("reduce", ["min", "max"])
-def test_02_neighbours_extremes_every_dtype(dtype, reduce):
+def test_neighbours_extremes_every_dtype(dtype, reduce):
     r = np.random.default_rng(1)
     if dtype == np.bool_:
         arr = r.random((4, 16)) < 0.8
@@ -89,7 +89,7 @@ def test_02_neighbours_extremes_every_dtype(dtype, reduce):
 
 # -- 04: take with negative (and out-of-range) ids ---------------------------------------------------
 
-def test_04_take_negative_ids_split_vocab():
+def test_take_negative_ids_split_vocab():
     table = md.named(jnp.arange(32.0).reshape(8, 4), "vocab d")
     ids = md.named(jnp.array([-1, 2, -8, 7, 8, -9, 100, 0]), "b")
     fn = lambda t, i: md.take(t, i, "vocab")
@@ -104,7 +104,7 @@ def test_04_take_negative_ids_split_vocab():
 
 # -- 05: grad around a lowered function after another mesh shape --------------------------------------
 
-def test_05_grad_around_after_other_mesh_shape():
+def test_grad_around_after_other_mesh_shape():
     code = textwrap.dedent("""
         import os; os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp, meshdsl as md
@@ -123,7 +123,7 @@ def test_05_grad_around_after_other_mesh_shape():
 
 # -- 06: param mark through reshape, unsharded and lowered -------------------------------------------
 
-def test_06_reshape_drops_param_mark_unsharded():
+def test_reshape_drops_param_mark_unsharded():
     w = md.param(md.named(jnp.ones((8, 16)), "a b"))
     fn = lambda w: (md.reshape(w, "ab:128"), md.rename(w, {"a": "c"}), md.transpose(w, "b a"))
     ref = fn(w)
@@ -139,7 +139,7 @@ def test_06_reshape_drops_param_mark_unsharded():
     ({"data": 8, "model": 1}, "model", 1), ({"data": 8, "model": 1}, "model", -5),
     ({"data": 2, "model": 4}, ("data", "model"), 29), ({"data": 2, "model": 4}, ("model", "data"), -30),
     ({"data": 8}, "data", 8), ({"data": 8}, "data", -24)])
-def test_07_shift_far_offsets_not_zero_filled(mesh, axes, off):
+def test_shift_far_offsets_not_zero_filled(mesh, axes, off):
     x = md.named(jnp.arange(1.0, 33.0).reshape(1, 32), "b s")
     for wrap in (False, True):
         _same(lambda x: md.shift(x, "s", off, wrap=wrap), mesh, {"s": axes}, x)
@@ -147,7 +147,7 @@ def test_07_shift_far_offsets_not_zero_filled(mesh, axes, off):
 
 # -- 08: a collective of one value counted once ------------------------------------------------------
 
-def test_08_explain_counts_collectives_xla_merges():
+def test_explain_counts_collectives_xla_merges():
     x = md.named(jnp.arange(8.0), "b")
     mesh, layout = md.Mesh({"data": 8}), md.Layout({"b": "data"})
 
@@ -161,7 +161,7 @@ def test_08_explain_counts_collectives_xla_merges():
 
 # -- 09: a replicated value is never all-reduced to fix its type -------------------------------------
 
-def test_09_param_update_extra_allreduce():
+def test_param_update_extra_allreduce():
     x = md.named(jnp.ones((16, 64)), "batch d")
     w = md.param(md.named(jnp.ones((64, 128)) * 0.01, "d f"))
 
@@ -202,7 +202,7 @@ def _adam_problem():
 
 
 @pytest.mark.parametrize("zero", [False, True])
-def test_09_neighbours_fused_training_step_bytes(zero):
+def test_neighbours_fused_training_step_bytes(zero):
     """Data parallel: exactly the gradient all-reduce, 2(n-1)/n * 4 Psi bytes. Parameters and
     optimizer state stored split (params=): a reduce-scatter of the gradients and an all-gather of
     the parameters at use, (n-1)/n * 4 Psi each - never more than gspmd."""
@@ -219,7 +219,7 @@ def test_09_neighbours_fused_training_step_bytes(zero):
 
 # -- 10: concat of pending sums whose other dims are placed differently ------------------------------
 
-def test_10_concat_pending_disagreeing_placements():
+def test_concat_pending_disagreeing_placements():
     r = np.random.default_rng(0)
     x = md.named(jnp.asarray(r.standard_normal((8, 16)), jnp.float32), "b d")
     w = md.named(jnp.asarray(r.standard_normal((16, 32)), jnp.float32), "d e")
@@ -238,7 +238,7 @@ def test_10_concat_pending_disagreeing_placements():
 
 # -- 11 / 12 / 17: never more bytes than the compiler -------------------------------------------------
 
-def test_11_swapping_splits_gathers():
+def test_swapping_splits_gathers():
     """A swap of two splits is a redistribution by two ppermute rounds of half blocks (2048 B;
     gspmd: all-to-all + permute, 3072 B), not a gather and an all-to-all (5120 B)."""
     x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 32, 16)), jnp.float32), "b s d")
@@ -254,7 +254,7 @@ def test_11_swapping_splits_gathers():
     assert e == h
 
 
-def test_12_einsum_contracted_vs_kept_axis_gathers():
+def test_einsum_contracted_vs_kept_axis_gathers():
     r = np.random.default_rng(0)
     x = md.named(jnp.asarray(r.standard_normal((8, 8, 16)), jnp.float32), "f s d")
     y = md.named(jnp.asarray(r.standard_normal((32, 8, 8)), jnp.float32), "b s f")
@@ -267,7 +267,7 @@ def test_12_einsum_contracted_vs_kept_axis_gathers():
 
 
 @pytest.mark.parametrize("case", ["slice", "pad", "concat"])
-def test_17_slice_of_split_dim_gathers_all(case):
+def test_slice_of_split_dim_gathers_all(case):
     r = np.random.default_rng(0)
     x = md.named(jnp.asarray(r.standard_normal((32, 16)), jnp.float32), "b f")
     y = md.named(jnp.asarray(r.standard_normal((8, 16)), jnp.float32), "b f")
@@ -282,7 +282,7 @@ def test_17_slice_of_split_dim_gathers_all(case):
 
 # -- 13: take with ids carrying a dim named like the take dim -----------------------------------------
 
-def test_13_take_ids_named_like_take_dim_message():
+def test_take_ids_named_like_take_dim_message():
     table = md.named(jnp.arange(64.0).reshape(16, 4), "v e")
     ids = md.named(jnp.asarray(np.random.default_rng(0).integers(0, 16, (8, 16)), jnp.int32), "b v")
     fn = lambda t, i: md.take(t, i, "v")
@@ -295,7 +295,7 @@ def test_13_take_ids_named_like_take_dim_message():
 
 # -- 14 / 15: explain == HLO with regather and loop-invariant collectives ------------------------------
 
-def test_14_regather_explain_overcounts():
+def test_regather_explain_overcounts():
     x = md.named(jnp.ones((8, 4, 16)), "batch seq d_model")
     w = md.param(md.named(jnp.ones((16, 32)) * 0.1, "d_model d_ff"))
 
@@ -311,7 +311,7 @@ def test_14_regather_explain_overcounts():
     assert e == h
 
 
-def test_15_explain_counts_hoisted_loop_collective():
+def test_explain_counts_hoisted_loop_collective():
     """The backward pass gathers the constant cotangent of acc (a carry passed through unchanged):
     XLA hoists it and folds it (all-gather of a broadcast constant), and explain models both."""
     r = np.random.default_rng(0)
@@ -335,7 +335,7 @@ def test_15_explain_counts_hoisted_loop_collective():
 
 # -- 16: scan carry returned with its dims in another order -------------------------------------------
 
-def test_16_scan_carry_dim_order():
+def test_scan_carry_dim_order():
     h = md.named(jnp.arange(32.0).reshape(4, 8), "b d")
     bias = md.named(jnp.arange(24.0).reshape(3, 8), "layers d")
 

@@ -18,7 +18,7 @@ import meshdsl as md
 from helpers import promises_kept as _kept
 
 
-def test_campaign_summing_a_dim_first_frees_the_axes_other_dims_gave_up_to_it():
+def test_summing_a_dim_first_frees_the_axes_other_dims_gave_up_to_it():
     """einsum(v1[c:x+y a], reshape(v0[d:x a] -> p2 q4 a), out="p2") on x:4, y:2: c claims all of x,
     so p2 (x:(1)2) and q4 (x:(2)2), not placed by the layout, gave their axes up and v0 was
     gathered (398 B where gspmd moves 240 B). Summing c first leaves [a] pending over x+y; the
@@ -32,7 +32,7 @@ def test_campaign_summing_a_dim_first_frees_the_axes_other_dims_gave_up_to_it():
     _kept(fn, mesh, layout, v0, v1, param_gather="regather", moved={"all-reduce": 102, "all-gather": 4})
 
 
-def test_campaign_summing_first_counts_the_gradient_of_an_operand_reduced_for_the_contraction():
+def test_summing_first_counts_the_gradient_of_an_operand_reduced_for_the_contraction():
     """v1 = einsum(v0, v0, out="d"); v3 = einsum(v1, v0, out="") with v0[c d:y a:x], both returned,
     under jax.grad: v1's pending sum over x is reduced for the contraction (a is split on x), so
     its gradient - v0 summed over a, partial over x - was all-reduced backward (55 B where gspmd
@@ -51,7 +51,7 @@ def test_campaign_summing_first_counts_the_gradient_of_an_operand_reduced_for_th
     _kept(grad, mesh, layout, v0, param_gather="regather", moved={"all-reduce": 52})
 
 
-def test_campaign_a_weight_stored_split_is_gathered_under_keep_and_left_split_under_auto():
+def test_weight_stored_split_is_gathered_under_keep_and_left_split_under_auto():
     """einsum(w[b e], v[e c], out="b c") with w stored e:x (params=), x:8, v whole: "keep" and
     "regather" gather w where the einsum reads it (ZeRO-3 as written: 1792 B), where gspmd slices
     v and all-reduces the [b c] result (896 B). "auto" compares both and leaves w split: 896 B."""
@@ -66,7 +66,7 @@ def test_campaign_a_weight_stored_split_is_gathered_under_keep_and_left_split_un
     _kept(fn, mesh, layout, w, v, param_gather="auto", moved={"all-reduce": 896})
 
 
-def test_campaign_an_operands_own_dims_split_off_the_plan_are_summed_where_they_are():
+def test_an_operands_own_dims_split_off_the_plan_are_summed_where_they_are():
     """einsum(v[d:x c e], reshape(v -> p2 q4 c e), out="d") under jax.grad on x:8: d keeps x, so
     p2 (x:(1)2) and q4 (x:(2)4), contracted and held by the reshaped operand alone, gave x up and
     that operand was gathered (7168 B forward, 8960 B in all where gspmd moves 4352 B). Summing
@@ -78,7 +78,7 @@ def test_campaign_an_operands_own_dims_split_off_the_plan_are_summed_where_they_
 
 # -- campaign 22 (on 820a2f4) ---------------------------------------------------------------------
 
-def test_campaign_a_dim_one_operand_holds_split_off_the_layout_stays_split():
+def test_dim_one_operand_holds_split_off_the_layout_stays_split():
     """w = einsum(u[e a], u, out="a") with u whole and v = rename(x[b:y] -> a), then
     einsum(v, einsum(u, v, out="a"), out=""): a is held split (y) by v alone, the layout places
     it nowhere, so v was gathered for each einsum (48 B where gspmd moves 12 B). Slicing the

@@ -18,7 +18,7 @@ _moved, _explain_vs_hlo, _same, _kept = moved_by_backend, explain_vs_hlo, same_u
 
 # -- found by the long campaign (tests/fuzz_campaign.py), replayed with tests/fuzz_replay.py -------
 
-def test_campaign_cache_write_into_a_parameter_stays_replicated():
+def test_cache_write_into_a_parameter_stays_replicated():
     """A KV-cache style write into a replicated parameter, next to an input split over the mesh:
     the written entry (sum(w) / 2) comes from the parameter alone, so the result stays typed
     replicated (it was all-reduced at the output: 7168 B where gspmd moves 0)."""
@@ -30,7 +30,7 @@ def test_campaign_cache_write_into_a_parameter_stays_replicated():
     _same(fn, {"x": 8}, {"b": "x"}, w, ids)
 
 
-def test_campaign_scalar_pending_sum_reduced_before_it_meets_a_larger_operand():
+def test_scalar_pending_sum_reduced_before_it_meets_a_larger_operand():
     """einsum(v[c], w[b e d]) with c split: v is summed over c first and the scalar all-reduced
     (4 B), not the [b d] result (128 B; gspmd: the scalar)."""
     r = np.random.default_rng(0)
@@ -45,7 +45,7 @@ def test_campaign_scalar_pending_sum_reduced_before_it_meets_a_larger_operand():
     _same(fn, {"x": 4, "y": 2}, {"c": "y"}, v, w)
 
 
-def test_campaign_mean_over_no_dims_is_the_value_itself():
+def test_mean_over_no_dims_is_the_value_itself():
     """mean(s) of a scalar s over no dims is s: two reads of one pending scalar (one through mean)
     are one all-reduce in the compiled program, and explain counts one (it counted two)."""
     w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32), "a"))
@@ -56,7 +56,7 @@ def test_campaign_mean_over_no_dims_is_the_value_itself():
     _same(fn, {"x": 2, "y": 4}, {"a": ("y", "x")}, w)
 
 
-def test_campaign_elementwise_on_a_split_parameter_before_it_is_gathered():
+def test_elementwise_on_a_split_parameter_before_it_is_gathered():
     """erf(v) of a parameter stored split that top_k gathers - before or after - reads the
     gathered copy (it ran where v is stored and its result was gathered again: 48 B where gspmd
     moves 24 B). Now: erf's candidate with v entering gathered shares top_k's gather in the plan."""
@@ -67,7 +67,7 @@ def test_campaign_elementwise_on_a_split_parameter_before_it_is_gathered():
         _kept(fn, mesh, layout, v, param_gather="auto", moved={"all-gather": 24})
 
 
-def test_campaign_linear_op_on_a_pending_value_that_is_also_returned():
+def test_linear_op_on_a_pending_value_that_is_also_returned():
     """A shift of a take over a split table dim that is also returned: the take's pending sum is
     reduced once, where the take makes it, and shifted reduced (it was reduced twice, once for the
     take's result and once for the shifted copy: 3328 B where gspmd moves 2304 B)."""
@@ -83,7 +83,7 @@ def test_campaign_linear_op_on_a_pending_value_that_is_also_returned():
     _kept(fn, mesh, layout, table, ids, param_gather="auto")
 
 
-def test_campaign_reshape_of_a_dim_split_finer_than_its_leading_part():
+def test_reshape_of_a_dim_split_finer_than_its_leading_part():
     """d split over x:4 reshaped to p2 q4 (x does not divide p2): p takes the major half of x and
     q its minor half (factor axes, meshdsl.names.mesh) - before them it gathered d, 24 B where gspmd
     moves 16 B."""
@@ -93,7 +93,7 @@ def test_campaign_reshape_of_a_dim_split_finer_than_its_leading_part():
     assert moved["explicit"] <= moved["gspmd"], moved
 
 
-def test_campaign_contraction_whose_partial_sum_serves_the_gradient_too():
+def test_contraction_whose_partial_sum_serves_the_gradient_too():
     """s = einsum(w[e b], a[b]) with e split, under jax.grad: w's own dim e is summed first and the
     [b] sum reduced once, in the forward pass; a's gradient reads it (the scalar s was all-reduced
     and, backward, a's gradient [b] too: 119 B where gspmd moves 112 B)."""
@@ -106,7 +106,7 @@ def test_campaign_contraction_whose_partial_sum_serves_the_gradient_too():
     _kept(grad, mesh, layout, a, w, moved={"all-reduce": 112})
 
 
-def test_campaign_scalar_contraction_reduces_once_for_value_and_gradient():
+def test_scalar_contraction_reduces_once_for_value_and_gradient():
     """einsum(w[a], x[c], out="") with c split, and w's gradient: x's sum over c is reduced once,
     in the forward pass, and the gradient reads it (the product's sum stayed pending through the
     einsum and w's gradient was all-reduced again in the backward pass: 14 B where gspmd moves 7)."""
@@ -119,7 +119,7 @@ def test_campaign_scalar_contraction_reduces_once_for_value_and_gradient():
     _kept(grad, mesh, layout, w, x, moved={"all-reduce": 7})
 
 
-def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_output():
+def test_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_output():
     """where(logical_not(w > v), w, v) of a parameter w [c] and replicated data v [e], in a program
     whose other input is split (so ops reading parameters and data vary over x, for the
     parameters' gradients): the returned [c e] value was all-reduced only to type it replicated
@@ -136,7 +136,7 @@ def test_campaign_replicated_data_meeting_a_parameter_is_not_all_reduced_at_the_
         _kept(f, mesh, layout, v, w, ids)
 
 
-def test_campaign_where_between_a_value_and_itself_drops_the_predicate():
+def test_where_between_a_value_and_itself_drops_the_predicate():
     """where(logsumexp(x, d) > 0, y, y) with d split: XLA simplifies the select to y and drops the
     predicate's two all-reduces; explain dropped them too (it claimed 4 KiB where the compiled
     program moves nothing): jnp.where's jit is seen through."""
@@ -148,7 +148,7 @@ def test_campaign_where_between_a_value_and_itself_drops_the_predicate():
     assert e == h == {}
 
 
-def test_campaign_take_along_a_split_dim_by_ids_split_the_same_way():
+def test_take_along_a_split_dim_by_ids_split_the_same_way():
     """take(x[b:x c d], ids[b:x], "b"): gathering the table once (3584 B, as gspmd) beats gathering
     the ids and reduce-scattering the looked-up rows (3640 B)."""
     r = np.random.default_rng(0)
@@ -177,7 +177,7 @@ def test_explain_sees_through_the_same_jit_called_twice():
     assert e == h == {"all-gather": 2 * 7 * 4}
 
 
-def test_campaign_reshape_into_dims_the_layout_cannot_place_is_a_layout_error():
+def test_reshape_into_dims_the_layout_cannot_place_is_a_layout_error():
     """A layout placing p2 on x+y and q4 on x: [p2 q4] has no valid placement. The reshape's
     choice between placements must not reach it first (it raised an AssertionError)."""
     c = md.named(jnp.arange(8.0), "c")
@@ -186,7 +186,7 @@ def test_campaign_reshape_into_dims_the_layout_cannot_place_is_a_layout_error():
         md.lower(lambda c: md.reshape(c, "p2:2 q4:4"), md.Mesh({"x": 4, "y": 2}), layout)(c)
 
 
-def test_campaign_reshape_spreads_a_split_finer_than_both_new_dims_over_parts_of_axes():
+def test_reshape_spreads_a_split_finer_than_both_new_dims_over_parts_of_axes():
     """[d c:y+x a] -> [d p2 q4 a]: c's 8-way split fits neither p2 nor q4 whole. It was moved to
     the whole kept dim d first (ppermute rounds, 448 B, plus a 112 B gather: 560 B where gspmd
     moves 128 B); with factor axes p2 takes y:(1)2 and q4 y:(2)2+x, nothing moves for the reshape,
@@ -223,7 +223,7 @@ def test_position_bias_gradient_is_summed_at_the_table_size():
     _same(step, {"data": 8}, {"batch": "data"}, table, scores)
 
 
-def test_campaign_slice_of_only_padding_reads_nothing():
+def test_slice_of_only_padding_reads_nothing():
     """slice(pad(w, 2, 14), 13, 8) along a split dim is all padding: zeros, no communication (the
     rows were moved by the pad and by the slice: 896 B where gspmd moves 0)."""
     w = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((4, 16, 8)), jnp.float32), "a b c"))
@@ -251,7 +251,7 @@ def test_zeros_of_a_slice_of_padding_are_placed_anywhere_without_moving():
 
 @pytest.mark.parametrize("name, out, moved", [("full contraction", "", 7.0), ("batch dims only", "a", 28.0),
                                               ("one side with free dims", "a", 56.0)])
-def test_campaign_einsum_with_its_operands_swapped(name, out, moved):
+def test_einsum_with_its_operands_swapped(name, out, moved):
     """einsum(v, w) next to einsum(w, v): where neither side has a free dim XLA computes one value
     (one all-reduce); where one has, it computes both (the all-reduces combined, twice the bytes).
     Explain counted two all-reduces of the full contraction (8 B where XLA moved 4)."""
@@ -265,7 +265,7 @@ def test_campaign_einsum_with_its_operands_swapped(name, out, moved):
     _same(fn, {"x": 8}, {"c": "x"}, w, v)
 
 
-def test_campaign_a_parameter_gathered_typed_varying_and_typed_invariant_is_one_gather():
+def test_parameter_gathered_typed_varying_and_typed_invariant_is_one_gather():
     """param_gather="regather": where(p, v, w) with the result split elsewhere gathers v typed
     varying, returning v gathers it typed invariant; XLA compiles one all-gather (explain counted
     two: 126 B where XLA moved 70). The whole-program plan computes the where on v1 gathered, the
@@ -288,7 +288,7 @@ def _vector(n, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(n), jnp.float32)
 
 
-def test_campaign_reshape_spreads_a_two_axis_split_over_the_new_dims():
+def test_reshape_spreads_a_two_axis_split_over_the_new_dims():
     """[c:y+x] -> [p2 q4] on x:4 y:2: p takes y and q takes x, every element stays where it is (it
     was gathered: 28 B where gspmd moves nothing); merging back keeps (y, x) on c. The gradient of
     an elementwise function of the reshaped value moves nothing either."""
@@ -303,7 +303,7 @@ def test_campaign_reshape_spreads_a_two_axis_split_over_the_new_dims():
     assert_same(md.lower(grad, mesh, md.Layout({"c": ("y", "x")}))(v), grad(v))
 
 
-def test_campaign_reshape_spread_needs_whole_axes():
+def test_reshape_spread_needs_whole_axes():
     """[c:y+x] on y:4 x:2 into p2 q4: y (4 devices) cannot split p (2 entries), so the split is not
     spread (it would put elements on the wrong devices); the values stay right."""
     v = md.param(md.named(_vector(8), "c"))
@@ -311,7 +311,7 @@ def test_campaign_reshape_spread_needs_whole_axes():
     _same(lambda v: md.reshape(v, "p4:4 q2:2") * 3.0, {"x": 2, "y": 4}, {"c": ("y", "x"), "p4": "y"}, v)
 
 
-def test_campaign_returned_reshape_is_gathered_once_not_parked_first():
+def test_returned_reshape_is_gathered_once_not_parked_first():
     """[d:x e] -> [p2 q4 e], returned whole: gathering d (896 B, gspmd's move) beats parking x on e
     with an all-to-all first and gathering e at the return (1008 B). The plan prices both answers
     to whether the result is relaid later (``ctx.result_relaid``)."""
@@ -320,7 +320,7 @@ def test_campaign_returned_reshape_is_gathered_once_not_parked_first():
           moved={"all-gather": 896})
 
 
-def test_campaign_einsum_reads_the_copy_gathered_for_the_return():
+def test_einsum_reads_the_copy_gathered_for_the_return():
     """h = einsum(x, w[c a:x]) keeps a split (w stored split), and h is returned whole; a second
     einsum contracting a reads the copy gathered for the return: no partial sum over x to
     all-reduce (it did: 14392 B where gspmd moves 14336 B). Since campaign 33 the first einsum
@@ -336,7 +336,7 @@ def test_campaign_einsum_reads_the_copy_gathered_for_the_return():
     _kept(fn, mesh, layout, x, w, param_gather="regather", moved={"all-gather": 448})
 
 
-def test_campaign_dynamic_slice_reads_the_copy_top_k_gathers():
+def test_dynamic_slice_reads_the_copy_top_k_gathers():
     """top_k(v) gathers v's split dim; a dynamic_slice of v reads that copy instead of a masked
     block and an all-reduce (35 B where gspmd moves 28 B)."""
     v = md.named(_vector(8), "d")
@@ -346,7 +346,7 @@ def test_campaign_dynamic_slice_reads_the_copy_top_k_gathers():
 
 # -- campaign 10 (62 minutes on dee7d3e: 3620 cases, 13 over gspmd's bytes, none wrong) ---------
 
-def test_campaign_a_copy_made_only_by_dead_code_is_not_read():
+def test_copy_made_only_by_dead_code_is_not_read():
     """An einsum gathers m (its result is never used: the compiler drops it); tanh(m) read that
     copy, making the gather live: 448 B where gspmd moves 14. The trace that reads no copy made by
     another op moves less and is kept."""
@@ -361,7 +361,7 @@ def test_campaign_a_copy_made_only_by_dead_code_is_not_read():
     _kept(grad, md.Mesh({"x": 8}), md.Layout({"b": "x"}), x, moved={"all-reduce": 14})
 
 
-def test_campaign_reshape_reads_the_copy_gathered_for_the_return():
+def test_reshape_reads_the_copy_gathered_for_the_return():
     """y (a parameter stored split on d) is returned whole, and so is a reshape of it: the reshape
     reads the copy gathered for the return instead of reshaping where y is stored and gathering its
     result again (7168 B, two gathers, where gspmd moves 3808)."""
@@ -375,7 +375,7 @@ def test_campaign_reshape_reads_the_copy_gathered_for_the_return():
     _kept(fn, md.Mesh({"x": 8}), md.Layout({}, params={"d": "x"}), v, moved={"all-gather": 3584})
 
 
-def test_campaign_shift_or_pad_returned_whole_moves_only_the_rows_kept():
+def test_shift_or_pad_returned_whole_moves_only_the_rows_kept():
     """A parameter stored split on a, shifted along b (or padded) and returned
     whole: the rows the shift keeps (the pad's operand) are gathered, then
     placed among zeros. Gathering the result moved its zeros too (campaign 10: 14784 B where gspmd
@@ -391,7 +391,7 @@ def test_campaign_shift_or_pad_returned_whole_moves_only_the_rows_kept():
 
 # -- campaign 11 (on 6f3db4a) ---------------------------------------------------------------------
 
-def test_campaign_a_renamed_shift_is_no_longer_pieces_along_the_old_name():
+def test_renamed_shift_is_no_longer_pieces_along_the_old_name():
     """shift(shift(v)) renamed c -> d and returned split over d: the rename's result is the same
     local array, remembered as pieces along c; relaying it looked c up in [d] (a raw ValueError)."""
     v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32), "c")
@@ -399,7 +399,7 @@ def test_campaign_a_renamed_shift_is_no_longer_pieces_along_the_old_name():
     _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"d": ("x", "y")}), v, moved={})
 
 
-def test_campaign_reshape_of_a_pending_sum_onto_its_axis_is_costed():
+def test_reshape_of_a_pending_sum_onto_its_axis_is_costed():
     """A dynamic read along a split dim leaves a sum pending over its axis; a reshape whose result
     the layout splits over that axis priced moving to a placement that kept the sum pending there
     (an internal AssertionError, a raw error for a valid program). The sum is reduced where the
@@ -413,7 +413,7 @@ def test_campaign_reshape_of_a_pending_sum_onto_its_axis_is_costed():
     _kept(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"a": "x", "m128": ("y", "x")}), v)
 
 
-def test_campaign_reshape_weighs_no_placement_that_cannot_divide_a_dim():
+def test_reshape_weighs_no_placement_that_cannot_divide_a_dim():
     """d:8 split over x*y reshaped into p2:2 q4:4 (q4 over x): a candidate placed p2 over both
     axes (8 > 2), and pricing it divided by a block of 0 rows (a raw ZeroDivisionError). Such a
     candidate is no option; the program gives the unsharded values and explain equals the HLO."""
@@ -430,7 +430,7 @@ def test_campaign_reshape_weighs_no_placement_that_cannot_divide_a_dim():
     assert e == h
 
 
-def test_campaign_reshape_into_two_axes_moves_the_dim_onto_them_first():
+def test_reshape_into_two_axes_moves_the_dim_onto_them_first():
     """[b d:x e] -> [b p2:y q4:x e] on x:4 y:2 (d = 4 p2 + q4): redistributing d onto y then x
     before splitting makes each element of the result where the layout wants it, one permute
     (2048 B, gspmd's). The rule had no such option: it redistributed d elsewhere and moved the
@@ -440,7 +440,7 @@ def test_campaign_reshape_into_two_axes_moves_the_dim_onto_them_first():
     _kept(lambda v: md.reshape(v, "b p2:2 q4:4 e"), mesh, layout, v, moved={"collective-permute": 2048.0})
 
 
-def test_campaign_self_attention_reads_the_whole_value_it_sliced_its_keys_from():
+def test_self_attention_reads_the_whole_value_it_sliced_its_keys_from():
     """attention(v, v, v) over a length split over x, v a reshape of [e c a:x]: gathering v once
     and slicing the keys and values from it (each device attends with all queries to its
     block) computes where gspmd does (14336 B). The plan priced that at one gather - the keys'

@@ -18,7 +18,7 @@ from helpers import assert_same
 # -- campaign 20 (on 0c49b59) ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", [{"c": ("y", "x")}, {"e": "x"}], ids=["max-local", "max-split"])
-def test_campaign_max_gradient_reads_the_value_its_maximum_came_from(layout):
+def test_max_gradient_reads_the_value_its_maximum_came_from(layout):
     """grad of einsum(max(v + 0.01 * arange(e), e), -v, out="c"): the tie mask compares v with its
     maximum bit for bit. XLA's CPU backend at -O0 (the suite's flags) computed v + 0.01 * i once
     for the maximum and once for the mask, rounded differently: no element matched, the tie
@@ -52,7 +52,7 @@ def test_max_over_a_whole_dim_keeps_forward_mode_autodiff():
 
 # -- campaign 27 (on 8fde770) ---------------------------------------------------------------------
 
-def test_campaign_top_k_ties_minus_zero_and_zero():
+def test_top_k_ties_minus_zero_and_zero():
     """top_k(einsum(one_hot(ids, c), v[d a c], out="b c a"), c): off the hot entry the product is
     0 * sum_d v, which is -0.0 where the lowered einsum sums d first (a whole own dim) and 0.0 where
     the unsharded one sums the products. XLA's top_k orders -0.0 below 0.0, so the indices of the
@@ -77,7 +77,7 @@ def test_campaign_top_k_ties_minus_zero_and_zero():
 
 # -- campaign 34 (on 3efe521) ---------------------------------------------------------------------
 
-def test_campaign_saturated_tanh_gradient_is_the_compiled_unsharded_programs():
+def test_saturated_tanh_gradient_is_the_compiled_unsharded_programs():
     """tanh(v1 + sum(v0 * v0)) with the sum near 13.5: every tanh is saturated, and its derivative
     1 - tanh(x)**2 is 0 run op by op but 1.2e-7 per element compiled (XLA's fused tanh), so the
     gradient of v0 differs 1500-fold between two runs of the unsharded program. The lowered one
@@ -115,7 +115,7 @@ def _swapped_pad_cases():
 
 
 @pytest.mark.parametrize("case", range(3), ids=["shift-rename-local_map", "pad-rename-slice", "pad-rename-slice-whole"])
-def test_campaign_pieces_of_a_value_renamed_since_are_not_read_under_new_names(case):
+def test_pieces_of_a_value_renamed_since_are_not_read_under_new_names(case):
     """A zero-filled shift, a pad or a concat remembers its pieces (relayout moves them and not
     the zeros; a slice reads them where they lie). A rename swapping two dims of one size gives
     the same local array other dims, and the pieces were read under the new names: the gathered

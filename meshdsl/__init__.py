@@ -7,6 +7,7 @@ and :func:`explain` reports what they cost before compiling. This module is the 
 """
 
 from . import random
+from .costmodel import hlo_comm   # the measuring side, public: ``from meshdsl import hlo_comm``
 from .names.dims import Dim, Shape, shape
 from .views.display import register_treescope, report_html, reports_table
 from .names.errors import LayoutError, MeshDSLError, MeshError, ShapeError

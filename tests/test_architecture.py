@@ -208,6 +208,8 @@ def test_the_facade_exports_the_contract_and_nothing_internal():
     assert set(md.__all__) <= set(dir(md))
     assert "Placement" not in md.__all__ and not hasattr(md, "Placement")
     assert md.random.normal and md.random.uniform and md.random.bernoulli
+    from meshdsl import hlo_comm   # the measuring tool scripts from outside import by this name
+    assert hlo_comm.analyze and hlo_comm.CommReport
 
 
 def test_operators_and_views_are_installed_by_their_layers():

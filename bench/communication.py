@@ -150,10 +150,12 @@ def run(quick: bool = False) -> str:
                                                                                   total(r["minimum"]))),
         ("explicit / gspmd", lambda r: ratio(total(r["explicit"]), total(r["gspmd"]))),
     ]
+    shape = models.shapes(quick)
     return write("communication", rows, columns, "Communication: bytes moved per device",
                  notes=f"Canonical programs: B={B} S={S} D={D} F={F} H={H} d_kv={K}, float32, mesh data={DATA} x "
                        f"model={MODEL}. Model rows: one training step (loss + gradients), t5-small widths "
-                       f"(d_model 512, d_ff 2048, 8 heads, vocab 32128), 2 + 2 layers, batch 8, 64 / 16 tokens.")
+                       f"(d_model 512, d_ff 2048, 8 heads, vocab 32128), 2 + 2 layers, batch {shape['batch']}, "
+                       f"{shape['enc']} / {shape['dec']} tokens.")
 
 
 if __name__ == "__main__":

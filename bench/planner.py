@@ -63,7 +63,8 @@ def measure(name: str, config: str, shapes: dict, abstract_mesh) -> dict:
             plan = prog.solved
             row.update(ops=len(plan.nodes), candidates=sum(len(plan.graph.nodes[g].strategies) for g in plan.nodes),
                        variables=plan.solution.variables, solve_s=plan.solution.seconds,
-                       default_bytes=plan.default_bytes, plan_bytes=plan.solution.bytes,
+                       default_bytes=plan.graph.moved([0] * len(plan.graph.nodes)),
+                       plan_bytes=plan.graph.moved(plan.solution.choice),
                        optimal=plan.solution.optimal, kept=prog.plan is not None)
     row["ratio"] = row["trace_s_on"] / row["trace_s_off"]
     print(f"{name}: trace off {row['trace_s_off']:.2f}s on {row['trace_s_on']:.2f}s "

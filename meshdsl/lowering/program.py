@@ -109,7 +109,7 @@ class Program:
         ctx, hw, budget = self.last_ctx, self.owner.hardware, self.owner.memory_budget
         recording, ctx.planner = ctx.planner, None
         measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
-        peak = _peak(closed)
+        peak = _peak(closed) if budget is not None else 0.0   # (the liveness walk only where a budget asks)
         best = (measure(closed, ctx), closed, ctx, None) if budget is None or peak <= budget else None
         least = (peak, "the rules' own choices")
         limit = budget
@@ -122,7 +122,7 @@ class Program:
                     continue   # the rules' own choices are the plan
                 self.plan = plan
                 planned = _traced(self.run, avals)
-                used = _peak(planned)
+                used = _peak(planned) if budget is not None else 0.0
                 least = min(least, (used, "the plan"))
                 if budget is not None and used > budget:
                     over.append(used - budget)

@@ -134,11 +134,7 @@ class Program:
                 break
             limit -= min(over)   # a plan the graph thought fits does not: ask the solve for less
         if best is None:
-            raise LayoutError(
-                f"no plan of this program holds at most memory_budget={fmt_bytes(budget)} per device: the "
-                f"least peak found is {fmt_bytes(least[0])} ({least[1]}); raise memory_budget, split more of "
-                f"the program's dims over the mesh (or store parameters split: params= rules), or "
-                f"rematerialise activations (jax.checkpoint around a layer)")
+            raise _no_plan_fits(budget, f"the least peak found is {fmt_bytes(least[0])} ({least[1]})")
         _, closed, self.last_ctx, self.plan = best
         self.solved = self.plan or self.solved
         return closed
@@ -154,12 +150,9 @@ class Program:
                 if fewest.choice != plans[0].choice:
                     plans.append(fewest)
         except NoPlanFits as e:
-            raise LayoutError(
-                f"no plan of this program holds at most memory_budget={fmt_bytes(self.owner.memory_budget)} per "
-                f"device: the least the planner finds is {fmt_bytes(e.least)} (values held from their "
-                f"producer to their last reader, the backward pass's to the end); raise memory_budget, split "
-                f"more of the program's dims over the mesh (or store parameters split: params= rules), or "
-                f"rematerialise activations (jax.checkpoint around a layer)") from None
+            raise _no_plan_fits(self.owner.memory_budget, f"the least the planner finds is {fmt_bytes(e.least)} "
+                                f"(values held from their producer to their last reader, the backward "
+                                f"pass's to the end)") from None
         return plans
 
     # -- the traced program ----------------------------------------------------------------------
@@ -292,6 +285,15 @@ def _check_unused_rules(layout: Layout, seen: set, strict: bool = False) -> None
             raise LayoutError(f"{kind} for {dim!r} matches no dim of the program (its dims: {dims})"
                               f"{suggest(dim, seen)}; drop the rule or name one of these dims "
                               f"(md.lower(..., unused_rules='error'))")
+
+
+def _no_plan_fits(budget, least: str) -> LayoutError:
+    """The error where no plan holds at most ``budget`` bytes per device (``least``: what the
+    least found was, and where)."""
+    return LayoutError(f"no plan of this program holds at most memory_budget={fmt_bytes(budget)} per device: "
+                       f"{least}; raise memory_budget, split more of the program's dims over the mesh (or store "
+                       f"parameters split: params= rules), or rematerialise activations (jax.checkpoint around "
+                       f"a layer)")
 
 
 def _moved(closed, ctx) -> float:

@@ -144,13 +144,16 @@ class Graph:
         """The objective of the plan picking strategy ``choice[k]`` for node ``k``: its bytes or,
         under the time objective, its collectives' and compute's seconds (as bytes of the
         reference link)."""
-        return self.moved(choice, self.relay_cost, own="time") + sum(
-            self.nodes[k].strategies[s].work for k, s in enumerate(choice))
+        return self._total(choice, self.relay_cost, lambda s: s.time + s.work)
 
-    def moved(self, choice, relay=None, own="cost") -> float:
+    def moved(self, choice) -> float:
         """Bytes the plan picking strategy ``choice[k]`` for node ``k`` moves per device."""
-        relay = relay or self.relay
-        total = sum(getattr(self.nodes[k].strategies[s], own) for k, s in enumerate(choice))
+        return self._total(choice, self.relay, lambda s: s.cost)
+
+    def _total(self, choice, relay, own) -> float:
+        """Each node's ``own(strategy)``, each relay a chosen consumer needs priced by ``relay``
+        (once per value and placement), and the shared copies a reader makes itself."""
+        total = sum(own(self.nodes[k].strategies[s]) for k, s in enumerate(choice))
         for v, (p, slot) in self.producer.items():
             src = self.nodes[p].strategies[choice[p]].gives[slot]
             wanted = {self.nodes[c].strategies[choice[c]].needs[j] for c, j in self.consumers.get(v, ())}

@@ -233,7 +233,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
     emitted = tuple((r.kind, r.axes, r.total_bytes) for r in ctx.rec.records[start[0]:])
     duals = tuple((r.axes, dual_bytes([r])) for r in ctx.rec.records[start[0]:]) + \
-        tuple(zip(ctx.rec.cast_axes[start[1]:], ctx.rec.casts[start[1]:]))
+        tuple((axes, b) for b, axes in ctx.rec.casts[start[1]:])
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
                          tuple(reads), frozenset(makes), emitted, duals)
@@ -295,7 +295,7 @@ def _sandboxed(policy):
 def _backward_guess(ctx, start) -> float:
     """The backward bytes of what the op emitted since ``start``: its collectives' duals
     (:func:`meshdsl.costmodel.cost.dual_bytes`) and its casts' psums."""
-    return dual_bytes(ctx.rec.records[start[0]:]) + sum(ctx.rec.casts[start[1]:])
+    return dual_bytes(ctx.rec.records[start[0]:]) + sum(b for b, _ in ctx.rec.casts[start[1]:])
 
 
 def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:

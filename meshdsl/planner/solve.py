@@ -178,12 +178,12 @@ def _solve_part(graph: Graph, part: list, time_limit: float, memory_budget: floa
         if c.reader in members:
             z = prog.var(c.cost, integer=False, upper=1.0)
             prog.row({z: 1.0, x[c.reader][c.strategy]: -1.0, **{x[c.maker][s]: 1.0 for s in c.makers}}, 0.0, np.inf)
-    if memory_budget is not None:
-        _memory_rows(graph, prog, x, memory_budget)
+    for coefs in _memory_rows(graph, x, memory_budget) if memory_budget is not None else ():
+        prog.row(coefs, -np.inf, memory_budget)
     res = prog.run(prog.bytes, time_limit=time_limit)
     if res.x is None:
         if memory_budget is not None and res.status == 2:   # infeasible: no plan fits
-            raise NoPlanFits(_least_memory(graph, x))
+            raise NoPlanFits(_least_memory(graph))
         return {k: 0 for k in part}, prog.n, False
     picked = {k: int(np.argmax([res.x[i] for i in ids])) for k, ids in x.items()}
     return picked, prog.n, bool(res.status == 0)
@@ -211,9 +211,10 @@ def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) ->
             prog.row({**{y: 1.0 for y in ys.values()}, **{x[c][s]: -1.0 for s in strategies}}, 0.0, np.inf)
 
 
-def _memory_rows(graph: Graph, prog: _Program, x: dict, budget: float) -> None:
-    """One row per point of the program where the values held may exceed ``budget``: the bytes
-    per device each holds under its producer's strategy, summed over the values live there."""
+def _memory_rows(graph: Graph, x: dict, budget: float) -> list:
+    """The coefficients of one row per point of the program where the values held may exceed
+    ``budget`` (distinct rows only): the bytes per device each holds under its producer's strategy
+    (``x``: node -> its strategies' variables), summed over the values live there."""
     starts: dict = {}
     for v, (p, slot) in graph.producer.items():
         sizes = [s.memory[slot] if s.memory else 0.0 for s in graph.nodes[p].strategies]
@@ -221,7 +222,7 @@ def _memory_rows(graph: Graph, prog: _Program, x: dict, budget: float) -> None:
             first, last = graph.live_range(v)
             starts.setdefault(first, []).append((last, p, sizes))
     live: list = []
-    seen = set()
+    rows: dict = {}
     for t in range(len(graph.nodes)):
         live = [e for e in live if e[0] >= t] + starts.get(t, [])
         if sum(max(sizes) for _, _, sizes in live) <= budget:
@@ -231,13 +232,11 @@ def _memory_rows(graph: Graph, prog: _Program, x: dict, budget: float) -> None:
             for s, size in enumerate(sizes):
                 if size:
                     coefs[x[p][s]] = coefs.get(x[p][s], 0.0) + size
-        key = tuple(sorted(coefs.items()))
-        if key not in seen:
-            seen.add(key)
-            prog.row(coefs, -np.inf, budget)
+        rows.setdefault(tuple(sorted(coefs.items())), coefs)
+    return list(rows.values())
 
 
-def _least_memory(graph: Graph, x: dict) -> float:
+def _least_memory(graph: Graph) -> float:
     """The least peak any plan holds (the ILP minimising its memory, no budget)."""
     prog = _Program()
     ids = {}
@@ -245,9 +244,7 @@ def _least_memory(graph: Graph, x: dict) -> float:
         ids[k] = [prog.var() for _ in graph.nodes[k].strategies]
         prog.row({i: 1.0 for i in ids[k]}, 1.0, 1.0)
     peak = prog.var(1.0, integer=False, upper=np.inf)
-    rows = _Program()
-    _memory_rows(graph, rows, ids, 0.0)
-    for coefs, _, _ in rows.rows:
+    for coefs in _memory_rows(graph, ids, 0.0):
         prog.row({**coefs, peak: -1.0}, -np.inf, 0.0)
     res = prog.run(prog.bytes)
     return float(res.x[peak]) if res.x is not None else float("nan")

@@ -324,7 +324,7 @@ class ExplicitContext(LayoutContext):
                 made = self.rec.records[n_records:]
                 # its collectives, their duals where the source is differentiated, its casts' psums
                 cost = sum(r.total_bytes for r in made) + (dual_bytes(made) if differentiated(source) else 0.0) \
-                    + sum(self.rec.casts[n_casts:])
+                    + sum(b for b, _ in self.rec.casts[n_casts:])
                 self._copies[(id(source), shared)] = (self.planner.current, cost)
                 self.planner.made((id(source), shared))
 
@@ -364,7 +364,6 @@ class ExplicitContext(LayoutContext):
     def rollback(self, mark) -> None:
         n_records, n_cache, planned, n_casts, n_attentions = mark
         del self.rec.casts[n_casts:]
-        del self.rec.cast_axes[n_casts:]
         del self.attentions[n_attentions:]
         if planned is not None:
             self.planner.rollback(planned)

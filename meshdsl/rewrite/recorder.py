@@ -57,8 +57,8 @@ class Recorder:
         self.phase = "forward"
         self.tracing = True            # False once the trace is over: late backward rules record nothing
         self._tags = 0
-        self.casts: list = []          # backward bytes priced before emitted (casts, slices, own backwards)
-        self.cast_axes: list = []      # the mesh axes each of those moves over (() where not known)
+        self.casts: list = []          # (bytes, mesh axes) the backward moves, priced before emitted
+        #                                (casts, slices, own backwards; axes () where not known)
         self.sandbox = None            # the planner's sandbox being traced now (an int), if any
         self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
         self._sandboxes = 0
@@ -103,8 +103,7 @@ class Recorder:
         (over factor ``axes``) beyond its forward collectives' duals (a ring rotating gradients
         as well as keys): the planner prices them before the backward is emitted."""
         if self.tracing and self.sandbox not in self._closed:
-            self.casts.append(nbytes * self.multiplier)
-            self.cast_axes.append(self.mesh.collapse(tuple(axes)))
+            self.casts.append((nbytes * self.multiplier, self.mesh.collapse(tuple(axes))))
 
     @contextlib.contextmanager
     def at(self, name: str, line: str):

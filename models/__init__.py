@@ -8,6 +8,14 @@
 (``from meshdsl.models.generate import main, span_filling_accuracy``). Importing that submodule
 does not rebind the name ``generate`` here: it stays the function.
 
+The code lives in subpackages by concept, each importing only the floors below it (its docstring
+says which): :mod:`~meshdsl.models.data` (corpus, vocabulary, batches), :mod:`~meshdsl.models.families`
+(T5, Llama, configs, losses), :mod:`~meshdsl.models.hub` (Hugging Face), :mod:`~meshdsl.models.decoding`
+(generation), :mod:`~meshdsl.models.training` (trainer, loop, checkpoints) and :mod:`~meshdsl.models.cli`
+(the commands). The modules at this level (``llama``, ``llama_configs``, ``t5``, ``configs``, ``loss``,
+``inference``, ``generation``, ``hf``, ``autolayout``, ``train``, ``generate``, ``export``) are
+facades: the public paths, re-exporting the subpackages' names (docs/architecture.md has the map).
+
 The models pad their vocabulary (``vocab_multiple`` of their configs); importing this package
 names that option in the layout error for a split that does not divide ``vocab``.
 """
@@ -18,9 +26,9 @@ import types
 
 from meshdsl.names.layout import register_padding_hint
 
-from .generation import generate
-from .llama import Llama
-from .llama_configs import LlamaConfig
+from .decoding.generation import generate
+from .families.llama import Llama
+from .families.llama_configs import LlamaConfig
 
 __all__ = ["generate", "Llama", "LlamaConfig"]
 

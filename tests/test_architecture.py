@@ -27,23 +27,26 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
+def _resolve(node: ast.ImportFrom | ast.Import, package: str, modules) -> set[str]:
+    """The modules of ``modules`` one import statement of a module of ``package`` names."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
+
+
 def _imports(name: str, tree: ast.Module) -> set[str]:
     """meshdsl modules that module ``name`` imports at its top level."""
     is_pkg = MODULES[name].name == "__init__.py"
     package = name if is_pkg else name.rpartition(".")[0]
     deps = set()
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                deps.add(sub if sub in MODULES else target)
-        elif isinstance(node, ast.Import):
-            deps.update(a.name for a in node.names)
+        if isinstance(node, (ast.ImportFrom, ast.Import)):
+            deps |= _resolve(node, package, MODULES)
     return {d for d in deps if d in MODULES and d != name}
 
 
@@ -82,30 +85,87 @@ def test_the_import_graph_of_meshdsl_has_no_cycle():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
+MODELS_ROOT = ROOT.parent / "models"                  # installed as meshdsl.models (pyproject's package-dir)
+MODEL_FLOORS = ["data", "families", "hub", "decoding", "training", "cli"]
+# the public paths users, docs, notebooks and outside scripts import: thin facades over the floors
+MODEL_FACADES = {"configs", "llama_configs", "llama", "t5", "loss", "inference", "generation", "hf", "autolayout",
+                 "train", "generate", "export"}
+
+
+def _model_modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in MODELS_ROOT.rglob("*.py"):
+        parts = ("meshdsl", "models", *path.relative_to(MODELS_ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODEL_MODULES = _model_modules()
+
+
 def _models_graph() -> dict[str, set[str]]:
     """The model package's modules and the modules of it each imports anywhere (a function body's
     import included: a cycle hidden in one still ties the two modules together)."""
-    root = ROOT.parent / "models"
-    names = {p.stem for p in root.glob("*.py")}
     graph = {}
-    for path in root.glob("*.py"):
+    for name, path in MODEL_MODULES.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if node.level == 1:
-                    deps.update([module.split(".")[0]] if module else [a.name for a in node.names])
-                elif module.startswith("meshdsl.models"):
-                    rest = module[len("meshdsl.models"):].lstrip(".")
-                    deps.update([rest.split(".")[0]] if rest else [a.name for a in node.names])
-        graph[path.stem] = {d for d in deps if d in names and d != path.stem}
+            if isinstance(node, (ast.ImportFrom, ast.Import)):
+                deps |= _resolve(node, package, MODEL_MODULES)
+        graph[name] = {d for d in deps if d in MODEL_MODULES and d != name}
     return graph
+
+
+def _model_floor(module: str) -> int:
+    """The floor of a meshdsl.models module (its subpackage's place in ``MODEL_FLOORS``); the
+    package and its facades are above all."""
+    parts = module.split(".")
+    return MODEL_FLOORS.index(parts[2]) if len(parts) > 2 and parts[2] in MODEL_FLOORS else len(MODEL_FLOORS)
 
 
 def test_the_model_package_has_no_import_cycle():
     graph = _models_graph()
-    assert len(graph) > 20 and "generation_lm" in graph["generation"]
+    assert len(graph) > 20 and "meshdsl.models.decoding.generation_lm" in graph["meshdsl.models.decoding.generation"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_every_model_module_lives_in_a_subpackage_and_the_public_paths_are_facades():
+    top = {n.rpartition(".")[2] for n in MODEL_MODULES if _model_floor(n) == len(MODEL_FLOORS) and n != "meshdsl.models"}
+    assert top == MODEL_FACADES, sorted(top ^ MODEL_FACADES)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_FACADES))
+def test_a_model_facade_only_re_exports_a_subpackage_s_names(name):
+    """A docstring, imports from the floors, ``__all__`` (every name imported), and a command's
+    ``if __name__ == "__main__"``: no logic."""
+    tree = ast.parse((MODELS_ROOT / f"{name}.py").read_text())
+    assert ast.get_docstring(tree), name
+    imported, exported = set(), None
+    for node in tree.body[1:]:
+        if isinstance(node, ast.ImportFrom):
+            assert _model_floor(node.module) < len(MODEL_FLOORS), ast.unparse(node)
+            imported.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]:
+            exported = ast.literal_eval(node.value)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            assert name in ("train", "generate", "export"), name
+        else:
+            assert isinstance(node, ast.Import) and [a.name for a in node.names] == ["sys"], ast.unparse(node)
+    assert exported and set(exported) == imported, (name, exported, imported)
+
+
+def test_model_subpackages_import_only_their_own_floor_and_the_floors_below():
+    """Function bodies' imports included; a facade is above every floor, so no floor imports one."""
+    graph = _models_graph()
+    upward = sorted(f"{u} -> {v}" for u, deps in graph.items() for v in deps if _model_floor(v) > _model_floor(u))
+    assert not upward, upward
+
+
+@pytest.mark.parametrize("floor", MODEL_FLOORS)
+def test_each_model_subpackage_says_what_it_owns_and_what_it_may_import(floor):
+    doc = ast.get_docstring(ast.parse((MODELS_ROOT / floor / "__init__.py").read_text())) or ""
+    assert len(doc) > 80 and "May import" in doc, floor
 
 
 FLOORS = ["platform", "names", "costmodel", "rewrite", "ops", "planner", "lowering", "views", "search"]
@@ -138,13 +198,16 @@ def test_each_subpackage_says_what_it_owns_and_what_it_may_import(floor):
 
 
 def test_the_module_map_of_the_architecture_doc_is_the_code():
-    """docs/architecture.md names every module by its path under meshdsl/, and no module that is not."""
+    """docs/architecture.md names every module by its path under meshdsl/ (and under models/), and
+    no module that is not."""
     text = (ROOT.parent / "docs" / "architecture.md").read_text()
     named = {p for p in re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)`", text)
              if not p.startswith("tests/") and p != "__init__.py"}
-    paths = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if p.name != "__init__.py"}
-    assert paths - named == set(), sorted(paths - named)
-    assert named - paths == set(), sorted(named - paths)
+    for root, prefix in ((ROOT, ""), (MODELS_ROOT, "models/")):
+        paths = {prefix + str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "__init__.py"}
+        mine = {p for p in named if p.startswith("models/") == bool(prefix)}
+        assert paths - mine == set(), sorted(paths - mine)
+        assert mine - paths == set(), sorted(mine - paths)
 
 
 def test_a_cycle_is_detected():  # the checker itself can fail

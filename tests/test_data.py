@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshdsl.models import corpus, data
-from meshdsl.models.corpus import Vocabulary
-from meshdsl.models.data import (
+from meshdsl.models.data import batches as data, corpus
+from meshdsl.models.data.batches import (
     TokenChunks, make_dataset, nonnoise_span_to_unique_sentinel, noise_span_to_unique_sentinel,
     random_segmentation, random_spans_helper, random_spans_noise_mask, span_corruption, shift_right,
 )
+from meshdsl.models.data.corpus import Vocabulary
 
 SPAN_KEYS = {"encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights"}
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import meshdsl as md  # noqa: E402
 import meshdsl.models  # noqa: E402
 from meshdsl.models import hf  # noqa: E402
+from meshdsl.models.decoding.sampling import filter_logits  # noqa: E402
 from meshdsl.models.generation import Generator  # noqa: E402
-from meshdsl.models.sampling import filter_logits  # noqa: E402
 
 SMALL = dict(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2)
 MESH = md.Mesh({"data": 2, "model": 4})

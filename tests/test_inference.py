@@ -12,9 +12,9 @@ import meshdsl as md
 import meshdsl.models
 from helpers import explain_summary, hlo_summary
 from meshdsl.models.configs import get_config
-from meshdsl.models.decode import decode_logits
+from meshdsl.models.decoding.decode import decode_logits
+from meshdsl.models.decoding.inference import INFERENCE_LAYOUTS, _abstract_step_inputs, decode_step_cost
 from meshdsl.models.generate import span_filling_accuracy, split_spans
-from meshdsl.models.inference import INFERENCE_LAYOUTS, _abstract_step_inputs, decode_step_cost
 from meshdsl.models.t5 import T5, count_params
 
 MESH = md.Mesh({"data": 2, "model": 4})
@@ -73,7 +73,7 @@ def test_span_filling_exact_match(monkeypatch):
         seen.update(kw, names=inputs.names)
         return md.named(decoded, "batch length")
 
-    monkeypatch.setattr("meshdsl.models.generation.generate", fake_generate)
+    monkeypatch.setattr("meshdsl.models.decoding.generation.generate", fake_generate)
     batch = {"encoder_input_tokens": np.ones((3, 10), np.int32), "decoder_target_tokens": targets}
     result = span_filling_accuracy(None, [batch], vocab)
     assert result == {"exact_match": 1 / 3, "span_exact_match": 3 / 5, "examples": 3, "spans": 5}
@@ -86,13 +86,13 @@ def test_generate_cli_on_a_run_directory(tmp_path, capsys):
 
     import jax
 
-    from meshdsl.models import checkpoint
+    from meshdsl.models.training import checkpoint
     import importlib
     cli = importlib.import_module("meshdsl.models.generate")
-    from meshdsl.models.corpus import load_vocabulary
-    from meshdsl.models.optim import make_optimizer
+    from meshdsl.models.data.corpus import load_vocabulary
     from meshdsl.models.train import build_parser
-    from meshdsl.models.trainer import Trainer
+    from meshdsl.models.training.optim import make_optimizer
+    from meshdsl.models.training.trainer import Trainer
 
     from meshdsl.models.generation import generate
     assert meshdsl.models.generate is generate           # importing the CLI module keeps the function

@@ -18,7 +18,7 @@ import meshdsl.models
 from helpers import assert_same
 from meshdsl.layers import GroupedQueryAttention, apply_rotary, rotary_angles
 from meshdsl.models.configs import LlamaConfig, config_from_dict, get_config
-from meshdsl.models.generation_lm import LMGenerator
+from meshdsl.models.decoding.generation_lm import LMGenerator
 from meshdsl.models.llama import Llama, count_params
 from meshdsl.models.loss import lm_loss
 

@@ -157,7 +157,7 @@ def test_save_pretrained_reloads_in_transformers_and_here(tmp_path):
 
 
 def test_unsupported_configs_are_refused_by_name():
-    from meshdsl.models.hf_llama import config_from_hf
+    from meshdsl.models.hub.hf_llama import config_from_hf
     with pytest.raises(ValueError, match="attention_bias=True"):
         config_from_hf(transformers.LlamaConfig(attention_bias=True, **SMALL))
     with pytest.raises(ValueError, match="rope_scaling"):

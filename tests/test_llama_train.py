@@ -57,7 +57,7 @@ def test_megatron_gives_the_data_parallel_losses(run, tmp_path):
 
 
 def test_own_text_files(tmp_path):
-    from meshdsl.models import corpus
+    from meshdsl.models.data import corpus
     verses = [line for doc in corpus.load_documents("train") for line in doc.split("\n")][:300]
     text = tmp_path / "own.txt"
     text.write_text("\n".join(verses) + "\n", encoding="utf-8")
@@ -118,7 +118,7 @@ def test_help_names_every_model_family_and_the_attention_strategies():
 
 
 def test_llama_defaults_to_lm_and_adamw_with_llamas_recipe_and_t5_keeps_adafactor():
-    from meshdsl.models.optim import ADAMW, default_warmup
+    from meshdsl.models.training.optim import ADAMW, default_warmup
     llama, t5 = parse_args(["--model", "llama-tiny"]), parse_args(["--model", "t5-tiny"])
     assert (llama.task, llama.optimizer, llama.attention) == ("lm", "adamw", "auto")
     assert (t5.task, t5.optimizer) == ("span_corruption", "adafactor")
@@ -144,8 +144,8 @@ def test_an_unknown_attention_strategy_is_refused(capsys):
 
 
 def test_the_summary_of_a_llama_run_is_decoder_only():
-    from meshdsl.models import runinfo
     from meshdsl.models.configs import get_config
+    from meshdsl.models.training import runinfo
     args = parse_args(["--model", "llama-tiny", "--attention", "ring", "--batch", "8"])
     baseline = {"unigram_entropy": 5.7, "unigram_cross_entropy": 5.9, "target_unigram_entropy": 5.7}
     text = runinfo.summary(args, get_config("llama-tiny"), md.Mesh.parse("data:8"), md.Layout.parse("batch:data"),
@@ -197,8 +197,8 @@ def test_the_trainer_lowers_llama_with_every_rule_required_to_match(tmp_path):
     """Outside the CLI too: the Trainer's programs are lowered with unused_rules="error"."""
     import jax
     from meshdsl.models.configs import get_config
-    from meshdsl.models.optim import make_optimizer
-    from meshdsl.models.trainer import Trainer, named_batch
+    from meshdsl.models.training.optim import make_optimizer
+    from meshdsl.models.training.trainer import Trainer, named_batch
     tx, schedule = make_optimizer("adamw", family="decoder-only")
     trainer = Trainer(get_config("llama-tiny"), md.Mesh.parse("data:2,model:4"), md.Layout.parse("heads:model"),
                       tx, schedule)

@@ -107,7 +107,7 @@ def test_the_training_cli_prints_each_stack_s_schedule():
     CLI's explain lines show both (the first pipeline alone hid the repeats)."""
     from types import SimpleNamespace
 
-    from meshdsl.models.runinfo import explain_text
+    from meshdsl.models.training.runinfo import explain_text
 
     gpipe = {"schedule": "gpipe", "axis": "pipe", "stages": 2, "microbatches": 2, "ticks": 3, "bubble_fraction": 1 / 3}
     ring = {**gpipe, "schedule": "circular", "repeats": 2, "ticks": 5, "bubble_fraction": 1 / 5}

@@ -154,8 +154,8 @@ def test_moe_t5_trains_under_1f1b_with_the_data_parallel_losses(tmp_path):
 def test_training_cli_passes_the_schedule_to_md_lower(tmp_path, capsys, monkeypatch):
     """--schedule and --repeats reach both md.lower calls of the trainer (the step's and evaluation's);
     with the CLI's own check out of the way, md.lower itself refuses repeats without circular."""
-    from meshdsl.models import faults
     from meshdsl.models.train import main
+    from meshdsl.models.training import faults
 
     argv = ["--model", "t5-tiny", "--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--mesh", "pipe:2,data:4",
             "--layout", "batch:data;layers:pipe", "--microbatches", "2", "--out", str(tmp_path / "run")]

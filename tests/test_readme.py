@@ -22,7 +22,7 @@ def test_the_pipeline_row_of_the_cheat_sheet_is_truthful():
     import pytest
 
     import meshdsl as md
-    from meshdsl.models import faults
+    from meshdsl.models.training import faults
 
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| Pipeline (GPipe, 1F1B, circular) |")]

@@ -1,4 +1,4 @@
-"""Multi-process training runs (models/supervisor.py): a dead peer is one line. The supervisor is
+"""Multi-process training runs (models/training/supervisor.py): a dead peer is one line. The supervisor is
 tested on a stand-in child (a lost peer's C++ abort becomes one line, other failures pass through,
 SIGTERM is passed on, the child dies with a killed supervisor), then two real processes x 4 CPU
 devices lose process 1 to SIGKILL. The single-process faults: test_train_faults.py.
@@ -15,11 +15,11 @@ import time
 import pytest
 
 from helpers import RUN
-from meshdsl.models import checkpoint, supervisor
 from meshdsl.models.train import parse_args
+from meshdsl.models.training import checkpoint, supervisor
 
 
-# -- multi-process runs: a dead peer is one line (models/supervisor.py) ------------------------------
+# -- multi-process runs: a dead peer is one line (models/training/supervisor.py) ---------------------
 
 #: what jax 0.10's coordination service writes when process 0 finds process 1 dead (then SIGABRT)
 PEER_ABORT = """\
@@ -48,7 +48,7 @@ if mode == "other":
     os.abort()
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *a: (print("child: SIGTERM, saved", flush=True), sys.exit(0)))
-    from meshdsl.models.supervisor import watch_parent
+    from meshdsl.models.training.supervisor import watch_parent
     watch_parent()
     print(os.getpid(), file=sys.stderr, flush=True)
     time.sleep(60)
@@ -67,7 +67,8 @@ def _supervised(tmp_path, mode: str, capfd=None):
     extra = [mode, str(abort_text)]
     if capfd is not None:
         return supervisor.supervise(extra, parse_args(argv), command=[sys.executable, str(fake)])
-    script = ("import sys; from meshdsl.models import supervisor; from meshdsl.models.train import parse_args; "
+    script = ("import sys; from meshdsl.models.training import supervisor; "
+              "from meshdsl.models.train import parse_args; "
               f"sys.exit(supervisor.supervise({extra!r}, parse_args({argv!r}), command=[sys.executable, {str(fake)!r}]))")
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl.models import checkpoint
-from meshdsl.models.options import overrides as _overrides
-from meshdsl.models.train import _default_layout, build_parser, main
+from meshdsl.models.cli.options import overrides as _overrides
+from meshdsl.models.cli.train import _default_layout, build_parser, main
+from meshdsl.models.training import checkpoint
 
 SMALL = "d_model=32,d_ff=64,heads=4,d_kv=8"
 TINY = ["--override", SMALL, "--batch", "8", "--encoder-length", "32", "--log-every", "1", "--no-explain",

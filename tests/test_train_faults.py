@@ -26,9 +26,9 @@ import pytest
 
 import meshdsl as md
 from helpers import RUN, SMALL
-from meshdsl.models import checkpoint
-from meshdsl.models.faults import Diverged, Preemption, UsageError, mesh_warnings
 from meshdsl.models.train import main, parse_args
+from meshdsl.models.training import checkpoint
+from meshdsl.models.training.faults import Diverged, Preemption, UsageError, mesh_warnings
 
 
 def is_named(x) -> bool:
@@ -203,7 +203,7 @@ def test_bad_text_files_name_the_file(tmp_path, capsys):
 
 
 def test_corrupt_vocabulary_cache_names_the_file(tmp_path, monkeypatch, capsys):
-    from meshdsl.models import corpus
+    from meshdsl.models.data import corpus
     monkeypatch.setenv("MESHDSL_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "own.txt"
     text.write_text("\n".join(f"line {i} of my own text with some words in it" for i in range(400)))
@@ -326,8 +326,8 @@ def test_bfloat16_compute_keeps_float32_parameters_and_optimizer_state():
     import jax.numpy as jnp
 
     from meshdsl.models.configs import get_config
-    from meshdsl.models.optim import make_optimizer
-    from meshdsl.models.trainer import Trainer
+    from meshdsl.models.training.optim import make_optimizer
+    from meshdsl.models.training.trainer import Trainer
     config = get_config("t5-tiny").replace(vocab=128, d_model=32, d_ff=64, heads=4, d_kv=8)
     tx, schedule = make_optimizer("adafactor", None, None, 10)
     trainer = Trainer(config, md.Mesh.parse("data:8"), md.Layout.parse("batch:data"), tx, schedule,

@@ -26,9 +26,9 @@ import meshdsl as md  # noqa: E402
 import meshdsl.models  # noqa: E402
 from meshdsl.models import hf  # noqa: E402
 from meshdsl.models.configs import config_from_dict, get_config  # noqa: E402
-from meshdsl.models.family import describe  # noqa: E402
+from meshdsl.models.families.family import describe  # noqa: E402
 from meshdsl.models.loss import cross_entropy  # noqa: E402
-from meshdsl.models.runrecord import differences  # noqa: E402
+from meshdsl.models.training.runrecord import differences  # noqa: E402
 
 VOCAB, PADDED = 97, 128
 MESH = md.Mesh({"model": 4}, devices=jax.devices()[:4])

@@ -36,10 +36,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl.names.errors import suggest
-from meshdsl.models import checkpoint
-from meshdsl.models.data import make_dataset
-from meshdsl.models.family import model_class, objective
-from meshdsl.models.loss import batch_arrays
+from meshdsl.models.data.batches import make_dataset
+from meshdsl.models.families.family import model_class, objective
+from meshdsl.models.families.loss import batch_arrays
+from meshdsl.models.training import checkpoint
 from meshdsl.names.named import is_named
 
 __all__ = ["Trainer", "Feed", "host_metrics", "named_batch"]

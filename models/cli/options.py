@@ -1,7 +1,7 @@
 """The training CLI's options (``python -m meshdsl.models.train``): the parser, the value types
 (checked at parse time, the same for a ``--config`` file), ``--override`` pairs, and the defaults
 that depend on the model's family: a decoder-only model (``llama-*``) trains ``--task lm`` with
-AdamW (:data:`meshdsl.models.optim.ADAMW`), T5 / MoE-T5 span corruption with Adafactor."""
+AdamW (:data:`meshdsl.models.training.optim.ADAMW`), T5 / MoE-T5 span corruption with Adafactor."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import ast
 import os
 import sys
 
-from meshdsl.models import runrecord
-from meshdsl.models.configs import MODELS
-from meshdsl.models.faults import UsageError
-from meshdsl.models.optim import DEFAULT_OPTIMIZER, family_of
+from meshdsl.models.families.configs import MODELS
+from meshdsl.models.training import runrecord
+from meshdsl.models.training.faults import UsageError
+from meshdsl.models.training.optim import DEFAULT_OPTIMIZER, family_of
 
 __all__ = ["build_parser", "parse_args", "overrides", "DEFAULT_STEPS", "DEFAULT_CKPT_EVERY"]
 

@@ -1,5 +1,5 @@
 """What both generators share (:mod:`~meshdsl.models.generation` for encoder-decoders,
-:mod:`~meshdsl.models.generation_lm` for decoder-only models): the prefill and decode layouts a
+:mod:`~meshdsl.models.decoding.generation_lm` for decoder-only models): the prefill and decode layouts a
 call's ``mesh`` and ``layout`` give, and the KV cache's length."""
 
 from __future__ import annotations

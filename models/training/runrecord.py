@@ -2,7 +2,7 @@
 
 ``run.json`` holds the CLI's options (``--attention`` among them), the resolved model config, mesh
 and layout, the optimizer's resolved learning rate, warmup and (AdamW) moments and weight decay -
-the model family's defaults, :mod:`meshdsl.models.optim` - and the data baselines. A resume must
+the model family's defaults, :mod:`meshdsl.models.training.optim` - and the data baselines. A resume must
 train the same run: if the model, optimizer, schedule, batch, data or seed differ, it is refused
 with the list of differences (``--allow-changes`` accepts them; they are then recorded under
 ``"history"`` and become the run's). Mesh, layout, ``--attention`` (how, not what, attention
@@ -18,9 +18,9 @@ import json
 import os
 import time
 
-from meshdsl.models.configs import config_from_dict
-from meshdsl.models.faults import UsageError
-from meshdsl.models.optim import ADAMW, family_of
+from meshdsl.models.families.configs import config_from_dict
+from meshdsl.models.training.faults import UsageError
+from meshdsl.models.training.optim import ADAMW, family_of
 
 __all__ = ["CHECKED", "DATA", "run_identity", "differences", "read_run", "write_run", "read_config_file",
            "config_file_defaults", "data_defaults"]

@@ -37,8 +37,8 @@ from flax import nnx
 
 import meshdsl as md
 
-from .llama import Llama
-from .llama_configs import LlamaConfig
+from meshdsl.models.families.llama import Llama
+from meshdsl.models.families.llama_configs import LlamaConfig
 
 __all__ = ["is_llama_config", "config_from_hf", "hf_config_dict", "from_state_dict", "export", "TIED",
            "pad_vocab", "strip_vocab"]

@@ -14,10 +14,10 @@ tokens), as in Hugging Face; without it every token of the prompt is real.
 
 Two lowered programs, each compiled once per shape: ``prefill`` (the prompt through the stack,
 its keys and values into the KV cache, the first new token chosen) and one decode ``step`` reused
-for every position (:mod:`meshdsl.models.llama_decode`). The choice is made inside them in named
+for every position (:mod:`meshdsl.models.decoding.llama_decode`). The choice is made inside them in named
 ops, so the tokens do not depend on the layout: greedy is ``md.argmax`` over ``vocab``; sampling is
 Gumbel-max under ``fold_in(key, slot)`` after temperature, top-k and top-p filtering
-(:mod:`meshdsl.models.sampling`). Beam search is T5's only for now.
+(:mod:`meshdsl.models.decoding.sampling`). Beam search is T5's only for now.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def check_text_files(paths) -> None:
 
 def checked_vocabulary(text_files):
     """``corpus.load_vocabulary``, with a cache file that cannot be read named (delete it)."""
-    from meshdsl.models import corpus
+    from meshdsl.models.data import corpus
 
     try:
         return corpus.load_vocabulary(text_files)

@@ -1,9 +1,9 @@
 """The training loop of the CLI: steps, the finite check, logging, evaluation, checkpoints, preemption.
 
 Every step's loss and gradient norm are checked on the host (one boolean, fetched while the next
-batch is prepared): a NaN or inf stops the run with :class:`~meshdsl.models.faults.Diverged`
+batch is prepared): a NaN or inf stops the run with :class:`~meshdsl.models.training.faults.Diverged`
 before that state can be saved, so orbax's rotation never replaces a good checkpoint with a bad
-one. A SIGTERM / Ctrl-C (:class:`~meshdsl.models.faults.Preemption`) saves the state after the
+one. A SIGTERM / Ctrl-C (:class:`~meshdsl.models.training.faults.Preemption`) saves the state after the
 step in flight and returns; in a multi-process run the processes agree on the stop first.
 """
 
@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from meshdsl.models.faults import Diverged
+from meshdsl.models.training.faults import Diverged
 
 __all__ = ["loop"]
 
@@ -48,7 +48,7 @@ def span_filling(args, trainer, state, val_batches, vocab) -> dict:
     the sentinel spans (exact match), as ``val_span_exact_match`` / ``val_exact_match``."""
     if not args.eval_decode or args.task == "lm" or not val_batches:
         return {}
-    from meshdsl.models.generate import span_filling_accuracy
+    from meshdsl.models.decoding.spans import span_filling_accuracy
 
     batches = [{k: np.asarray(v)[0] for k, v in b.items()} for b in val_batches[:args.eval_decode]]
     scores = span_filling_accuracy(trainer.model(state["params"]), batches, vocab,
@@ -60,7 +60,7 @@ def loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_
          stop, out: str, vocab=None):
     """Steps ``start+1 .. --steps``; ``(state, records, stopped)`` where ``stopped`` is the signal's
     name when a SIGTERM/SIGINT ended the run early (after saving), else None."""
-    from meshdsl.models.trainer import host_metrics
+    from meshdsl.models.training.trainer import host_metrics
 
     records, step = [], start
     t_last, s_last = time.perf_counter(), start

@@ -17,7 +17,7 @@ jax offers no way to handle this in Python (``jax.distributed.initialize`` passe
   logged and the last checkpoint, and says to restart all processes with ``--resume``; the exit
   status is :data:`PEER_LOST` (4);
 * SIGTERM, SIGINT and SIGHUP are passed on (the child saves at the next step boundary and exits 0,
-  see :class:`~meshdsl.models.faults.Preemption`); the child has its own process group, so a
+  see :class:`~meshdsl.models.training.faults.Preemption`); the child has its own process group, so a
   Ctrl-C in the terminal reaches it once, through here; Ctrl-Z stops both;
 * if this process is killed (``kill -9``), the child kills itself: it holds the read end of a pipe
   whose write end only this process holds, and reading it returns at this process's death.
@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from meshdsl.models.checkpoint import latest_step
+from meshdsl.models.training.checkpoint import latest_step
 
 __all__ = ["CHILD_ENV", "PEER_LOST", "wanted", "supervise", "watch_parent", "diagnose", "peer_lost_message"]
 

@@ -11,7 +11,7 @@ __all__ = ["summary", "baselines", "explain_text", "hlo_text", "lengths"]
 def summary(args, config, mesh, layout, enc_len: int, dec_len: int, baseline: dict) -> str:
     import jax
 
-    from meshdsl.models.family import describe, is_decoder_only
+    from meshdsl.models.families.family import describe, is_decoder_only
 
     if is_decoder_only(config):   # one stack: no encoder
         data = f"{args.task} (next-token prediction), batch {args.batch} x {dec_len} tokens"
@@ -37,8 +37,8 @@ def baselines(args, vocab, enc_len: int, dec_len: int) -> dict:
     targets include the easy sentinels and EOS, so that is the one in val_loss's units)."""
     import numpy as np
 
-    from meshdsl.models.corpus import corpus_tokens, unigram_cross_entropy, unigram_entropy
-    from meshdsl.models.data import make_dataset
+    from meshdsl.models.data.batches import make_dataset
+    from meshdsl.models.data.corpus import corpus_tokens, unigram_cross_entropy, unigram_entropy
 
     val = corpus_tokens(vocab, "validation", args.text_files)
     train = corpus_tokens(vocab, "train", args.text_files)

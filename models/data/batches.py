@@ -2,7 +2,7 @@
 
 Data flow::
 
-    token ids of each document            (meshdsl.models.corpus: KJV or your text files)
+    token ids of each document            (meshdsl.models.data.corpus: KJV or your text files)
       -> one token stream per epoch       documents shuffled and concatenated (LM view: eos after each)
       -> chunks                           the stream cut into fixed-length pieces
       -> examples                         T5 span corruption, or decoder-only LM windows
@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from meshdsl.models.corpus import SPLITS, Vocabulary, load_vocabulary, tokenized_documents
+from meshdsl.models.data.corpus import SPLITS, Vocabulary, load_vocabulary, tokenized_documents
 
 KINDS = ("span_corruption", "lm")
 NOISE_DENSITY = 0.15

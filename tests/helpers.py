@@ -45,10 +45,11 @@ def assert_same(actual, expected, rtol=1e-5, atol=1e-5):
             np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=rtol, atol=atol)
 
 
-def check_layout(fn, mesh, layout, *args, rtol=1e-5, atol=1e-5, backend="explicit"):
-    """Run ``fn`` unsharded and lowered; assert equal; return the lowered function."""
+def check_layout(fn, mesh, layout, *args, rtol=1e-5, atol=1e-5, backend="explicit", **kw):
+    """Run ``fn`` unsharded and lowered (``kw``: md.lower's options); assert equal; return the
+    lowered function."""
     expected = fn(*args)
-    f = md.lower(fn, mesh, layout, backend=backend)
+    f = md.lower(fn, mesh, layout, backend=backend, **kw)
     assert_same(f(*args), expected, rtol, atol)
     return f
 

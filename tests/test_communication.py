@@ -6,6 +6,8 @@ predicts the same bytes per kind before compiling, and the result equals the uns
 Mesh: data=2 x model=4, float32 (4 bytes).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -51,11 +53,12 @@ def mlp(x, w1, w2):
     return md.einsum(h, w2, out=x.names)
 
 
-def check_comm(fn, mesh, layout, args, expected, rtol=1e-5):
-    """Equal to the reference; HLO bytes per kind == expected == md.explain's prediction."""
-    f = check_layout(fn, mesh, layout, *args, rtol=rtol, atol=rtol)
+def check_comm(fn, mesh, layout, args, expected, rtol=1e-5, **kw):
+    """Equal to the reference; HLO bytes per kind == expected == md.explain's prediction (``kw``:
+    md.lower's options, an objective)."""
+    f = check_layout(fn, mesh, layout, *args, rtol=rtol, atol=rtol, **kw)
     hlo = hlo_summary(f, *args)
-    report = md.explain(fn, mesh, layout, *args)
+    report = md.explain(fn, mesh, layout, *args, **kw)
     assert bytes_by_kind(hlo) == pytest.approx(expected), hlo
     assert bytes_by_kind(explain_summary(report)) == pytest.approx(bytes_by_kind(hlo)), (report.to_markdown(), hlo)
     return hlo, report
@@ -101,11 +104,28 @@ def test_moe_dispatch_rename_moving_the_split_is_one_all_to_all(mesh):
 @pytest.mark.parametrize("offset, permutes, rows", [(1, 1, 1), (-1, 1, 1), (3, 1, 3), (5, 2, 4), (4, 1, 4)])
 def test_shift_on_a_split_dim_is_collective_permute_of_the_boundary(mesh, arrays, offset, permutes, rows):
     """Blocks of 4 along seq: offset 1 sends one row, 3 sends three, 5 sends 3 + 1 rows from two
-    devices, 4 sends one whole block."""
+    devices, 4 sends one whole block (the plan of fewest bytes: with blocks this small the step's
+    time takes one all-gather, one collective's latency, over two permutes, as the next test pins)."""
     layout = md.Layout({"seq": "model", "batch": "data"})
     hlo, _ = check_comm(lambda x: md.shift(x, "seq", offset), mesh, layout, (arrays["x3"],),
-                        {"collective-permute": B // DATA * rows * D * F32})
+                        {"collective-permute": B // DATA * rows * D * F32}, objective="bytes")
     assert hlo["collective-permute"][0] == permutes
+
+
+def test_a_shift_from_two_devices_takes_one_gather_where_latency_outweighs_the_bytes(mesh, arrays):
+    """Offset 5 over blocks of 4 needs rows from two devices: two permutes (2 KiB) or one
+    all-gather (6 KiB). On the CPU profile (10 us a collective, 230 GB/s) the gather's one latency
+    is the shorter step; on a link a thousand times slower per byte the permutes are."""
+    layout = md.Layout({"seq": "model", "batch": "data"})
+    shift = lambda x: md.shift(x, "seq", 5)  # noqa: E731
+    hlo, _ = check_comm(shift, mesh, layout, (arrays["x3"],), {"all-gather": 3 * B // DATA * 4 * D * F32})
+    assert hlo["all-gather"][0] == 1
+    slow = md.Hardware.profile("cpu")
+    slow = dataclasses.replace(slow, interconnect={k: dataclasses.replace(v, bandwidth=v.bandwidth / 1000)
+                                                   for k, v in slow.interconnect.items()})
+    hlo, _ = check_comm(shift, mesh, layout, (arrays["x3"],), {"collective-permute": B // DATA * 4 * D * F32},
+                        hardware=slow)
+    assert hlo["collective-permute"][0] == 2
 
 
 def test_zero3_gathers_forward_and_reduce_scatters_gradients(mesh, arrays):

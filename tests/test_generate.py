@@ -120,9 +120,10 @@ def test_decode_step_compiles_once():
     prefill_layout = md.Layout({"batch": "data", "d_ff": "model"})        # a prefill program of its own
     g = Generator(MESH, prefill_layout, LAYOUTS["1d-weight-stationary"])
     ids = prompts(seed=4)[:, :6] + 2
-    for _ in range(2):                   # two calls, 5 + 5 positions: one trace, one program each
-        meshdsl.models.generate(model, ids, max_new_tokens=5, eos_id=-1, generator=g)
-    assert g.traces == {"prefill": 1, "step": 1}
+    meshdsl.models.generate(model, ids, max_new_tokens=5, eos_id=-1, generator=g)
+    first = dict(g.traces)   # each program traced once, or twice where its plan beats the rules' choices
+    meshdsl.models.generate(model, ids, max_new_tokens=5, eos_id=-1, generator=g)   # 5 more positions
+    assert g.traces == first and set(first.values()) <= {1, 2}
     assert len(g.step._programs) == 1
 
 

@@ -201,9 +201,10 @@ def test_sampled_tokens_are_the_same_under_every_layout(model):
 
 def test_decode_step_compiles_once_and_eos_stops(model):
     g = LMGenerator(MESH, INFERENCE["batch-split"], INFERENCE["1d-weight-stationary"])
-    for _ in range(2):                 # two calls, 5 + 4 positions: one trace of each program
-        out = meshdsl.models.generate(model, PROMPT, max_new_tokens=5, eos_id=-1, generator=g)
-    assert g.traces == {"prefill": 1, "step": 1} and out.dims["length"].size == 10
+    meshdsl.models.generate(model, PROMPT, max_new_tokens=5, eos_id=-1, generator=g)
+    first = dict(g.traces)   # each program traced once, or twice where its plan beats the rules' choices
+    out = meshdsl.models.generate(model, PROMPT, max_new_tokens=5, eos_id=-1, generator=g)   # 5 + 4 more
+    assert g.traces == first and set(first.values()) <= {1, 2} and out.dims["length"].size == 10
     first = np.asarray(out.array)[:, 5]          # make every row's first new token its eos
     stopped = meshdsl.models.generate(model, PROMPT[:1], max_new_tokens=5, eos_id=int(first[0]))
     assert np.asarray(stopped.array).shape == (1, 6)

@@ -58,12 +58,14 @@ def test_data_parallel_with_one_row_per_device_splits_the_work():
 
 def test_a_context_parallel_layout_keeps_the_sequence_split_and_a_forced_ring_runs():
     """Splitting a decoder's positions over ctx (the README's layout) keeps the attention's work
-    split: no strategy gathers the sequence to attend locally, and attention="ring" is a ring."""
+    split: each device attends with its own queries (the keys gathered or passed round a ring), not
+    the whole sequence's, and attention="ring" is a ring. (2048 positions: on 64 the collectives'
+    latency outweighs the work, and the plan rightly computes the tiny attention whole.)"""
     from meshdsl.models.configs import get_config
     from meshdsl.models.llama import Llama
     cfg = get_config("llama-tiny").replace(d_model=64, heads=4, kv_heads=2, d_ff=128, vocab=128, layers=1)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    ids = md.named(jax.ShapeDtypeStruct((4, 64), jnp.int32), "batch length")
+    ids = md.named(jax.ShapeDtypeStruct((4, 2048), jnp.int32), "batch length")
 
     def grads(m, ids):
         return nnx.grad(lambda m: md.mean(md.logsumexp(m(ids), "vocab")).array)(m)
@@ -74,7 +76,8 @@ def test_a_context_parallel_layout_keeps_the_sequence_split_and_a_forced_ring_ru
     ring = md.explain(grads, mesh, layout, model, ids, attention="ring")
     full = md.explain(grads, mesh, md.Layout({"batch": "data", "length": "ctx", "seq": "ctx", "kv_seq": "ctx"}),
                       model, ids, attention="ring")
-    assert {a["strategy"] for a in chosen.attention} <= {"ring", "gather", "ulysses"}
+    assert chosen.flops <= 1.1 * full.flops
+    assert {a["strategy"] for a in full.attention} == {"ring"}
     assert {a["strategy"] for a in ring.attention} == {"ring"} and ring.flops <= 1.1 * full.flops
 
 

@@ -94,9 +94,9 @@ class Program:
     def make_jaxpr(self, avals):
         """The traced program: a planning trace (:mod:`meshdsl.planner`: the rules' own choices,
         each op's candidates priced apart), the solve, and - where the plan differs from the rules'
-        own choices - an emitting trace following it; under the time objective also the plan of
-        fewest bytes where it differs. The trace best by the objective is kept (its predicted step
-        time, or the bytes it moves) of those whose peak memory (:func:`meshdsl.costmodel.liveness.memory`)
+        own choices - an emitting trace following it (and, with a loop whose body a plan of fewer
+        bytes moves, that plan's: :meth:`_plans`). The trace best by the objective is kept (its
+        predicted step time, or the bytes it moves) of those whose peak memory (:func:`meshdsl.costmodel.liveness.memory`)
         fits ``memory_budget``; where none fits, the solve runs again with the budget less the
         excess (the graph's memory is an estimate), and at last a LayoutError."""
         planning = self.owner.backend == "explicit" and not self._planned and self.owner.planner
@@ -110,7 +110,8 @@ class Program:
         recording, ctx.planner = ctx.planner, None
         measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
         peak = _peak(closed) if budget is not None else 0.0   # (the liveness walk only where a budget asks)
-        best = (measure(closed, ctx), closed, ctx, None) if budget is None or peak <= budget else None
+        # the rules' own trace, measured only if a plan's trace is to be weighed against it
+        best = (None, closed, ctx, None) if budget is None or peak <= budget else None
         least = (peak, "the rules' own choices")
         limit = budget
         for _ in range(1 if budget is None else 3):
@@ -128,6 +129,8 @@ class Program:
                     over.append(used - budget)
                     continue
                 cost = measure(planned, self.last_ctx)
+                if best is not None and best[0] is None:
+                    best = (measure(best[1], best[2]),) + best[1:]
                 if best is None or cost < best[0]:
                     best = (cost, planned, self.last_ctx, plan)
             if not over:
@@ -140,14 +143,18 @@ class Program:
         return closed
 
     def _plans(self, ctx, recording, hw, limit) -> list:
-        """The plan of the objective (and, under time, the plan of fewest bytes where it differs:
-        the graph prices a plan's collectives by estimate; the traced programs decide), holding at
-        most ``limit`` bytes per device as the graph sees it."""
+        """The plan of the objective (and, under time, the plan of fewest bytes where it moves an op
+        of a loop body), holding at most ``limit`` bytes per device as the graph sees it."""
         try:
             plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
-            if self.owner.objective == "time":
+            if self.owner.objective == "time" and any(op.inner for op in recording.ops):
+                # a loop body's ops decide the placements its carries settle in, which the graph
+                # holds fixed: a plan of fewer bytes moving a body op is traced too, and weighed
                 fewest = choose(ctx, recording, objective="bytes", hardware=hw, memory_budget=limit)
-                if fewest.choice != plans[0].choice:
+                body = set().union(*(op.inner for op in recording.ops))
+                moved = {k for k in set(fewest.choice) | set(plans[0].choice)
+                         if fewest.choice.get(k) != plans[0].choice.get(k)}
+                if moved & body:
                     plans.append(fewest)
         except NoPlanFits as e:
             raise _no_plan_fits(self.owner.memory_budget, f"the least the planner finds is {fmt_bytes(e.least)} "

@@ -49,11 +49,14 @@ _TAGS = itertools.count()
 
 def record(ctx, *args) -> str:
     """Add the entry :func:`describe` gives to the trace's (``md.explain`` reads ``ctx.attentions``);
-    nothing for a candidate the planner only prices. Returns the name scope of this attention's
-    kernel (for :func:`kernel`)."""
+    nothing for a candidate the planner only prices, whose kernel's work is recorded all the same
+    (:meth:`meshdsl.rewrite.recorder.Recorder.computed`). Returns the name scope of this
+    attention's kernel (for :func:`kernel`)."""
     tag = f"mdk{next(_TAGS)}"
+    work = kernel_cost(ctx, *args[:9])
+    ctx.rec.computed(work["forward_flops"], work["forward_bytes"], work["backward_flops"], work["backward_bytes"])
     if ctx.explicit and ctx.rec.sandbox is None and ctx.rec.tracing and not pricing():
-        ctx.attentions.append({**describe(ctx, *args), "kernel": {"scope": tag, **kernel_cost(ctx, *args[:9])}})
+        ctx.attentions.append({**describe(ctx, *args), "kernel": {"scope": tag, **work}})
     return tag
 
 

@@ -61,6 +61,8 @@ def local_attention(ctx, spec, dims, axes, q, k, v, bias, mask, pos, block, stra
     (ql, kl, vl), b, m, qp, kp = operands(ctx, spec, dims, axes, q, k, v, bias, mask, pos, vary)
     split = axes[spec.over]
     out_dtype = jnp.float32 if split else v.dtype
+    if strategy == "local" and axes[spec.length] and not split:   # the queries split, the keys brought whole
+        strategy, ring = "gather", axes[spec.length]                 # (the plan relaid them): a gather's work
     scope = record(ctx, spec, dims, "partial" if split else strategy, split or ring, ql, kl, vl, v.dtype, pos, block)
     if implementation != "flash" and not split:
         aligned = pos[0] is None and pos[1] is None and not axes[spec.length] and dims[spec.length].size == dims[spec.over].size

@@ -93,7 +93,7 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
                          keep_pending=keep)
 
     def contract(*local):
-        return jnp.einsum(spec, *local, preferred_element_type=preferred_element_type)
+        return _computed(ctx, xs, local, jnp.einsum(spec, *local, preferred_element_type=preferred_element_type))
 
     result = ctx.params.compute(ctx, relay, contract, [x.raw for x in xs], xs, axes)
     result = checkpoint_name(result, "einsum")  # remat policies keep or recompute einsums by name
@@ -105,6 +105,18 @@ def einsum(ctx, *operands, out, preferred_element_type=None) -> NamedArray:
     vary = ctx.vary(target.values(), xs, kept(target), out_size=math.prod(out_dims.sizes))
     local = ctx.local(result, target, vary, keep_pending=pending_of(target))
     return ctx.out(local, out_dims, target, pending_of(target))
+
+
+def _computed(ctx, xs, local, out):
+    """``out``, the local contraction of blocks ``local``, its work recorded
+    (:meth:`meshdsl.rewrite.recorder.Recorder.computed`): 2 FLOPs a point of its local iteration
+    space, its blocks read and its result written once; backward, twice both (the gradient of each
+    operand is a contraction as large)."""
+    size = {n: s for x, a in zip(xs, local) for n, s in zip(x.names, a.shape)}
+    flops = 2.0 * math.prod(size.values())
+    moved = float(sum(a.size * a.dtype.itemsize for a in (*local, out)))
+    ctx.rec.computed(flops, moved, 2 * flops, 2 * moved)
+    return out
 
 
 def _pairs(n: int) -> list:

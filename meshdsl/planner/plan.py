@@ -44,7 +44,6 @@ class Plan:
 
 OBJECTIVES = ("time", "bytes")
 _PLATFORM_PROFILES = {"cpu": "cpu", "gpu": "h100-80gb", "tpu": "tpu-v5p"}
-_CONTRACTIONS = {"einsum": 2.0, "attention": 4.0}   # FLOPs per point of the op's iteration space
 
 
 def hardware_of(hardware, mesh) -> Hardware:
@@ -55,32 +54,21 @@ def hardware_of(hardware, mesh) -> Hardware:
     return Hardware.profile(hardware) if isinstance(hardware, str) else hardware
 
 
-def _work(ctx, recording, op) -> tuple:
-    """``(FLOPs, HBM bytes, executions, dtype)`` of one unsplit execution of ``op``: a contraction's
-    iteration space (every dim of its operands) at ``_CONTRACTIONS`` FLOPs a point, else its
-    largest result's elements; its operands and results read and written once."""
-    values = [recording.values[v] for v in op.operands + op.results]
-    if not values:
-        return 0.0, 0.0, 0, "float32"
-    dims = {d.name: d.size for dims, *_ in values for d in dims}
-    results = [recording.values[v] for v in op.results] or values
-    flops = _CONTRACTIONS[op.name] * math.prod(dims.values()) if op.name in _CONTRACTIONS else \
-        max(math.prod(dims.sizes) for dims, *_ in results)
-    moved = sum(element_bytes(dtype, ctx.mesh.platform) * math.prod(d.sizes) for d, dtype, *_ in values)
-    return float(flops), float(moved), max(ex for _, _, ex, _ in results), str(values[0][1])
-
-
-def _compute_cost(ctx, work, op, found, hw: Hardware, rate: float) -> float:
+def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) -> float:
     """The op's compute per device under strategy ``found``, as the bytes the slowest link moves
-    in that time (``rate``: its bandwidth): the work its results' placements split (a result
-    computed whole computes the whole op on every device), forward, and twice that backward."""
-    flops, moved, executions, dtype = work
-    if not executions or not found.gives:
+    in that time (``rate``: its bandwidth): the local contractions its rule emitted there
+    (``found.work``: an einsum's blocks, an attention's kernel, as often as they run), each pass
+    the larger of its FLOPs at the dtype's peak and its HBM bytes at the memory's bandwidth, the
+    backward's where the op is differentiated (``grad``). A loop's body ops are priced apart (0 here)."""
+    if not found.work or op.inner:
         return 0.0
-    split = min(ctx.mesh.axes_size(tuple(pl.used_axes())) for pl in found.gives)
-    seconds = max(flops / hw.matmul_peak(dtype) / hw.matmul_efficiency,
-                  moved / hw.hbm_bandwidth / hw.memory_efficiency) / split
-    return seconds * executions * (3.0 if op.grad else 1.0) * rate
+    forward_flops, forward_bytes, backward_flops, backward_bytes = found.work
+
+    def seconds(flops, nbytes):
+        return max(flops / hw.matmul_peak(dtype) / hw.matmul_efficiency,
+                   nbytes / hw.hbm_bandwidth / hw.memory_efficiency)
+    total = seconds(forward_flops, forward_bytes) + (seconds(backward_flops, backward_bytes) if grad else 0.0)
+    return total * rate
 
 
 class _Prices:
@@ -104,15 +92,16 @@ class _Prices:
 
     def own(self, found) -> float:
         """A rule's own bytes, forward and backward, each at the bandwidth of the links its
-        collectives run on (bytes whose axes are not known: the reference link's). (Not their
-        latency: the rules' collectives are counted per trace, not per run, so a latency here
-        would misprice loops.)"""
+        collectives run on (bytes whose axes are not known: the reference link's), and each
+        collective's latency as often as it runs (in a loop body: its trip count), as a relay's
+        steps pay theirs."""
         def ratio(parts):
             moved = sum(b for _, b in parts)
             return sum(b * self.rate / self._link(axes).bandwidth if axes else b for axes, b in parts) / moved \
                 if moved else 1.0
+        latency = sum((fwd + bwd) * self._link(axes).latency for axes, fwd, bwd in found.runs if axes) * self.rate
         return found.forward * ratio([(axes, b) for _, axes, b in found.collectives]) + \
-            found.backward * ratio(found.duals)
+            found.backward * ratio(found.duals) + latency
 
 
 def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph, dict]:
@@ -131,8 +120,9 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
     for v, pl in recording.entered.items():
         graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered", memory=(held(v, pl),))]))
         graph.saved.add(v)   # an argument's buffer is held throughout
-    live = _live(recording)
+    live, grads = _live(recording), _differentiated(recording)
     node_of = {}
+    orphans: dict = {}   # a copy whose maker the compiler drops -> (graph node, strategies) of its first live reader
     for k, op in enumerate(recording.ops):
         if k not in live:
             continue   # nothing it makes reaches an output: the compiler drops it
@@ -141,26 +131,56 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
                 graph.add(Node(f"value {v}", [], [v], [Strategy((), (recording.placed[v],), label="made",
                                                                 memory=(held(v, recording.placed[v]),))]))
         # a copy another op made is free to read only if that op stays (else it is made for the reader)
-        work = _work(ctx, recording, op) if rate and op.name in _CONTRACTIONS else None
+        dtype = str(recording.values[(op.operands or op.results)[0]][1]) if op.operands or op.results else "float32"
         strategies = []
-        for f in op.strategies:
-            reads = sum(cost for maker, cost, _ in f.reads if maker not in live)
-            own = f if op.grad else dataclasses.replace(f, backward=0.0)
+        node = len(graph.nodes)
+        later = []   # (strategy, copy, cost) read from a dead maker whose copy an earlier live reader makes
+        for s, f in enumerate(op.strategies):
+            reads = _dead_reads(f, s, node, live, orphans, later)
+            own = f if k in grads else dataclasses.replace(f, backward=0.0, runs=tuple((a, n, 0) for a, n, _ in f.runs))
             strategies.append(Strategy(
                 f.entry, f.gives, own.forward + own.backward + reads, detail=f, label=_label(ctx, recording, op, f),
-                work=_compute_cost(ctx, work, op, f, hw, rate) if work else 0.0,
+                work=_compute_cost(op, f, k in grads, dtype, hw, rate) if rate else 0.0,
                 own_time=prices.own(own) + reads if rate else None,
                 memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives))))
-        if op.grad:   # what a differentiated op reads, the backward pass reads again
+        if k in grads:   # what a differentiated op reads, the backward pass reads again
             graph.saved.update(v for v in op.operands if recording.values[v][3])
         node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
         nodes[node_of[k]] = k
+        for s, (maker, makers), cost in later:   # the copy is made once: free where its first reader makes it
+            graph.shared.append(SharedCopy(node_of[k], s, maker, frozenset(makers), cost))
         _share_copies(graph, node_of, op.strategies)
     for v, pl in recording.sinks:
         if v in graph.producer:
             _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
             graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
     return graph, nodes
+
+
+def _differentiated(recording) -> set:
+    """Numbers of the differentiated ops: those reading a differentiated value, and the body ops
+    of a loop that is (jax differentiates a loop's body after tracing it: its values are not
+    differentiated while it is traced)."""
+    grads = {k for k, op in enumerate(recording.ops) if op.grad}
+    return grads.union(*(recording.ops[k].inner for k in grads))
+
+
+def _dead_reads(found, s, node, live, orphans, later) -> float:
+    """Bytes of the copies strategy ``s`` (``found``) of graph node ``node`` reads that only a dead
+    op made (the compiler drops it): the first live reader makes such a copy (its bytes here,
+    ``orphans`` remembers which of its strategies read it), a later one shares it where that reader
+    does (``later``: ``(strategy, (first reader, its strategies), bytes)``, a shared copy)."""
+    reads = 0.0
+    for maker, cost, copy in found.reads:
+        if maker in live or not cost:
+            continue
+        first = orphans.setdefault(copy, (node, set()))
+        if first[0] == node:
+            first[1].add(s)
+            reads += cost
+        else:
+            later.append((s, first, cost))
+    return reads
 
 
 def _share_copies(graph, node_of, found) -> None:
@@ -261,15 +281,16 @@ def _label(ctx, recording, op, found) -> str:
 
 
 def _live(recording) -> set:
-    """Numbers of the ops some output or read depends on."""
+    """Numbers of the ops some output or read depends on (a loop's body ops read values made
+    outside it - closed over, not the loop's operands - which it depends on too)."""
     wanted = {v for v, _ in recording.sinks}
     live = set()
     for k in range(len(recording.ops) - 1, -1, -1):
         op = recording.ops[k]
         if k in live or wanted & set(op.results):
             live.add(k)
-            live.update(op.inner)   # a scan's results come from its body
-            wanted |= set(op.operands)
+            live.update(op.inner)   # a scan's results come from its body, and what its body reads
+            wanted |= set(op.operands).union(*(recording.ops[j].operands for j in op.inner))
     return live
 
 

@@ -20,6 +20,7 @@ function alike, so they agree (a ``md.scan`` body traced twice rolls its numbers
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 
@@ -146,10 +147,12 @@ class Recording:
             # (never differentiated) trace them once
             again = [r for r in ctx.rec.records[self.ended:] if (r.op, r.line) != ctx.rec.op]
             default = dataclasses.replace(default, forward=default.forward - sum(r.total_bytes for r in again),
-                                          backward=default.backward - dual_bytes(again))
+                                          backward=default.backward - dual_bytes(again),
+                                          runs=_less(default.runs, _runs(again, [])))
             fwd, bwd = sum(f.forward for f in inner), sum(f.backward for f in inner)
-            default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd)
-                                for f in [default] + others]
+            body = [run for f in inner for run in f.runs]
+            default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd,
+                                                    runs=_less(f.runs, body)) for f in [default] + others]
         strategies = _distinct([default] + [s for s in others if len(s.gives) == len(default.gives)])
         outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
         results = [self.vid(ctx, y, made=True) for y in outs]
@@ -206,6 +209,9 @@ class Found:
     makes: frozenset = frozenset()   # the copies (keys) the rule made
     collectives: tuple = ()   # (kind, mesh axes, bytes) of each collective the rule emitted, forward
     duals: tuple = ()         # (mesh axes, bytes) of what its backward moves (the part priced ahead)
+    runs: tuple = ()          # (mesh axes, forward runs, backward runs) of each collective it emits
+    work: tuple = ()          # (forward FLOPs, HBM bytes, backward FLOPs, HBM bytes) of its local
+    #                           contractions, per device (empty: it emitted none)
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -216,7 +222,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
         leaves[i] = _relay(ctx, x, pl)
     entry = tuple(ctx.placement(leaves[i]) for i in named)   # as relaid: a pending sum x does not carry is not claimed
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-    start = len(ctx.rec.records), len(ctx.rec.casts)
+    start = len(ctx.rec.records), len(ctx.rec.casts), len(ctx.rec.work)
     met: list = []
     reads: list = []
     makes: list = []
@@ -233,10 +239,32 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
     emitted = tuple((r.kind, r.axes, r.total_bytes) for r in ctx.rec.records[start[0]:])
     duals = tuple((r.axes, dual_bytes([r])) for r in ctx.rec.records[start[0]:]) + \
-        tuple((axes, b) for b, axes in ctx.rec.casts[start[1]:])
+        tuple((axes, b) for b, axes, _ in ctx.rec.casts[start[1]:])
+    runs = _runs(ctx.rec.records[start[0]:], ctx.rec.casts[start[1]:])
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
-                         tuple(reads), frozenset(makes), emitted, duals)
+                         tuple(reads), frozenset(makes), emitted, duals, runs,
+                         tuple(map(sum, zip(*ctx.rec.work[start[2]:]))))
+
+
+def _runs(records, casts) -> tuple:
+    """``(mesh axes, forward runs, backward runs)`` of each collective of ``records`` (a gather's
+    backward reduce-scatter runs as often as it) and of each cast's backward psum: each pays its
+    link's latency each run."""
+    return tuple((r.axes, r.count, r.count if dual_bytes([r]) else 0) for r in records) + \
+        tuple((axes, 0, n) for _, axes, n in casts)
+
+
+def _less(runs, minus) -> tuple:
+    """``runs`` less the entries of ``minus`` (a loop body's collectives, priced by its own ops)."""
+    left = collections.Counter(minus)
+    out = []
+    for run in runs:
+        if left[run]:
+            left[run] -= 1
+        else:
+            out.append(run)
+    return tuple(out)
 
 
 def _sliced(held: Placement, entry: Placement) -> bool:
@@ -295,7 +323,7 @@ def _sandboxed(policy):
 def _backward_guess(ctx, start) -> float:
     """The backward bytes of what the op emitted since ``start``: its collectives' duals
     (:func:`meshdsl.costmodel.cost.dual_bytes`) and its casts' psums."""
-    return dual_bytes(ctx.rec.records[start[0]:]) + sum(b for b, _ in ctx.rec.casts[start[1]:])
+    return dual_bytes(ctx.rec.records[start[0]:]) + sum(b for b, *_ in ctx.rec.casts[start[1]:])
 
 
 def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:

@@ -324,7 +324,7 @@ class ExplicitContext(LayoutContext):
                 made = self.rec.records[n_records:]
                 # its collectives, their duals where the source is differentiated, its casts' psums
                 cost = sum(r.total_bytes for r in made) + (dual_bytes(made) if differentiated(source) else 0.0) \
-                    + sum(b for b, _ in self.rec.casts[n_casts:])
+                    + sum(b for b, *_ in self.rec.casts[n_casts:])
                 self._copies[(id(source), shared)] = (self.planner.current, cost)
                 self.planner.made((id(source), shared))
 
@@ -341,7 +341,8 @@ class ExplicitContext(LayoutContext):
     def checkpoint(self):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
         planned = self.planner.checkpoint() if self.planner is not None else None
-        return len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts), len(self.attentions)
+        return (len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts), len(self.attentions),
+                len(self.rec.work))
 
     @contextlib.contextmanager
     def as_at(self, mark):
@@ -362,8 +363,9 @@ class ExplicitContext(LayoutContext):
                 self._relaid.setdefault(source, set()).add(target)
 
     def rollback(self, mark) -> None:
-        n_records, n_cache, planned, n_casts, n_attentions = mark
+        n_records, n_cache, planned, n_casts, n_attentions, n_work = mark
         del self.rec.casts[n_casts:]
+        del self.rec.work[n_work:]
         del self.attentions[n_attentions:]
         if planned is not None:
             self.planner.rollback(planned)

@@ -57,8 +57,10 @@ class Recorder:
         self.phase = "forward"
         self.tracing = True            # False once the trace is over: late backward rules record nothing
         self._tags = 0
-        self.casts: list = []          # (bytes, mesh axes) the backward moves, priced before emitted
+        self.casts: list = []          # (bytes, mesh axes, executions) the backward moves, priced before emitted
         #                                (casts, slices, own backwards; axes () where not known)
+        self.work: list = []           # (forward FLOPs, HBM bytes, backward FLOPs, HBM bytes) of each
+        #                                local contraction the rules traced, times its executions
         self.sandbox = None            # the planner's sandbox being traced now (an int), if any
         self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
         self._sandboxes = 0
@@ -103,7 +105,16 @@ class Recorder:
         (over factor ``axes``) beyond its forward collectives' duals (a ring rotating gradients
         as well as keys): the planner prices them before the backward is emitted."""
         if self.tracing and self.sandbox not in self._closed:
-            self.casts.append((nbytes * self.multiplier, self.mesh.collapse(tuple(axes))))
+            self.casts.append((nbytes * self.multiplier, self.mesh.collapse(tuple(axes)), self.multiplier))
+
+    def computed(self, forward_flops: float, forward_bytes: float, backward_flops: float,
+                 backward_bytes: float) -> None:
+        """The op being lowered computes a local contraction (an einsum's block, an attention
+        kernel) of these FLOPs and HBM bytes per execution, forward and backward: the planner
+        prices each strategy's compute by what its rule emitted."""
+        if self.tracing and self.sandbox not in self._closed:
+            m = self.multiplier
+            self.work.append((forward_flops * m, forward_bytes * m, backward_flops * m, backward_bytes * m))
 
     @contextlib.contextmanager
     def at(self, name: str, line: str):

@@ -183,3 +183,22 @@ def test_on_two_links_the_plan_moves_more_bytes_on_the_fast_one_to_move_fewer_on
     assert all(r["followed"] for r in timed.decisions())   # the solver's plan, not a comparison's
     slow_bytes = [sum(c.total_bytes for c in r.collectives if "slow" in c.axes) for r in (timed, fewest)]
     assert slow_bytes[0] < slow_bytes[1]
+
+
+def test_each_strategy_pays_the_contraction_its_rule_emits():
+    """An einsum's strategy is priced by the local blocks its rule multiplies (2 FLOPs a point, the
+    blocks read and written once; the backward's twice both): with the batch split over data the
+    block is an eighth of the product, unsplit all of it, and the time objective's compute term
+    is their roofline."""
+    x = md.named(jax.ShapeDtypeStruct((B, D), jnp.float32), "batch d_model")
+    w = md.param(md.named(jax.ShapeDtypeStruct((D, F), jnp.float32), "d_model d_ff"))
+    work = {}
+    for rules in ({"batch": "data"}, {}):
+        f = md.lower(lambda x, w: md.einsum(x, w, out="batch d_ff"), md.Mesh.abstract({"data": 8}), md.Layout(rules))
+        _, _, prog = f.trace(x, w)
+        (node,) = [n for n in prog.solved.graph.nodes if n.name.startswith("einsum")]
+        work[bool(rules)] = (node.strategies[0].detail.work, node.strategies[0].work)
+    rows = B // 8
+    assert work[True][0] == (2 * rows * D * F, 4 * (rows * D + D * F + rows * F), 4 * rows * D * F,
+                             8 * (rows * D + D * F + rows * F))
+    assert work[False][0][0] == 2 * B * D * F and work[False][1] > work[True][1] > 0

@@ -323,3 +323,32 @@ def test_a_cast_one_op_makes_is_free_to_another_reader_only_while_the_plan_keeps
         loss = lambda x, unread, w: (md.sum(x * w) + md.sum(w + x)).array
         return jax.grad(loss, argnums=(0, 1, 2))(x, unread, w)
     promises_kept(step, md.Mesh({"x": 8}), md.Layout({"e": "x"}), x, unread, w, moved={})
+
+
+def test_the_graph_prices_a_training_step_as_its_trace_counts_it(monkeypatch):
+    """A t5-small training step under Megatron (scanned layers, the encoder's output read by the
+    decoder's loop, a tied embedding): the planner's graph sums to the bytes the traced program
+    moves (its loops' bodies differentiated with them, what a body reads live with it, a copy made
+    once), so the plan is the rules' own choices and the program is traced once."""
+    from flax import nnx
+    from meshdsl.models.configs import get_config
+    from meshdsl.models.t5 import T5
+    from meshdsl.models.loss import t5_loss
+    cfg = get_config("t5-small").replace(dropout_rate=0.0, encoder_layers=2, decoder_layers=2)
+    model = nnx.eval_shape(lambda: T5(cfg, rngs=nnx.Rngs(0)))
+    ints = lambda n, name: md.named(jax.ShapeDtypeStruct((8, n), jnp.int32), name)  # noqa: E731
+    batch = {"encoder_input_tokens": ints(64, "batch inputs"), "decoder_input_tokens": ints(16, "batch targets"),
+             "decoder_target_tokens": ints(16, "batch targets"),
+             "decoder_loss_weights": md.named(jax.ShapeDtypeStruct((8, 16), jnp.float32), "batch targets")}
+
+    def step(model, batch):
+        return nnx.value_and_grad(lambda m: t5_loss(m, batch)[0].array)(model)
+    traced = []
+    real = program._traced
+    monkeypatch.setattr(program, "_traced", lambda run, avals: traced.append(run) or real(run, avals))
+    f = md.lower(step, md.Mesh.abstract({"data": 2, "model": 4}),
+                 md.Layout({"batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}))
+    closed, ctx, prog = f.trace(model, batch)
+    graph = prog.solved.graph
+    assert graph.moved([0] * len(graph.nodes)) == pytest.approx(program._moved(closed, ctx), rel=1e-5)
+    assert prog.plan is None and len(traced) == 1

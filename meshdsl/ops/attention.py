@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import flash
-from ..names.dims import Shape
 from ..names.errors import LayoutError, ShapeError, suggest
 from ..names.named import NamedArray, is_named
 from .attention_bias import bias_names, is_bias_fn, with_tile_bias

@@ -42,8 +42,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-
 from ..platform import gcpause
 from . import space
 from ..names.errors import LayoutError, MeshDSLError

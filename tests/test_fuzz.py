@@ -73,7 +73,11 @@ def _same_as_unsharded(actual, fn, args, ref):
     """``actual`` is what the unsharded program computes: ``ref`` (``fn`` run op by op), or, where
     the two runs of the unsharded program differ by XLA's fusion alone, ``jax.jit(fn)``. A
     saturated ``tanh``'s derivative ``1 - tanh(x)**2`` is one: 0 op by op, 1.2e-7 per element
-    compiled (campaign 34: a gradient 1500 times the op-by-op one, the same as ``jax.jit``'s)."""
+    compiled (campaign 34: a gradient 1500 times the op-by-op one, the same as ``jax.jit``'s).
+    Where the program is so badly conditioned that float32 rounding alone moves a value past the
+    tolerance (a cubic with cancelling terms: the op-by-op reference is itself 3.4e-4 off), the
+    arbiter is the program run in float64: ``actual`` may be as far from it as twice ``ref`` is,
+    plus the tolerance, and no farther."""
     try:
         assert_same(actual, ref, **_tol(ref))
     except AssertionError as first:
@@ -81,7 +85,35 @@ def _same_as_unsharded(actual, fn, args, ref):
         try:
             assert_same(actual, compiled, **_tol(compiled))
         except AssertionError:
-            raise first from None
+            if not _as_close_to_float64(actual, fn, args, ref):
+                raise first from None
+
+
+def _leaves64(tree) -> list:
+    return [np.asarray(x.array if isinstance(x, md.NamedArray) else x, np.float64)
+            for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, md.NamedArray))]
+
+
+def _as_close_to_float64(actual, fn, args, ref) -> bool:
+    """Is every leaf of ``actual`` within twice ``ref``'s distance of ``fn`` run in float64 (its
+    float inputs widened), plus ``ref``'s tolerance?"""
+    def widen(x):
+        if isinstance(x, md.NamedArray):
+            return md.NamedArray(widen(x.array), x.dims) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x
+    with jax.enable_x64(True):
+        truth = _leaves64(fn(*jax.tree_util.tree_map(widen, args, is_leaf=lambda x: isinstance(x, md.NamedArray))))
+    tol = _tol(ref)
+    got, want = _leaves64(actual), _leaves64(ref)
+    if len(got) != len(truth) or len(want) != len(truth):
+        return False
+    for a, r, t in zip(got, want, truth):
+        if a.shape != t.shape or not np.isfinite(t).all():
+            return False
+        budget = 2 * np.abs(r - t).max(initial=0.0) + tol["atol"] + tol["rtol"] * np.abs(t).max(initial=0.0)
+        if np.abs(a - t).max(initial=0.0) > budget:
+            return False
+    return True
 
 
 def _finite(tree) -> bool:

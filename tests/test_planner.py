@@ -1,5 +1,5 @@
 """Unit tests of the planner and the byte model, without compiling or tracing: ``cost`` ring
-formulas, ``relayout.relayout_bytes``, ``placement.plan`` and ``param_gather.decide_gathers``,
+formulas, ``relayout.relayout_bytes``, ``placement.plan`` and ``param_gather``'s policies,
 on an abstract mesh with placements written by hand."""
 
 import types
@@ -127,21 +127,36 @@ def test_plan_resolves_two_dims_on_one_axis_by_preference():
     assert ctx.plan(md.shape("b:8 d:16"), [x, y], prefer=("b",)) == {"b": ("data",), "d": ()}
 
 
-def test_decide_gathers_decides_per_parameter_over_all_its_ops():
-    table, other = frozenset({1}), frozenset({2})
-    probe = [(table, 100.0, 30.0), (table, 100.0, 30.0), (other, 10.0, 50.0)]
-    # table: gathering once (100) beats staying at both ops (60)? no: 100 > 60 -> stay at both
-    assert param_gather.decide_gathers(probe) == [False, False, True]
-    probe = [(table, 100.0, 60.0), (table, 100.0, 60.0)]
-    assert param_gather.decide_gathers(probe) == [True, True]
-
-
 def test_policies_by_name():
     assert isinstance(param_gather.make("keep"), param_gather.Keep)
     assert isinstance(param_gather.make("regather"), param_gather.Regather)
-    auto = param_gather.make("auto", decisions=[True])
-    with pytest.raises(AssertionError, match="1 parameter-gather decisions left unused"):
-        auto.finish()
+    assert isinstance(param_gather.make("auto"), param_gather.Auto)
+
+
+def test_param_gather_auto_is_decided_in_the_planning_trace():
+    """Whether an op gathers a stored parameter (param_gather="auto") is a decision point the
+    solver takes with every other: no trace of its own. A weight [d:32, e:64] stored d:data read
+    by a batch of 8 rows: moving the rows and the result (two collectives, 1280 B) moves fewer
+    bytes than gathering the weight (one, 4096 B), which is faster where each collective pays
+    its latency. "auto" takes the first under objective="bytes" and the second under time, each
+    from the planning trace and the trace following its plan: two runs of the user's function
+    at most, as "keep" (whose own choices are the plan: one)."""
+    mesh, layout = md.Mesh({"data": 2, "model": 4}), md.Layout({"batch": "data"}, params={"d": "data"})
+    w = md.named(jnp.ones((32, 64)), "d e", is_param=True)
+    x = md.named(jnp.ones((8, 32)), "batch d")
+    runs = []
+
+    def fn(w, x):
+        runs.append(1)
+        return md.einsum(x, w, out="batch e")
+    seen = {}
+    for mode, objective in (("keep", "time"), ("auto", "time"), ("auto", "bytes")):
+        runs.clear()
+        report = md.explain(fn, mesh, layout, w, x, param_gather=mode, objective=objective)
+        seen[mode, objective] = (len(runs), {r.kind: r.bytes for r in report.collectives})
+    assert seen["keep", "time"] == (1, {"all-gather": 4096})
+    assert seen["auto", "time"][1] == {"all-gather": 4096} and seen["auto", "time"][0] <= 2
+    assert seen["auto", "bytes"][1] == {"all-to-all": 256, "reduce-scatter": 1024} and seen["auto", "bytes"][0] <= 2
 
 
 def test_a_trace_built_apart_knows_which_values_come_from_a_differentiated_one():

@@ -6,8 +6,8 @@ compiles. Traced, it runs the user's ``fn`` either
 
 * inside ``jax.shard_map`` over every factor axis (:mod:`meshdsl.names.mesh`) with an :class:`~meshdsl.rewrite.explicit.ExplicitContext`
   (``backend="explicit"``): the rewriter decides every collective; outputs are brought to the
-  layout's placement; with ``param_gather="auto"`` a first, shape-only trace collects the bytes of
-  gathering each stored parameter or not (:mod:`meshdsl.rewrite.param_gather`); or
+  layout's placement (``param_gather="auto"``: whether to gather each stored parameter is the
+  planner's decision, :mod:`meshdsl.rewrite.param_gather`); or
 * on global arrays with a :class:`~meshdsl.rewrite.contexts.GspmdContext` (``backend="gspmd"``): one
   sharding constraint per op output, the compiler decides.
 """
@@ -53,7 +53,7 @@ class _Leaf:
 
 class Program:
     """A fixed input structure of ``owner`` (a LoweredFunction), its placements, and the jitted
-    function. ``last_ctx``: the explicit context of the latest (non-probe) trace, for explain."""
+    function. ``last_ctx``: the explicit context of the latest trace, for explain."""
 
     def __init__(self, owner, treedef, leaves):
         self.owner, self.treedef = owner, treedef
@@ -167,44 +167,31 @@ class Program:
     def run(self, *arrays):
         if self.owner.backend == "gspmd":
             return self._run_gspmd(arrays)
-        name = self.owner.param_gather
-        policy = param_gather.make(name, decisions=self._decide_gathers(arrays)) if name == "auto" \
-            else param_gather.make(name)
-        return self._run_explicit(arrays, policy)
+        return self._run_explicit(arrays, param_gather.make(self.owner.param_gather))
 
-    def _run_explicit(self, arrays, policy, *, probe: bool = False):
+    def _run_explicit(self, arrays, policy):
         # jax.shard_map reads out_specs once the body is traced: the body fills this list with the
         # layout's placement of each output (known only from the outputs' dims).
         specs: list = []
-        body = functools.partial(self._explicit_body, policy=policy, out_specs=specs, probe=probe)
+        body = functools.partial(self._explicit_body, policy=policy, out_specs=specs)
         smap = jax.shard_map(body, mesh=self.owner.mesh.factor_mesh, in_specs=tuple(i.spec for i in self.infos),
                              out_specs=specs, check_vma=True)
-        if probe:
-            return jax.eval_shape(smap, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
         return smap(*arrays)
-
-    def _decide_gathers(self, arrays) -> list:
-        """``param_gather="auto"``: trace once (shapes only) to collect what gathering or not
-        gathering each stored parameter costs, and decide per parameter."""
-        policy = param_gather.make("auto")
-        self._run_explicit(arrays, policy, probe=True)
-        return param_gather.decide_gathers(policy.probe)
 
     def _args(self, arrays, explicit: bool):
         leaves = [NamedArray(a, i.dims, is_param=i.is_param, placement=Placement(i.axes) if explicit else None)
                   if i.named else a for a, i in zip(arrays, self.infos)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
-    def _explicit_body(self, *arrays, policy, out_specs, probe):
+    def _explicit_body(self, *arrays, policy, out_specs):
         owner = self.owner
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
                               repeats=owner.repeats, attention=owner.attention)
         if self.plan is not None:
             ctx.planner = Recording(self.plan.choice, self.plan.sinks)
-        elif self._recording and not probe:
+        elif self._recording:
             ctx.planner = Recording()
-        if not probe:
-            self.last_ctx = ctx
+        self.last_ctx = ctx
         ctx.dims_seen.update(n for i in self.infos if i.named for n in i.dims.names)
         ctx.param_axes = frozenset(a for i in self.infos if i.named and not i.is_param for ax in i.axes for a in ax)
         with using(ctx):

@@ -4,8 +4,9 @@ candidates of its rule's decision points (:mod:`meshdsl.planner.record` runs eac
 * :func:`op_tries`: an op's operands entering where they are, in the layout's placement, with their
   pending sums reduced in place, aligned with another operand, with one dim of one operand brought
   to the layout's placement or gathered, where a candidate of their producer puts them, or where
-  another reader of them slices them (one copy: its gradient gathered once); under
-  ``param_gather`` keep / regather, a parameter stored split entering gathered; and the rule's
+  another reader of them slices them (one copy: its gradient gathered once); a parameter stored
+  split entering gathered (under ``param_gather`` keep / regather only that; under ``"auto"``
+  with the others); and the rule's
   declared decision points (``rule.options``).
 * :func:`loop_tries`: a loop (its body traced again per candidate): its operands' pending sums
   reduced before it, or its operands in the layout's placement.
@@ -33,8 +34,13 @@ def op_tries(ctx, rule, xs, args, kwargs, upstream) -> list:
     # there the trace would carry every priced candidate as dead code into the loop's derivative)
     gathers = getattr(rule, "gathers", False) and ctx.rec.multiplier == 1
     entries = _candidates(ctx, xs) if gathers or _off_layout(ctx, xs) else [here]
-    if ctx.params.name != "auto" and any(x.is_param and _stored(ctx, x) for x in xs):
-        return _gathered_tries(ctx, rule, xs, args, kwargs, upstream)
+    if any(x.is_param and _stored(ctx, x) for x in xs):
+        gathered = _gathered_tries(ctx, rule, xs, args, kwargs, upstream)
+        if ctx.params.name != "auto":
+            return gathered
+        # "auto": where keep / regather would read the parameter, and everywhere else
+        stay = [(e, {}) for e in entries[1:2 * _MAX_CANDIDATES] if one_per_value(xs, e)]
+        return gathered + [t for t in stay if t not in gathered]
     for j, places in enumerate(upstream):
         for pl in places:
             moved = here[:j] + (pl,) + here[j + 1:]

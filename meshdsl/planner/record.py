@@ -8,7 +8,7 @@ A :class:`Recording` rides on the explicit context (``ctx.planner``) for one tra
   same rule: for each other placement its operands could enter in (the layout's placement, their
   pending sums reduced in place, every operand aligned with one of them, one dim brought to the
   layout's placement), the rule runs on operands relaid there, in a sandbox the trace rolls back
-  (records, relayout cache and param-gather state), and what it emitted and where its
+  (records and relayout cache), and what it emitted and where its
   results came out is that strategy. Values first met as operands (inputs, values made outside
   the named ops) enter pinned where they are; outputs and ``x.array`` reads need their placement.
 * **emit**: every op the plan moved (``choice``: op number -> entry placements) gets its operands
@@ -21,7 +21,6 @@ function alike, so they agree (a ``md.scan`` body traced twice rolls its numbers
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 
 import jax
@@ -296,11 +295,8 @@ def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
 
 
 def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
-    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache,
-    param-gather decisions): the strategy it shows, or None if the rule refuses it."""
+    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache): the strategy it shows, or None if the rule refuses it."""
     mark = ctx.checkpoint()
-    saved = ctx.params
-    ctx.params = _sandboxed(saved)
     try:
         with ctx.rec.sandboxed(), apart():
             return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
@@ -308,16 +304,6 @@ def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
         return None   # the rule cannot compute from there: not a candidate
     finally:
         ctx.rollback(mark)
-        ctx.params = saved
-
-
-def _sandboxed(policy):
-    """A copy of the param-gather policy whose decision lists a sandboxed rule may consume."""
-    policy = copy.copy(policy)
-    for attr in ("decisions", "probe"):
-        if isinstance(getattr(policy, attr, None), list):
-            setattr(policy, attr, list(getattr(policy, attr)))
-    return policy
 
 
 def _backward_guess(ctx, start) -> float:

@@ -113,7 +113,7 @@ def _gets_gradient(ctx, x) -> bool:
     """Will the backward pass send ``x`` a cotangent? (A value differentiated; in a loop body,
     which jax differentiates once it is traced, any float value: it cannot tell yet.) A constant
     (a literal scale) gets none: its cast or slice has no backward to price."""
-    return _differentiable(x) and (differentiated(x) or ctx.rec.multiplier > 1)
+    return _differentiable(x) and (differentiated(x) or ctx.rec.multiplier > 1 or ctx.rec.in_loop())
 
 
 def _raw_vary(x, axes):

@@ -123,7 +123,7 @@ class ExplicitContext(LayoutContext):
         # replicated, widening costs that all-reduce: whether to widen is a decision point of
         # the planner (candidate 1: stay invariant). An op reading a value computed from one left
         # unwidened follows that decision (else it would widen the value in its place).
-        if widen and self.param_axes and (self.rec.multiplier > 1 or any(differentiated(x.raw) for x in operands)):
+        if widen and self.param_axes and (self.rec.multiplier > 1 or self.rec.in_loop() or any(differentiated(x.raw) for x in operands)):
             if any(id(x.raw) in self._narrowed for x in operands) or self.option(2):
                 self._narrowing = True
             else:

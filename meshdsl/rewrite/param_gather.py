@@ -17,24 +17,22 @@ Policies:
   keeping them (ZeRO-3's memory saving; GSPMD gives no such choice inside a scan). Outside a loop
   the compiler would merge the second gather with the first, so the gathered value is kept there
   (as with ``"keep"``) and ``md.explain`` claims no re-gather.
-* ``"auto"``: gather a parameter only where that moves fewer bytes than leaving it where it is
-  stored and moving the activations: a tied embedding [vocab, d_model] stored ``d_model:data`` is
-  not gathered for a small batch's lookups or logits; its ids, rows and logits move instead. The
-  choice is made per parameter over every op that reads it: ``md.lower`` traces once to collect
-  the bytes of both choices at each op (``probe``), decides per parameter
-  (:func:`decide_gathers`), and traces again following the decisions.
+* ``"auto"``: gather a parameter, or leave it where it is stored and move the activations, as the
+  planner's solver finds the step faster (a decision point of each op reading it): a tied
+  embedding [vocab, d_model] stored ``d_model:data`` is not gathered for a small batch's lookups
+  or logits; its ids, rows and logits move instead. A copy one op gathers is free to the others,
+  so the solve gathers a parameter once for all its ops or leaves it for all of them. No trace
+  of its own: the planning trace prices both choices at each op.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import jax
 
 from . import collectives as C
 from .relayout import needs_gather, relayout_bytes
 
-__all__ = ["POLICIES", "Keep", "Regather", "Auto", "make", "decide_gathers"]
+__all__ = ["POLICIES", "Keep", "Regather", "Auto", "make"]
 
 
 class Keep:
@@ -89,24 +87,17 @@ def _vjp(fn, primals, ct):
 
 
 class Auto(Keep):
-    """Gather a parameter only where that moves fewer bytes than leaving it stored.
-
-    ``decisions``: per decision point of the probe trace, gather (True) or stay (False), consumed
-    in program order; ``None`` while probing, when ``probe`` collects (parameters, gather bytes,
-    stay bytes) per decision point."""
+    """Gather a parameter, or leave it where it is stored and move the activations: a decision
+    point of the op reading it (:meth:`meshdsl.rewrite.explicit.ExplicitContext.option`), which
+    the planner's solver decides with the whole program's time (a copy one op gathers is read
+    free by the others: a parameter is gathered once for all its ops, or stays for all). The
+    rule's own choice, where no planner decides: gather where that moves no more bytes than
+    staying at this op."""
 
     name = "auto"
 
-    def __init__(self, decisions=None, probe=None):
-        self.decisions = None if decisions is None else list(decisions)
-        self.probe = probe if probe is not None else []
-
     def place(self, ctx, dims, operands, target, result_bytes):
         return self._stationary(ctx, operands, target, result_bytes) or target
-
-    def finish(self) -> None:
-        if self.decisions:
-            raise AssertionError(f"internal: {len(self.decisions)} parameter-gather decisions left unused")
 
     def _stationary(self, ctx, operands, axes, result_bytes):
         """A plan that leaves the parameters ``axes`` would gather where they are stored, or
@@ -120,22 +111,19 @@ class Auto(Keep):
         alt = _stored_plan(ctx, params, axes)
         if alt is None:
             return None
-        # Gathered anyway (by another op, or for the return): reading that copy is free. Still a
-        # decision point, so that the probe's decisions and the run's stay aligned.
-        copied = all(ctx.relaid(x, tuple(axes.get(d.name, ()) for d in x.dims)) for x in params)
-        if self.decisions is not None:
-            return None if self.decisions.pop(0) or copied else alt
 
         def moved(x, p):
             return relayout_bytes(ctx, x.dims, x.dtype.itemsize, ctx.placement(x).axes, frozenset(),
                                   tuple(p.get(d.name, ()) for d in x.dims))
 
+        # gathered anyway (by another op, or for the return): reading that copy is free
+        copied = all(ctx.relaid(x, tuple(axes.get(d.name, ()) for d in x.dims)) for x in params)
         others = [x for x in operands if not any(x is q for q in params)]
         gather = 0.0 if copied else sum(moved(x, axes) * ctx.rec.executions_of(x.raw) for x in params)
-        stay = sum(moved(x, alt) for x in operands) + result_bytes(alt) - sum(moved(x, axes) for x in others)
-        stay *= ctx.rec.multiplier
-        self.probe.append((frozenset(id(x.raw) for x in params), gather, stay))
-        return None if gather <= stay else alt
+        stay = (sum(moved(x, alt) for x in operands) + result_bytes(alt) - sum(moved(x, axes) for x in others)) \
+            * ctx.rec.multiplier
+        own = 0 if gather <= stay else 1
+        return None if ctx.option(2) == own else alt   # candidate 1: the other choice
 
 
 def _stored_plan(ctx, params, axes):
@@ -154,17 +142,6 @@ def _stored_plan(ctx, params, axes):
             cut = next((i for i, a in enumerate(held) if a in used), len(held))
             alt[name] = held[:cut]
     return alt
-
-
-def decide_gathers(probe) -> list[bool]:
-    """Per decision point of a probe trace: gather (True) or stay (False). A parameter (group of
-    parameters read together) is gathered once for all its ops, or stays for all of them."""
-    total = defaultdict(float)
-    gather = defaultdict(float)
-    for key, g, stay in probe:
-        total[key] += stay
-        gather[key] = max(gather[key], g)
-    return [gather[key] <= total[key] for key, _, _ in probe]
 
 
 POLICIES = {"keep": Keep, "regather": Regather, "auto": Auto}

@@ -175,6 +175,16 @@ class Recorder:
         finally:
             self.multiplier, self.op = saved
 
+    def in_loop(self) -> bool:
+        """Is the code being traced a loop body's (whatever its trip count: a scan of one layer
+        is a loop too, which jax differentiates only once it is traced)?"""
+        trace = jaxcompat.current_trace()
+        while trace is not None:
+            if id(trace) in self._loops:
+                return True
+            trace = jaxcompat.parent_trace(trace)
+        return False
+
     def multiplier_of(self, trace) -> int:
         """Executions of code built into ``trace`` (the innermost loop body around it)."""
         while trace is not None:

@@ -431,3 +431,40 @@ def test_one_axis_may_split_several_dims_that_no_value_holds_together():
     for r in rules:
         for axis in mesh.shape:
             assert len({d for d, axes in r.items() if axis in axes} & {"batch", "heads"}) < 2, r
+
+
+def _block_grads(x, wq, wo, w1, w2):
+    """One pre-norm-less transformer block's gradients: attention over the positions renamed
+    (``length`` -> ``kv_length``), then a ReLU MLP."""
+    def loss(wq, wo, w1, w2):
+        q = md.einsum(x, wq, out="batch length heads d_head")
+        kv = md.rename(q, {"length": "kv_length"})
+        a = md.einsum(md.attention(q, kv, kv, over="kv_length", causal=True), wo, out="batch length d_model")
+        h = md.relu(md.einsum(x + a, w1, out="batch length d_ff"))
+        return md.sum(md.square(md.einsum(h, w2, out="batch length d_model"))).array
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(wq, wo, w1, w2)
+
+
+def test_no_layout_is_predicted_faster_than_its_compute_floor_and_the_bound_keeps_the_ranking():
+    """The compute floor (the unsharded program's matmuls and attention kernels, split as the
+    layout splits their dims, renames included) is under every costed layout's predicted step,
+    each kernel priced at its dtype's peak and all at bfloat16's (a transformer block's gradients,
+    batch 8 x 4096 positions, on 8 H100s: compute-bound, so the floor is near the step for the
+    layouts that split the work); searching in the floor's order and stopping where it passes the
+    top's last time ranks the same layouts as costing every one, and costs fewer."""
+    args = (_arg("batch:8 length:4096 d_model:1024"), _arg("d_model:1024 heads:16 d_head:64", True),
+            _arg("heads:16 d_head:64 d_model:1024", True), _arg("d_model:1024 d_ff:4096", True),
+            _arg("d_ff:4096 d_model:1024", True))
+    held = FLOOR.Held(_block_grads, args)
+    hw = md.Hardware.profile("h100-80gb")
+    every = md.search(_block_grads, 8, *args, hardware=hw, top=1000, bound=False)
+    assert len(every) > 10 and every.bounded == 0
+    for c in every:
+        for dtype in (None, "bfloat16"):
+            floor = held.compute_seconds(c.mesh, c.layout, hw, dtype)
+            assert floor <= c.report.time(hw, dtype=dtype).total_s, (c.describe(), dtype)
+    assert held.compute_seconds(every.best.mesh, every.best.layout, hw) > 0.5 * every.best.time
+    top = md.search(_block_grads, 8, *args, hardware=hw, top=3)
+    assert [(c.describe(), c.time) for c in top] == [(c.describe(), c.time) for c in every][:3]
+    assert top.bounded > 0 and top.costed < every.costed
+    assert any(c.why.startswith("not costed: its matmuls and attention alone take") for c in top.rejected)

@@ -12,6 +12,9 @@ The rewriter's context is :class:`meshdsl.rewrite.explicit.ExplicitContext`. All
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 from jax.sharding import NamedSharding
 
@@ -19,10 +22,11 @@ from . import collectives as C
 from . import param_gather
 from ..names.layout import check_axes, effective, mesh_spec
 from ..names.named import NamedArray, is_named
+from ..platform.jaxcompat import differentiated
 from .recorder import Recorder
 from ..names.tracing import current
 
-__all__ = ["GlobalContext", "DimsRecorder", "LayoutContext", "GspmdContext", "GLOBAL", "active"]
+__all__ = ["GlobalContext", "DimsRecorder", "Work", "LayoutContext", "GspmdContext", "GLOBAL", "active"]
 
 
 class GlobalContext:
@@ -147,29 +151,108 @@ def active():
     return GLOBAL if ctx is None else ctx
 
 
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A contraction the unsharded program computes (:class:`DimsRecorder`): the dims it runs over
+    (name -> size), its forward FLOPs at least, whether it is differentiated (its backward at
+    least twice those), ``"matmul"`` or ``"attention"``, and its operands' dtype."""
+
+    dims: dict
+    flops: float
+    grad: bool
+    kind: str
+    dtype: str
+
+
 class DimsRecorder(GlobalContext):
     """The unsharded reference that also notes the dims of every value a named op returns
     (``dim_sets``): which dims share a tensor, so a layout must not split them over one axis;
     ``shapes``: shape -> the dims (names, in order) of the values of that shape; ``renamed``:
     dim -> the names a rename gave it; ``variant_dims``: dims whose split makes the program run
     otherwise than its values' placements say (those an ``md.scan`` may run over - a pipeline -,
-    an attention's positions - context parallelism)."""
+    an attention's positions - context parallelism); ``reshaped``: dim -> the dims a reshape
+    made of it or it of; ``work``: the contractions it computes (:class:`Work`), what a layout
+    splits of which bounds its compute per device from below (:mod:`meshdsl.search.floor`)."""
 
     def __init__(self):
         super().__init__()
         self.dim_sets: set = set()
         self.shapes: dict = {}
         self.renamed: dict = {}
+        self.reshaped: dict = {}     # dim -> the dims a reshape made of it, or it of (both ways)
         self.variant_dims: set = set()
+        self.work: list = []         # Work: the contractions the program computes, whole
+        self._loops: list = []       # (dim, size, differentiated) of the md.scan bodies traced now
 
     def apply(self, name: str, rule, args, kwargs):
         self._note(name, rule, args, kwargs)
-        result = rule(self, *args, **kwargs)
+        loop = self._loop(rule, args) if name == "scan" else None
+        if loop is not None:
+            self._loops.append(loop)
+        try:
+            result = rule(self, *args, **kwargs)
+        finally:
+            if loop is not None:
+                self._loops.pop()
         for leaf in jax.tree_util.tree_leaves(result, is_leaf=is_named):
             if is_named(leaf):
                 self.dim_sets.add(frozenset(d.name for d in leaf.dims))
                 self.shapes.setdefault(tuple(d.size for d in leaf.dims), set()).add(tuple(d.name for d in leaf.dims))
+        if name in ("einsum", "attention"):
+            self._work(name, args, kwargs, result)
+        elif name == "reshape" and is_named(result):
+            before = {n for x in args if is_named(x) for n in x.names}
+            gone, made = before - set(result.names), set(result.names) - before
+            for d in gone | made:
+                self.reshaped.setdefault(d, set()).update((gone | made) - {d})
         return result
+
+    def _loop(self, rule, args):
+        """``(dim, size, differentiated)`` of a ``md.scan`` about to trace its body (``args``: its
+        carry and xs leaves); jax differentiates the body after tracing it, so the body's work is
+        differentiated where the loop's operands are."""
+        dim = getattr(rule, "dim", None)
+        leaves = [x for x in jax.tree_util.tree_leaves(args, is_leaf=is_named) if is_named(x)]
+        sizes = {x.dims[dim].size for x in leaves if dim in x.names}
+        if dim is None or len(sizes) != 1:
+            return None
+        grad = any(differentiated(x.raw) for x in leaves) or any(g for _, _, g in self._loops)
+        return dim, sizes.pop(), grad
+
+    def _work(self, name, args, kwargs, result) -> None:
+        """Note the matmul FLOPs an einsum of two operands that contracts a dim, or an attention,
+        computes at least (the dims only one operand has and the result lacks summed first, as
+        jnp.einsum does; a causal attention's masked half not counted), over which dims, in a
+        loop body as often as the loop runs and over its dim too."""
+        xs = [x for x in args if is_named(x)]
+        if not is_named(result) or len(xs) < 2 or any(not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) for x in xs):
+            return
+        sizes = {d.name: d.size for x in xs for d in x.dims}
+        out = set(result.names)
+        shared = set(xs[0].names).intersection(*(x.names for x in xs[1:]))
+        if name == "einsum":
+            if len(xs) != 2 or not shared - out:
+                return   # a product without a contraction is elementwise; three at once: not bounded here
+            dims = {n: s for n, s in sizes.items() if n in shared or n in out}
+            flops, kind = 2.0 * math.prod(dims.values()), "matmul"
+        else:
+            q, k = xs[:2]
+            over = kwargs.get("over", "kv_length")
+            if over not in k.names:
+                return
+            features = (set(q.names) & set(k.names)) - out
+            rows = math.prod(s for n, s in ((d.name, d.size) for d in q.dims) if n not in features)
+            d_k = math.prod(sizes[n] for n in features)
+            d_v = max(1, math.prod(d.size for d in result.dims) // max(1, rows))
+            pairs = rows * k.dims[over].size * (0.5 if kwargs.get("causal") else 1.0)
+            dims = {n: sizes[n] for n in set(q.names) | set(k.names)}
+            flops, kind = 2.0 * pairs * (d_k + d_v), "attention"
+        grad = any(differentiated(x.raw) for x in xs) or any(g for _, _, g in self._loops)
+        for dim, size, _ in self._loops:
+            dims[dim] = size
+            flops *= size
+        dtype = jax.numpy.result_type(*[x.dtype for x in xs[:2]])
+        self.work.append(Work(dims, flops, grad, kind, str(dtype)))
 
     def _note(self, name, rule, args, kwargs) -> None:
         if name == "rename" and len(args) >= 2:

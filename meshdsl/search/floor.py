@@ -1,5 +1,5 @@
-"""What a layout of a program holds per device at least, known before tracing the layout: the
-floor under which ``md.search`` rejects a layout without costing it.
+"""What a layout of a program holds per device, and computes, at least, known before tracing the
+layout: the floors under which ``md.search`` rejects a layout without costing it.
 
 * **arguments and outputs** (exact): their dims come from one shape-only trace of the unsharded
   program; per device they are split as the layout places them (parameters by the storage rules).
@@ -14,6 +14,13 @@ floor under which ``md.search`` rejects a layout without costing it.
   parallel variants hold otherwise). Measured against the costed peak on every layout of
   the t5-v1_1-xxl search (``bench/search_speed.py``) and of tests/test_search.py, it never
   exceeded it; ``md.search(..., screen=False)`` costs every layout anyway.
+* **the compute floor** (:meth:`Held.compute_seconds`): the seconds its matmuls and attention
+  kernels take at least, from the contractions the unsharded trace computes and the mesh axes
+  the layout gives their dims. ``md.search`` costs layouts in the order of this floor and stops
+  where it exceeds the step time of the last layout it keeps (``bound=False``: costs them all).
+  It assumes a plan splits a contraction no more than the layout splits its dims (their renames
+  and reshapes, parameters' storage included); a plan that reduce-scatters a sum onto a dim the
+  layout leaves whole splits further - the layout naming that split is costed in its own right.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class Held:
                            for d, size in zip(names, shape)})
         self.shapes = recorder.shapes             # shape -> the dims of the named values of it
         self.renamed, self.variant_dims = recorder.renamed, recorder.variant_dims
+        self.work = recorder.work                 # the contractions it computes, whole
+        self._related = _related(recorder.renamed, recorder.reshaped)
         self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened
 
     def per_device(self, mesh, layout) -> int:
@@ -86,6 +95,26 @@ class Held:
         temps = self.temporaries(mesh)
         return floor + sum(b.size // _most_split(b.shape, splits, self.sizes, self.shapes) for b in temps)
 
+    def compute_seconds(self, mesh, layout, hardware, dtype=None) -> float:
+        """The seconds per device the layout's matmuls and attention kernels take at least on
+        ``hardware`` (each at its dtype's peak rate and efficiency, or ``dtype``'s): each
+        contraction of the unsharded program (:class:`meshdsl.rewrite.contexts.Work`) split by
+        no more than the mesh axes the layout gives its dims - those a rename or a reshape relates
+        to them, and the parameters' storage axes (a plan may compute where a parameter is
+        stored), included - forward, and backward (twice) where differentiated. The time model
+        prices every kernel at its FLOPs or more and adds launches and collectives, so a
+        layout's predicted step is never below this (where the unsharded program could not be
+        traced: 0)."""
+        total = 0.0
+        for w in self.work:
+            axes = {a for d in w.dims for n in self._related.get(d, (d,))
+                    for a in (*layout.rules.get(n, ()), *layout.param_rules.get(n, ())) if a in mesh.shape}
+            split = math.prod(mesh.shape[a] for a in axes)
+            rate = hardware.attention_efficiency if w.kind == "attention" else hardware.matmul_efficiency
+            peak = hardware.peak_flops(dtype) if dtype else hardware.matmul_peak(w.dtype)
+            total += w.flops * (3 if w.grad else 1) / split / (peak * rate)
+        return total
+
     def temporaries(self, mesh) -> list:
         """The temporaries live at the unsharded program's peak (traced once, on ``mesh``
         with nothing split); none where it cannot be traced."""
@@ -96,6 +125,29 @@ class Held:
             except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
                 self._temporaries = []
         return self._temporaries
+
+
+def _related(renamed, reshaped) -> dict:
+    """dim -> every dim a chain of renames or reshapes (either way) relates it to, itself included."""
+    links: dict = {}
+    for table in (renamed, reshaped):
+        for d, others in table.items():
+            for o in others:
+                links.setdefault(d, set()).add(o)
+                links.setdefault(o, set()).add(d)
+    out: dict = {}
+    for d in links:
+        if d in out:
+            continue
+        group, stack = {d}, [d]
+        while stack:
+            for o in links.get(stack.pop(), ()):
+                if o not in group:
+                    group.add(o)
+                    stack.append(o)
+        for o in group:
+            out[o] = tuple(sorted(group))
+    return out
 
 
 def _most_split(shape, splits, sizes, named) -> int:

@@ -24,7 +24,11 @@ The space, per mesh (the mesh given, or every factorisation of a device count in
 
 Before tracing, a layout is rejected when its arguments and outputs alone (known from shapes)
 are over the budget, or (``screen=True``) its screened estimate is (:mod:`meshdsl.search.floor`). A layout whose per-device program is one already costed under other names
-for the axes is retimed on its own links rather than traced again.
+for the axes is retimed on its own links rather than traced again. Layouts are costed in the
+order of their compute floor (the seconds their matmuls and attention kernels take at least, the
+unsharded program's contractions split as the layout splits their dims), and the search stops
+where that floor is over the step time of the ``top``-th layout ranked so far: none left could
+rank (``bound=False`` costs them all).
 
 Context parallelism is a layout placing an attention's positions (``length``), costed also with
 each of ``attentions=`` forced. The memory estimate is
@@ -96,8 +100,9 @@ class Candidate:
 class SearchResult:
     """Ranked candidates (best first; iterate, index, ``len``), ``best``, ``rejected`` (each with
     its ``why``), how many layouts were ``costed`` (traced and explained), how many were
-    ``retimed`` (the program of a costed layout under other axis names: timed on their links)
-    and the search's ``seconds``."""
+    ``retimed`` (the program of a costed layout under other axis names: timed on their links),
+    how many were ``bounded`` (not costed: their compute floor alone is slower than the last
+    ranked) and the search's ``seconds``."""
 
     candidates: list
     rejected: list
@@ -105,6 +110,7 @@ class SearchResult:
     seconds: float
     hardware: str
     retimed: int = 0
+    bounded: int = 0
 
     @property
     def best(self) -> Candidate:
@@ -131,6 +137,7 @@ class SearchResult:
         """The ranking as a markdown table (its first ``top`` rows, default all)."""
         head = ("rank", "mesh", "layout", "step (predicted)", "bytes/device", "peak memory/device", "why")
         retimed = f" (+{self.retimed} retimed)" if self.retimed else ""
+        retimed += f", {self.bounded} not costed (their compute floor is slower)" if self.bounded else ""
         lines = [f"{len(self.candidates)} ranked, {len(self.rejected)} rejected, {self.costed} costed{retimed} in "
                  f"{self.seconds:.1f} s; times on {self.hardware}", "",
                  "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -154,7 +161,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
            microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), attentions: Sequence[str] = ("ring",),
            dtype: str | None = None, overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
-           **options: Any) -> SearchResult:
+           bound: bool = True, **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
     Args:
@@ -185,6 +192,10 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             ``model``, ``pipe``; names only).
         screen: reject before tracing a layout whose estimate by :mod:`meshdsl.search.floor` (which
             errs low) is over the budget; ``False`` costs every layout.
+        bound: cost layouts in the order of their compute floor (the seconds their matmuls and
+            attention kernels take at least: :meth:`meshdsl.search.floor.Held.compute_seconds`) and
+            stop where the floor is over the step time of the ``top``-th ranked: no layout left
+            could rank (each is rejected, saying so); ``False`` costs every layout.
         options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
             returned in each candidate's ``lower_kwargs``.
     """
@@ -198,14 +209,18 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
     with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
-        _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options)
+        _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options, top, bound)
     ranked = _ranked(run.ranked)
-    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed)
+    return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed,
+                        run.bounded)
 
 
-def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options) -> None:
-    """Every layout of ``meshes`` for each program, costed or rejected by ``run``."""
+def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options, top, bound) -> None:
+    """Every layout of ``meshes`` for each program, costed or rejected by ``run``: in the order of
+    their compute floors (:meth:`meshdsl.search.floor.Held.compute_seconds`), and (``bound``) none
+    whose floor is over the step time of the ``top``-th ranked so far (it could not rank)."""
     seen: set = set()
+    queue = []
     for mesh in meshes:
         for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
             same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
@@ -217,9 +232,20 @@ def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, op
                 if pruned:
                     run.reject(cand, pruned)
                     continue
-                report = run.cost(cand, program, held[id(program)])
-                if report is not None:
-                    run.variants(cand, program, held[id(program)], report)
+                floor = held[id(program)].compute_seconds(mesh, layout, hw, run.dtype)
+                queue.append((floor, len(queue), cand, program))
+    queue.sort(key=lambda t: t[:2])
+    for i, (floor, _, cand, program) in enumerate(queue):
+        bar = run.bar(top)
+        if bound and floor > bar:
+            for rest, _, other, _ in queue[i:]:
+                run.reject(other, f"not costed: its matmuls and attention alone take {_fmt_s(rest)} or more per "
+                                  f"step, over the {top}th ranked layout's {_fmt_s(bar)} (bound=False costs it)")
+            run.bounded = len(queue) - i
+            return
+        report = run.cost(cand, program, held[id(program)])
+        if report is not None:
+            run.variants(cand, program, held[id(program)], report)
 
 
 def _hardware_and_budget(hardware, memory_budget) -> tuple:
@@ -245,7 +271,7 @@ class _Costing:
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
         self.screen = screen
         self.counts, self.schedules, self.strategies = variants   # what to try again: pipelines, attention
-        self.ranked, self.rejected, self.costed, self.retimed = [], [], 0, 0
+        self.ranked, self.rejected, self.costed, self.retimed, self.bounded = [], [], 0, 0, 0
         self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
 
     def variants(self, cand, program, held, report) -> None:
@@ -274,6 +300,12 @@ class _Costing:
             if {strategy} != chosen:
                 self.cost(Candidate(cand.layout, cand.mesh, {**cand.lower_kwargs, "attention": strategy},
                                     cand.choices), program, held)
+
+    def bar(self, top: int) -> float:
+        """The step time of the ``top``-th ranked so far (inf while fewer are ranked)."""
+        if len(self.ranked) < top:
+            return math.inf
+        return sorted(c.time for c in self.ranked)[top - 1]
 
     def reject(self, cand, why: str) -> None:
         cand.why = why

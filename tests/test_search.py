@@ -251,8 +251,9 @@ def test_dims_the_program_does_not_have_are_refused():
 
 def test_a_dim_the_program_renames_an_argument_dim_to_is_searched():
     """The batch names its positions ``targets``; the model attends over ``length`` (a rename):
-    context parallelism (a layout splitting ``length``) is in the default space, and ``length``
-    may be named in ``dims=``."""
+    context parallelism (a layout splitting ``length``) is in the default space, the positions
+    split as one under all their names (``targets``, ``length``, ``kv_length``: a name split
+    alone would leave the others' values whole), and ``length`` may be named alone in ``dims=``."""
     x = md.named(jax.ShapeDtypeStruct((2, 2048, 2, 64), jnp.float32), "batch targets heads d_kv")
 
     def attend(x):
@@ -264,6 +265,9 @@ def test_a_dim_the_program_renames_an_argument_dim_to_is_searched():
     placed = {d for c in every.candidates + every.rejected for d in c.layout.rules}
     assert {"length", "kv_length"} <= placed
     assert any(c.layout.rules.get("length") == ("ctx",) for c in every.candidates)
+    positions = ("kv_length", "length", "targets")
+    for c in every.candidates + every.rejected:
+        assert len({c.layout.rules.get(d, ()) for d in positions}) == 1, c.describe()
     named = md.search(attend, mesh, x, dims=["batch", "length"], top=1000)
     assert {d for c in named.candidates for d in c.layout.rules} <= {"batch", "length"}
 

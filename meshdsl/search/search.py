@@ -203,13 +203,13 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     hw, budget = _hardware_and_budget(hardware, memory_budget)
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
     held = {id(p): Held(p, args) for _, p in programs}
-    sizes, params = space.dims_of(args, dims, held[id(programs[0][1])])
+    sizes, params, units = space.dims_of(args, dims, held[id(programs[0][1])])
     meshes = space.meshes(mesh_or_device_count, mesh_axes)
     dim_sets = set().union(*(h.dim_sets for h in held.values()))
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
     run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
     with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
-        _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options, top, bound)
+        _cost_all(run, hw, meshes, (sizes, units), params, zero, dim_sets, programs, held, options, top, bound)
     ranked = _ranked(run.ranked)
     return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed,
                         run.bounded)
@@ -221,8 +221,9 @@ def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, op
     whose floor is over the step time of the ``top``-th ranked so far (it could not rank)."""
     seen: set = set()
     queue = []
+    sizes, units = sizes
     for mesh in meshes:
-        for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets):
+        for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets, units):
             same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
             if same in seen or alike in seen:
                 continue   # the same blocks on the same devices, or on devices as far apart, as one costed

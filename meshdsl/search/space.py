@@ -23,12 +23,16 @@ __all__ = ["AXIS_NAMES", "dims_of", "meshes", "factorisations", "groups", "layou
 AXIS_NAMES = ("data", "model", "pipe")   # the axes a device count is factorised into (names only)
 
 
-def dims_of(args, dims, program=None) -> tuple[dict, list]:
+def dims_of(args, dims, program=None) -> tuple[dict, list, list]:
     """dim name -> size over the arguments' NamedArrays (the sizes must agree) and the dims a
-    rename gives them in the program (a model's ``length`` fed by the batch's ``targets``), and
-    the dims of each parameter; ``dims`` (names of any dim the program has) narrows which dims a
-    layout may place. ``program``: what one shape-only trace saw (:class:`meshdsl.search.floor.Held`:
-    ``sizes`` of every dim, ``renamed``: dim -> the names renames gave it)."""
+    rename gives them in the program (a model's ``length`` fed by the batch's ``targets``), the
+    dims of each parameter, and the **units** a mesh axis splits together: an argument's dim with
+    every name renames give it (``targets``, ``length``, ``seq``, ``kv_seq``: the positions, split
+    as one - context parallelism; splitting a name alone leaves the others' values whole), where
+    no value holds two of them (else each name is a unit of its own). ``dims`` (names of any dim
+    the program has) narrows which dims a layout may place, each a unit of its own.
+    ``program``: what one shape-only trace saw (:class:`meshdsl.search.floor.Held`: ``sizes`` of
+    every dim, ``renamed``: dim -> the names renames gave it, ``dim_sets``: the dims of each value)."""
     sizes, params = {}, []
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=is_named):
         if not is_named(leaf):
@@ -42,12 +46,19 @@ def dims_of(args, dims, program=None) -> tuple[dict, list]:
                            "pass the program's inputs and parameters as NamedArrays")
     known = dict(program.sizes) if program is not None else {}
     renamed = program.renamed if program is not None else {}
-    frontier = list(sizes)
-    while frontier:   # the names renames give the arguments' dims, through chains of renames
-        for new in sorted(renamed.get(frontier.pop(), ())):
-            if new not in sizes and new in known:
-                sizes[new] = known[new]
-                frontier.append(new)
+    held_together = program.dim_sets if program is not None else ()
+    units = []
+    for root in list(sizes):   # the names renames give the arguments' dims, through chains of renames
+        unit, frontier = [root], [root]
+        while frontier:
+            for new in sorted(renamed.get(frontier.pop(), ())):
+                if new not in unit and new in known:
+                    sizes.setdefault(new, known[new])
+                    unit.append(new)
+                    frontier.append(new)
+        if len(unit) > 1 and all(sizes[d] == sizes[root] for d in unit) and \
+                not any(len(s.intersection(unit)) > 1 for s in held_together):
+            units.append(tuple(sorted(unit)))
     if dims is not None:
         dims = [dims] if isinstance(dims, str) else list(dims)
         every = {**known, **sizes}
@@ -55,8 +66,9 @@ def dims_of(args, dims, program=None) -> tuple[dict, list]:
         if unknown:
             raise MeshDSLError(f"md.search: dims={unknown} are not dims of the program (it has "
                                f"{sorted(every)}); name dims its values carry")
-        sizes = {d: every[d] for d in dims}
-    return sizes, params
+        return {d: every[d] for d in dims}, params, [(d,) for d in dims]
+    together = {d for unit in units for d in unit}
+    return sizes, params, units + [(d,) for d in sorted(sizes) if d not in together]
 
 
 def meshes(mesh_or_count, mesh_axes: int = 2) -> list[Mesh]:
@@ -84,22 +96,24 @@ def factorisations(n: int, k: int) -> list[tuple]:
             if all(r >= 2 for r in rest)]
 
 
-def groups(sizes, dim_sets, params=(), largest: int = 3) -> list[tuple]:
-    """What one mesh axis may split: nothing, one dim, or a group of up to ``largest`` parameter
-    dims no value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one
+def groups(sizes, dim_sets, params=(), largest: int = 3, units=None) -> list[tuple]:
+    """What one mesh axis may split: nothing, one unit (a dim, or a dim with the names renames
+    give it: :func:`dims_of`; default: each dim), or a group of up to ``largest`` parameter dims
+    no value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one
     axis: tensor parallelism splits weights; ``params``: each parameter's ``(dim, size)``s)."""
     names = sorted(sizes)
+    units = [(d,) for d in names] if units is None else sorted(units)
     weights = sorted({d for p in params for d, _ in p} & set(names))
-    out = [(), *((d,) for d in names)]
+    out = [(), *units]
     for k in range(2, largest + 1):
         out += [g for g in itertools.combinations(weights, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
     return out
 
 
-def layouts(mesh, sizes, params, zero, dim_sets=frozenset()):
+def layouts(mesh, sizes, params, zero, dim_sets=frozenset(), units=None):
     """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
     axes = list(mesh.shape)
-    for choice in itertools.product(groups(sizes, dim_sets, params), repeat=len(axes)):   # each a distinct layout
+    for choice in itertools.product(groups(sizes, dim_sets, params, units=units), repeat=len(axes)):   # each a distinct layout
         rules = {}
         for axis, group in zip(axes, choice):
             for dim in group:

@@ -472,3 +472,22 @@ def test_no_layout_is_predicted_faster_than_its_compute_floor_and_the_bound_keep
     assert [(c.describe(), c.time) for c in top] == [(c.describe(), c.time) for c in every][:3]
     assert top.bounded > 0 and top.costed < every.costed
     assert any(c.why.startswith("not costed: its matmuls and attention alone take") for c in top.rejected)
+
+
+def test_a_context_parallel_layout_is_costed_with_the_ring_forced_only_where_its_plan_does_not_fit():
+    """Attention over 8192 positions split over ctx:4: the planner's choice (by time: the keys
+    gathered, 23.8 MB a device) is the layout's cost where it fits; under a 20 MB budget it does
+    not, and the layout is costed again with the ring forced (17.5 MB: one chunk of keys)."""
+    x = md.named(jax.ShapeDtypeStruct((2, 8192, 2, 64), jnp.float32), "batch targets heads d_kv")
+
+    def attend(x):
+        q = md.rename(x, {"targets": "length"})
+        kv = md.rename(q, {"length": "kv_length"})
+        return md.attention(q, kv, kv, causal=True)
+    mesh = md.Mesh.abstract({"data": 2, "ctx": 4})
+    roomy = md.search(attend, mesh, x, top=1000)
+    assert not any("attention" in c.lower_kwargs for c in roomy.candidates + roomy.rejected)
+    tight = md.search(attend, mesh, x, top=1000, memory_budget=20e6)
+    ring = [c for c in tight if c.lower_kwargs.get("attention") == "ring"]
+    assert any(c.layout.rules.get("length") == ("ctx",) and c.layout.rules.get("batch") == ("data",) for c in ring)
+    assert all(c.memory["peak"] * 1.1 <= 20e6 for c in tight)

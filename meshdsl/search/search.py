@@ -30,8 +30,10 @@ unsharded program's contractions split as the layout splits their dims), and the
 where that floor is over the step time of the ``top``-th layout ranked so far: none left could
 rank (``bound=False`` costs them all).
 
-Context parallelism is a layout placing an attention's positions (``length``), costed also with
-each of ``attentions=`` forced. The memory estimate is
+Context parallelism is a layout placing an attention's positions (``length``): the planner picks
+each attention's strategy by the step's time; where that plan is over the memory budget, the
+layout is costed again with each of ``attentions=`` forced (the ring holds one chunk of keys).
+The memory estimate is
 :func:`meshdsl.costmodel.liveness.memory`'s (XLA's buffer reuse modelled: within 10% of the compiled peak on
 the measured training steps, ``docs/cost_model.md``).
 """
@@ -182,7 +184,8 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         microbatches: where a layout makes the program a pipeline, also these microbatch counts
             over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
         attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
-            strategy by bytes), also each of these forced (``md.lower(attention=)``).
+            strategy by the step's time) and its plan is over the memory budget, also each of
+            these forced (``md.lower(attention=)``).
         dtype: the dtype every matmul is priced at (:meth:`meshdsl.Report.time`; default: each
             kernel's own; ``overlap`` too).
         overlap: the overlap of compute and communication.
@@ -277,11 +280,12 @@ class _Costing:
 
     def variants(self, cand, program, held, report) -> None:
         """Cost ``cand`` again where its report shows a pipeline (its microbatch counts and
-        schedules) or a context-parallel attention (its forced strategies)."""
+        schedules) or a context-parallel attention whose plan is over the budget (its forced
+        strategies)."""
         if report.pipeline is not None:
             self.pipelines(cand, program, held, self.counts, self.schedules)
-        if any(a["devices"] > 1 and a["strategy"] in ATTENTION for a in report.attention):
-            self.attentions(cand, program, held, self.strategies, report)
+        if any(a["devices"] > 1 and a["strategy"] in ATTENTION for a in report.attention) and cand not in self.ranked:
+            self.attentions(cand, program, held, self.strategies, report)   # the planner's choice does not fit
 
     def pipelines(self, cand, program, held, counts, schedules) -> None:
         """Cost ``cand`` (a layout under which the program pipelines) with each microbatch count

@@ -35,7 +35,7 @@ from . import collectives as C
 from . import redistribute
 from ..costmodel.cost import moved_bytes
 from ..platform.jaxcompat import varying_axes
-from ..names.named import Placement
+from ..names.named import NamedArray, Placement
 
 __all__ = ["relayout", "relayout_bytes", "needs_gather"]
 
@@ -126,6 +126,13 @@ def _by_pieces(ctx, x, src, target, vary, keep_pending):
 
 def _relayout(ctx, x, src, target, vary, keep_pending):
     shape = tuple(d.size for d in x.dims)
+    if _reduce_then_route(ctx, shape, src.axes, src.pending, target, keep_pending) is not None:
+        first = _Move(ctx, x, src, target, vary, keep_pending)
+        first.slice_free_axes()
+        first.reduce_pending()   # the sums reduced where they are (or onto a dim taking the axis)
+        after = Placement(tuple(map(tuple, first.cur)), src.pending & keep_pending)
+        return _relayout(ctx, NamedArray(first.arr, x.dims, is_param=x.is_param, placement=after), after, target,
+                         vary, keep_pending)
     route = _route(ctx, shape, src.axes, src.pending, target, keep_pending)
     if route is None:
         move = _Move(ctx, x, src, target, vary, keep_pending).run()
@@ -324,13 +331,48 @@ def needs_gather(ctx, x, axes_by_name) -> bool:
     return any(tuple(axes_by_name.get(d.name, ()))[:len(a)] != a for d, a in zip(x.dims, pl.axes))
 
 
+def _reduce_then_route(ctx, shape, src_axes, src_pending, target, keep_pending):
+    """A source holding pending sums the target resolves, whose splits a redistribution would
+    then move for fewer bytes than the steps (``[b f:model] pending over data -> [b f:data]``:
+    the sum reduced in place, then ``f`` moved from ``model`` to ``data`` by collective-permutes
+    and a gather over half the devices, not gathered whole): the placement the reduction leaves
+    (decided by bytes, as every route is), where that route moves fewer bytes; else None."""
+    if not set(src_pending) - set(keep_pending):
+        return None
+    first = _reduced(ctx, shape, 1, src_axes, src_pending, target, keep_pending)
+    after, pending = tuple(map(tuple, first.cur)), frozenset(src_pending) & frozenset(keep_pending)
+    if _route(ctx, shape, after, pending, target, keep_pending) is None:
+        return None
+    via = first.bytes + _shape_bytes(ctx, shape, 1, after, pending, target, keep_pending)
+    return after if via < _steps_bytes(ctx, shape, src_axes, target, 1, src_pending, keep_pending) else None
+
+
+def _reduced(ctx, shape, itemsize, src_axes, src_pending, target, keep_pending, price=None):
+    """A dry :class:`_Move` that has only sliced and reduced the pending sums (its ``bytes``)."""
+    local = float(itemsize) * math.prod(shape) / max(1, ctx.axes_size([a for axes in src_axes for a in axes]))
+    first = _Move(ctx, None, Placement(tuple(map(tuple, src_axes)), frozenset(src_pending)), tuple(map(tuple, target)),
+                  frozenset(), frozenset(keep_pending), dry=True, names=("",) * len(shape), local=local, price=price)
+    first.slice_free_axes()
+    first.reduce_pending()
+    return first
+
+
 def relayout_bytes(ctx, dims, itemsize, src_axes, src_pending, target, keep_pending=frozenset(), price=None) -> float:
     """Estimated bytes one device moves to relay a tensor of ``dims`` from ``src_axes`` (axes per
     dim, with pending sums ``src_pending``) to ``target`` (axes per dim), keeping ``keep_pending``.
     Used to choose between plans before emitting anything (ring formulas of :mod:`meshdsl.costmodel.cost`).
     ``price(kind, factor axes, bytes)``: what each collective step costs instead of its bytes (the
     planner's time objective: its seconds on the link of its axes, :mod:`meshdsl.planner.plan`)."""
-    shape = tuple(d.size for d in dims)
+    return _shape_bytes(ctx, tuple(d.size for d in dims), itemsize, src_axes, src_pending, target, keep_pending, price)
+
+
+def _shape_bytes(ctx, shape, itemsize, src_axes, src_pending, target, keep_pending=frozenset(), price=None) -> float:
+    """:func:`relayout_bytes` of a tensor of ``shape``."""
+    after = _reduce_then_route(ctx, shape, src_axes, src_pending, target, keep_pending)
+    if after is not None:
+        first = _reduced(ctx, shape, itemsize, src_axes, src_pending, target, keep_pending, price)
+        return first.bytes + _shape_bytes(ctx, shape, itemsize, after, frozenset(src_pending) & frozenset(keep_pending),
+                                          target, keep_pending, price)
     route = _route(ctx, shape, src_axes, src_pending, target, keep_pending)
     if route is not None:
         sizes, pre, mid = route

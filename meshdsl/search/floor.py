@@ -29,7 +29,8 @@ import math
 
 import jax
 
-from ..costmodel import jaxpr_stats, liveness
+from ..costmodel import jaxpr_stats, liveness, roofline
+from ..costmodel.step_time import kernel_seconds
 from ..rewrite.contexts import DimsRecorder
 from ..platform.jaxcompat import fresh
 from ..costmodel.jaxpr_stats import nbytes
@@ -64,6 +65,8 @@ class Held:
         self.work = recorder.work                 # the contractions it computes, whole
         self._related = _related(recorder.renamed, recorder.reshaped)
         self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened
+        self._kernels: list = []   # and its kernels (the same trace)
+        self._kernel_s: dict = {}  # (hardware, dtype) -> their seconds at their FLOPs
 
     def per_device(self, mesh, layout) -> int:
         """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
@@ -103,8 +106,12 @@ class Held:
         to them, and the parameters' storage axes (a plan may compute where a parameter is
         stored), included - forward, and backward (twice) where differentiated. The time model
         prices every kernel at its FLOPs or more and adds launches and collectives, so a
-        layout's predicted step is never below this (where the unsharded program could not be
-        traced: 0)."""
+        layout's predicted step is never below this. Or, where larger, the unsharded program's
+        matmul and attention kernels (:meth:`kernel_seconds`: remat's recomputation included)
+        over the devices the layout's axes span."""
+        used = {a for rules in (layout.rules, layout.param_rules) for axes in rules.values() for a in axes
+                if a in mesh.shape}
+        whole = self.kernel_seconds(mesh, hardware, dtype) / math.prod(mesh.shape[a] for a in used)
         total = 0.0
         for w in self.work:
             axes = {a for d in w.dims for n in self._related.get(d, (d,))
@@ -113,15 +120,28 @@ class Held:
             rate = hardware.attention_efficiency if w.kind == "attention" else hardware.matmul_efficiency
             peak = hardware.peak_flops(dtype) if dtype else hardware.matmul_peak(w.dtype)
             total += w.flops * (3 if w.grad else 1) / split / (peak * rate)
-        return total
+        return max(total, whole)
+
+    def kernel_seconds(self, mesh, hardware, dtype=None) -> float:
+        """The seconds the unsharded program's matmul and attention kernels take at their FLOPs
+        (remat's second forward included: the kernels its trace runs; 0 where it cannot be
+        traced). No layout splits one over more devices than its axes span."""
+        key = (hardware.name, dtype)
+        if key not in self._kernel_s:
+            self.temporaries(mesh)
+            self._kernel_s[key] = sum(k.count * kernel_seconds(k, hardware, dtype)[0] for k in self._kernels
+                                      if k.kind in ("matmul", "attention"))
+        return self._kernel_s[key]
 
     def temporaries(self, mesh) -> list:
         """The temporaries live at the unsharded program's peak (traced once, on ``mesh``
         with nothing split); none where it cannot be traced."""
         if self._temporaries is None:
             try:
-                closed, _, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
-                self._temporaries = liveness.at_peak(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
+                closed, ctx, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
+                body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+                self._temporaries = liveness.at_peak(body)
+                self._kernels = roofline.program_kernels(body, ctx.attentions)
             except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
                 self._temporaries = []
         return self._temporaries

@@ -43,59 +43,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..costmodel.hardware import Hardware
+from ..names.errors import MeshDSLError
+from ..names.mesh import Mesh
+from ..names.units import fmt_bytes, parse_bytes
 from ..platform import gcpause
 from . import space
-from ..names.errors import LayoutError, MeshDSLError
-from ..views.explain import Report, explain
-from ..costmodel.hardware import Hardware
-from ..platform.jaxcompat import forget_staged
-from ..names.layout import Layout
-from ..names.mesh import Mesh
-from ..ops.attention import STRATEGIES as ATTENTION
+from .costing import Candidate, Costing, fmt_s
 from .floor import Held
-from ..costmodel.step_time import StepTime
-from ..names.units import fmt_bytes, parse_bytes
 
 __all__ = ["search", "Candidate", "SearchResult", "DEFAULT_HARDWARE"]
 
 DEFAULT_HARDWARE = "h100-80gb"   # the profile a search ranks by when given no hardware
-_DEFAULTS = {"param_gather": "keep", "schedule": "gpipe", "repeats": 1, "planner": True, "attention": None}
-
-
-@dataclasses.dataclass
-class Candidate:
-    """One costed layout: ``layout``, ``mesh``, ``lower_kwargs`` (for :func:`meshdsl.lower`),
-    ``choices`` (the keyword arguments of the program it was costed with, from ``choices=``), predicted ``time`` (seconds per step), ``bytes`` (kind -> count and bytes per device),
-    ``total_bytes``, ``memory`` (per device, as :attr:`meshdsl.Report.memory`), ``why`` (what
-    ranks it here, or what rejected it), and the ``report``."""
-
-    layout: Layout
-    mesh: Mesh
-    lower_kwargs: dict
-    choices: dict = dataclasses.field(default_factory=dict)
-    time: float = math.inf
-    step_time: StepTime | None = None
-    bytes: dict = dataclasses.field(default_factory=dict)
-    total_bytes: float = math.inf
-    memory: dict = dataclasses.field(default_factory=dict)
-    why: str = ""
-    report: Report | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def key(self) -> tuple:
-        return self.time, self.total_bytes, self.memory.get("peak", math.inf)
-
-    def describe(self) -> str:
-        """The layout, with the program choices and the non-default lowering options (the
-        schedule of a pipeline) it was costed with."""
-        extra = [f"{k}={v}" for k, v in self.choices.items()]
-        extra += [f"{k}={v}" for k, v in self.lower_kwargs.items() if _DEFAULTS.get(k, object()) != v]
-        return " · ".join([str(self.layout), *extra])
 
 
 @dataclasses.dataclass
@@ -132,7 +95,7 @@ class SearchResult:
 
     def rows(self) -> list[tuple]:
         """One tuple of cells per ranked candidate (the table's rows)."""
-        return [(str(i + 1), str(c.mesh), f"`{c.describe()}`", _fmt_s(c.time), fmt_bytes(c.total_bytes),
+        return [(str(i + 1), str(c.mesh), f"`{c.describe()}`", fmt_s(c.time), fmt_bytes(c.total_bytes),
                  fmt_bytes(c.memory.get("peak", 0)), c.why) for i, c in enumerate(self.candidates)]
 
     def to_markdown(self, top: int | None = None) -> str:
@@ -210,7 +173,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     meshes = space.meshes(mesh_or_device_count, mesh_axes)
     dim_sets = set().union(*(h.dim_sets for h in held.values()))
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
-    run = _Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
+    run = Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
     with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
         _cost_all(run, hw, meshes, (sizes, units), params, zero, dim_sets, programs, held, options, top, bound)
     ranked = _ranked(run.ranked)
@@ -243,8 +206,8 @@ def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, op
         bar = run.bar(top)
         if bound and floor > bar:
             for rest, _, other, _ in queue[i:]:
-                run.reject(other, f"not costed: its matmuls and attention alone take {_fmt_s(rest)} or more per "
-                                  f"step, over the {top}th ranked layout's {_fmt_s(bar)} (bound=False costs it)")
+                run.reject(other, f"not costed: its matmuls and attention alone take {fmt_s(rest)} or more per "
+                                  f"step, over the {top}th ranked layout's {fmt_s(bar)} (bound=False costs it)")
             run.bounded = len(queue) - i
             return
         report = run.cost(cand, program, held[id(program)])
@@ -268,154 +231,10 @@ def _ranked(candidates) -> list:
     return ranked
 
 
-class _Costing:
-    """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
-
-    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, (), ()), screen=True):
-        self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
-        self.screen = screen
-        self.counts, self.schedules, self.strategies = variants   # what to try again: pipelines, attention
-        self.ranked, self.rejected, self.costed, self.retimed, self.bounded = [], [], 0, 0, 0
-        self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
-
-    def variants(self, cand, program, held, report) -> None:
-        """Cost ``cand`` again where its report shows a pipeline (its microbatch counts and
-        schedules) or a context-parallel attention whose plan is over the budget (its forced
-        strategies)."""
-        if report.pipeline is not None:
-            self.pipelines(cand, program, held, self.counts, self.schedules)
-        if any(a["devices"] > 1 and a["strategy"] in ATTENTION for a in report.attention) and cand not in self.ranked:
-            self.attentions(cand, program, held, self.strategies, report)   # the planner's choice does not fit
-
-    def pipelines(self, cand, program, held, counts, schedules) -> None:
-        """Cost ``cand`` (a layout under which the program pipelines) with each microbatch count
-        (``{dim: counts}``) and schedule."""
-        (dim, ms), = counts.items()
-        for m in ms:
-            for schedule in schedules:
-                piped = Layout(cand.layout.rules, params=cand.layout.param_rules, microbatches={dim: m})
-                self.cost(Candidate(piped, cand.mesh, {**cand.lower_kwargs, "schedule": schedule}, cand.choices),
-                          program, held)
-
-    def attentions(self, cand, program, held, strategies, report) -> None:
-        """Cost ``cand`` (a layout under which an attention is context-parallel) with each of
-        ``strategies`` forced, but the planner's own choice."""
-        chosen = {a["strategy"] for a in report.attention}
-        for strategy in strategies:
-            if {strategy} != chosen:
-                self.cost(Candidate(cand.layout, cand.mesh, {**cand.lower_kwargs, "attention": strategy},
-                                    cand.choices), program, held)
-
-    def bar(self, top: int) -> float:
-        """The step time of the ``top``-th ranked so far (inf while fewer are ranked)."""
-        if len(self.ranked) < top:
-            return math.inf
-        return sorted(c.time for c in self.ranked)[top - 1]
-
-    def reject(self, cand, why: str) -> None:
-        cand.why = why
-        self.rejected.append(cand)
-
-    def cost(self, cand, program, held) -> Report | None:
-        """Cost ``cand`` (ranked or rejected); its report, or None when it was not traced."""
-        try:
-            floor = held.per_device(cand.mesh, cand.layout)
-        except LayoutError as e:
-            return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
-        if floor * (1 + self.margin) > self.budget:
-            return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
-                                     f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
-        least = held.screen(cand.mesh, cand.layout, floor) if self.screen else floor
-        if least * (1 + self.margin) > self.budget:
-            return self.reject(cand, f"over the memory budget before costing (screen): its arguments and outputs "
-                                     f"({fmt_bytes(floor)}) and the unsharded program's temporaries as it could split "
-                                     f"them take ~{fmt_bytes(least)} per device + {self.margin:.0%} > "
-                                     f"{fmt_bytes(self.budget)}; screen=False costs it")
-        shape, rename = _shape_of(cand, program)
-        known = self.traced.get(shape) if cand.mesh.is_abstract else None
-        report = None if known is None else _renamed(known, rename, cand)
-        if report is None:
-            self.costed += 1
-            try:
-                report = explain(program, cand.mesh, cand.layout, *self.args, hardware=self.hw, **cand.lower_kwargs)
-            except MeshDSLError as e:
-                self.traced[shape] = (rename, e)
-                return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
-            finally:
-                forget_staged()   # the next layout traces other local shapes
-                gcpause.collect_young()
-            self.traced.setdefault(shape, (rename, report))
-        elif isinstance(report, MeshDSLError):
-            self.retimed += 1
-            return self.reject(cand, f"invalid: {str(report).splitlines()[0]}")
-        else:
-            self.retimed += 1
-        _cost(cand, report, self.hw, self.dtype, self.overlap)
-        if cand.memory["peak"] * (1 + self.margin) > self.budget:
-            self.reject(cand, f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
-                              f"+ {self.margin:.0%} > {fmt_bytes(self.budget)}")
-        else:
-            self.ranked.append(cand)
-        return report
-
-
-def _shape_of(cand, program) -> tuple:
-    """What a layout's per-device program is, whatever its axes are called: per dim (compute and
-    storage) the sizes of the axes splitting it, with the program and options; and the axes in
-    the same order. Two layouts of one shape (``batch:data;d_ff:model`` on ``data:64 x model:8``,
-    ``batch:model;d_ff:data`` on ``data:8 x model:64``) trace to one program up to the axes'
-    names: its collectives, FLOPs and memory are the same, its times differ by the links."""
-    def split(rules):
-        return tuple(sorted((d, tuple(cand.mesh.shape[a] for a in axes)) for d, axes in rules.items() if axes))
-
-    def axes(rules):
-        return [a for d, ax in sorted(rules.items()) for a in ax]
-    layout = cand.layout
-    shape = (id(program), tuple(sorted(cand.lower_kwargs.items())), tuple(sorted(layout.microbatches.items())),
-             split(layout.rules), split(layout.param_rules), space.sharing(layout, lambda a: cand.mesh.shape[a]))
-    return shape, axes(layout.rules) + axes(layout.param_rules)
-
-
-def _renamed(known, rename, cand):
-    """The known report (or error) of a layout of the same shape, with its axes called as
-    ``cand``'s (``rename``: the axes in :func:`_shape_of`'s order); None where a collective runs
-    over an axis the names do not map (a part of an axis)."""
-    old_names, report = known
-    if isinstance(report, MeshDSLError):
-        return report
-    names: dict = {}
-    for old, new in zip(old_names, rename):
-        if names.setdefault(old, new) != new:
-            return None
-    if len(set(names.values())) != len(names) or any(a not in names for r in report.collectives for a in r.axes):
-        return None
-    collectives = [dataclasses.replace(r, axes=tuple(names[a] for a in r.axes)) for r in report.collectives]
-    pipeline = report.pipeline
-    if pipeline is not None and "axis" in pipeline:
-        if pipeline["axis"] not in names:
-            return None
-        pipeline = {**pipeline, "axis": names[pipeline["axis"]]}
-    return dataclasses.replace(report, mesh=str(cand.mesh), layout=str(cand.layout), collectives=collectives,
-                               pipeline=pipeline, compile=None)
-
-
-def _cost(cand, report, hw, dtype, overlap) -> None:
-    cand.report = report
-    cand.step_time = report.time(hw, dtype=dtype, overlap=overlap)
-    cand.time = cand.step_time.total_s
-    cand.bytes = report.summary()
-    cand.total_bytes = report.total_bytes
-    cand.memory = dict(report.memory)
-
-
 def _why(i, c, best) -> str:
     t = c.step_time
-    text = (f"{_fmt_s(t.compute_s)} compute + {_fmt_s(t.communication_s)} communication "
+    text = (f"{fmt_s(t.compute_s)} compute + {fmt_s(t.communication_s)} communication "
             f"({fmt_bytes(c.total_bytes)}), peak {fmt_bytes(c.memory['peak'])}")
     if i == 0:
         return "fastest predicted: " + text
     return f"{c.time / best.time:.2f}x the best's time: " + text if best.time else text
-
-
-def _fmt_s(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"

@@ -181,6 +181,7 @@ class DimsRecorder(GlobalContext):
         self.renamed: dict = {}
         self.reshaped: dict = {}     # dim -> the dims a reshape made of it, or it of (both ways)
         self.variant_dims: set = set()
+        self.scanned: set = set()     # the dims an md.scan runs over (a layout splitting one: a pipeline)
         self.work: list = []         # Work: the contractions the program computes, whole
         self._loops: list = []       # (dim, size, differentiated) of the md.scan bodies traced now
 
@@ -261,6 +262,7 @@ class DimsRecorder(GlobalContext):
                 self.renamed.setdefault(old, set()).add(new)
         elif name == "scan" and getattr(rule, "dim", None):
             self.variant_dims.add(rule.dim)
+            self.scanned.add(rule.dim)
         elif name == "attention" and len(args) >= 2 and is_named(args[0]) and is_named(args[1]):
             q, k = args[:2]
             self.variant_dims |= ({kwargs.get("over", "kv_length"), kwargs.get("length")} - {None}) | (set(q.names) - set(k.names))

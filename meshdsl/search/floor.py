@@ -62,6 +62,7 @@ class Held:
                            for d, size in zip(names, shape)})
         self.shapes = recorder.shapes             # shape -> the dims of the named values of it
         self.renamed, self.variant_dims = recorder.renamed, recorder.variant_dims
+        self.scanned = recorder.scanned           # the dims an md.scan runs over
         self.work = recorder.work                 # the contractions it computes, whole
         self._related = _related(recorder.renamed, recorder.reshaped)
         self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened

@@ -175,21 +175,24 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
     run = Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
     with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
-        _cost_all(run, hw, meshes, (sizes, units), params, zero, dim_sets, programs, held, options, top, bound)
+        scanned = set().union(*(h.scanned for h in held.values()))
+        _cost_all(run, hw, meshes, (sizes, units, scanned), params, zero, dim_sets, programs, held, options, top, bound)
     ranked = _ranked(run.ranked)
     return SearchResult(ranked[:top], run.rejected, run.costed, time.perf_counter() - start, hw.name, run.retimed,
                         run.bounded)
 
 
-def _cost_all(run, hw, meshes, sizes, params, zero, dim_sets, programs, held, options, top, bound) -> None:
+def _cost_all(run, hw, meshes, dims, params, zero, dim_sets, programs, held, options, top, bound) -> None:
     """Every layout of ``meshes`` for each program, costed or rejected by ``run``: in the order of
     their compute floors (:meth:`meshdsl.search.floor.Held.compute_seconds`), and (``bound``) none
-    whose floor is over the step time of the ``top``-th ranked so far (it could not rank)."""
+    whose floor is over the step time of the ``top``-th ranked so far (it could not rank).
+    ``dims``: the dims' sizes, the units an axis splits (:func:`meshdsl.search.space.dims_of`)
+    and the dims an ``md.scan`` runs over."""
     seen: set = set()
     queue = []
-    sizes, units = sizes
+    sizes, units, scanned = dims
     for mesh in meshes:
-        for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets, units):
+        for layout, pruned in space.layouts(mesh, sizes, params, zero, dim_sets, units, scanned):
             same, alike = space.devices_grouped(mesh, layout), space.costs_alike(mesh, layout, hw)
             if same in seen or alike in seen:
                 continue   # the same blocks on the same devices, or on devices as far apart, as one costed

@@ -96,24 +96,27 @@ def factorisations(n: int, k: int) -> list[tuple]:
             if all(r >= 2 for r in rest)]
 
 
-def groups(sizes, dim_sets, params=(), largest: int = 3, units=None) -> list[tuple]:
+def groups(sizes, dim_sets, params=(), largest: int = 3, units=None, scanned=frozenset()) -> list[tuple]:
     """What one mesh axis may split: nothing, one unit (a dim, or a dim with the names renames
     give it: :func:`dims_of`; default: each dim), or a group of up to ``largest`` parameter dims
     no value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one
-    axis: tensor parallelism splits weights; ``params``: each parameter's ``(dim, size)``s)."""
+    axis: tensor parallelism splits weights; ``params``: each parameter's ``(dim, size)``s), and
+    none a dim an ``md.scan`` runs over (``scanned``: an axis splitting one is a pipeline's stage
+    axis, which splits nothing else)."""
     names = sorted(sizes)
     units = [(d,) for d in names] if units is None else sorted(units)
-    weights = sorted({d for p in params for d, _ in p} & set(names))
+    weights = sorted({d for p in params for d, _ in p} & set(names) - set(scanned))
     out = [(), *units]
     for k in range(2, largest + 1):
         out += [g for g in itertools.combinations(weights, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
     return out
 
 
-def layouts(mesh, sizes, params, zero, dim_sets=frozenset(), units=None):
+def layouts(mesh, sizes, params, zero, dim_sets=frozenset(), units=None, scanned=frozenset()):
     """``(layout, why pruned or "")`` for every assignment of mesh axes to dims (see the module doc)."""
     axes = list(mesh.shape)
-    for choice in itertools.product(groups(sizes, dim_sets, params, units=units), repeat=len(axes)):   # each a distinct layout
+    for choice in itertools.product(groups(sizes, dim_sets, params, units=units, scanned=scanned),
+                                    repeat=len(axes)):   # each a distinct layout
         rules = {}
         for axis, group in zip(axes, choice):
             for dim in group:

@@ -52,14 +52,20 @@ def test_random_moves_equal_unsharded_and_explained(move):
     m, layout = md.Mesh(mesh), md.Layout(rules)
     for f in (fn, grad):
         assert_same(md.lower(f, m, layout)(x), f(x), rtol=1e-5, atol=1e-5)
-        lowered = md.lower(f, m, layout, objective="bytes")   # the byte promise is that objective's
-        assert_same(lowered(x), f(x), rtol=1e-5, atol=1e-5)
-        compiled = hlo_comm.analyze(lowered.lower(x).compile())
-        gspmd = hlo_comm.analyze(md.lower(f, m, layout, backend="gspmd").lower(x).compile())
-        assert compiled.total_moved_bytes() <= gspmd.total_moved_bytes(), (compiled.summary(), gspmd.summary())
-        report = md.explain(f, m, layout, x, objective="bytes").summary()
-        assert {k: v["bytes"] for k, v in report.items() if v["bytes"]} == \
-            {k: v["moved_bytes"] for k, v in compiled.summary().items() if v["moved_bytes"]}
+        _keeps_the_byte_promise(f, m, layout, x)
+
+
+def _keeps_the_byte_promise(f, mesh, layout, x):
+    """Under objective="bytes" (the byte promise is that objective's): ``f(x)``'s values, no more
+    bytes than gspmd, and md.explain's bytes per kind equal to the compiled program's."""
+    lowered = md.lower(f, mesh, layout, objective="bytes")
+    assert_same(lowered(x), f(x), rtol=1e-5, atol=1e-5)
+    compiled = hlo_comm.analyze(lowered.lower(x).compile())
+    gspmd = hlo_comm.analyze(md.lower(f, mesh, layout, backend="gspmd").lower(x).compile())
+    assert compiled.total_moved_bytes() <= gspmd.total_moved_bytes(), (compiled.summary(), gspmd.summary())
+    report = md.explain(f, mesh, layout, x, objective="bytes").summary()
+    assert {k: v["bytes"] for k, v in report.items() if v["bytes"]} == \
+        {k: v["moved_bytes"] for k, v in compiled.summary().items() if v["moved_bytes"]}
 
 
 @st.composite
@@ -83,14 +89,7 @@ def test_random_moves_of_pending_sums_equal_unsharded_and_explained(move):
     grad = lambda x: jax.grad(lambda x: md.sum(md.sin(fn(x)) * weight).array)(x)
     m, layout = md.Mesh(mesh), md.Layout(rules)
     for f in (fn, grad):
-        lowered = md.lower(f, m, layout, objective="bytes")
-        assert_same(lowered(x), f(x), rtol=1e-5, atol=1e-5)
-        compiled = hlo_comm.analyze(lowered.lower(x).compile())
-        gspmd = hlo_comm.analyze(md.lower(f, m, layout, backend="gspmd").lower(x).compile())
-        assert compiled.total_moved_bytes() <= gspmd.total_moved_bytes(), (compiled.summary(), gspmd.summary())
-        report = md.explain(f, m, layout, x, objective="bytes").summary()
-        assert {k: v["bytes"] for k, v in report.items() if v["bytes"]} == \
-            {k: v["moved_bytes"] for k, v in compiled.summary().items() if v["moved_bytes"]}
+        _keeps_the_byte_promise(f, m, layout, x)
 
 
 def test_a_pending_sum_is_reduced_in_place_then_redistributed_where_that_moves_fewer_bytes():

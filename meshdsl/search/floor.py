@@ -13,8 +13,8 @@ layout: the floors under which ``md.search`` rejects a layout without costing it
   ``md.scan`` runs over or an attention's positions is not screened (its pipeline or context
   parallel variants hold otherwise: an attention over 8192 positions split over 4 devices holds
   17.5 MB with the ring, where the screen says 25.1). Measured against the costed peak on every
-  layout of the t5-v1_1-xxl search (``bench/search_speed.py``) and of tests/test_search.py, it
-  never exceeded it; on the 449 costed layouts of llama-3-8b at 32k tokens on 64 devices it did,
+  layout of the t5-v1_1-xxl search (``bench/search_speed.py``) and of
+  ``tests/test_search_costs_only_what_could_rank.py``, it never exceeded it; on the 449 costed layouts of llama-3-8b at 32k tokens on 64 devices it did,
   by up to 3.5%, so ``md.search`` rejects by the screen without the margin it keeps under the
   costed peak (10%); ``md.search(..., screen=False)`` costs every layout anyway.
 * **the compute floor** (:meth:`Held.compute_seconds`): the seconds its matmuls and attention

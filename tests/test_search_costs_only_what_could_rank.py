@@ -1,0 +1,144 @@
+"""md.search costs only what could rank: a layout whose arguments and outputs, or the screen's
+estimate of its peak, are over the memory budget is rejected before it is traced; layouts are
+costed in the order of their compute floor and the search stops where no layout left could rank;
+a context-parallel layout is costed again with the ring forced only where its plan does not fit;
+layouts the rewriter would refuse (a pipeline's stage axis splitting another dim) are not in the
+space."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+import meshdsl as md
+from test_search import FLOOR, SPACE, _arg, _attend, _mlp, _mlp_grads
+
+
+def test_a_layout_whose_arguments_and_outputs_alone_exceed_the_budget_is_rejected_without_tracing():
+    """What every layout holds whatever it computes - its arguments and outputs, placed as the
+    layout places them - is known from shapes: a layout over the budget on those alone is
+    rejected without being costed, saying so; on the others it is exactly what explain counts."""
+    args = _mlp(64, 256, 1024)
+    mesh = md.Mesh.abstract({"data": 8})
+    free = md.search(_mlp_grads, mesh, *args, top=100)
+    held = {str(c.layout): c.memory["arguments"] + c.memory["outputs"] for c in free}
+    assert FLOOR.Held(_mlp_grads, args).per_device(mesh, md.Layout.parse("d_ff:data")) == held["d_ff:data"]
+    budget = (held["d_ff:data"] + held["batch:data"]) / 2 * 1.1   # data parallel's weights do not fit
+    result = md.search(_mlp_grads, mesh, *args, memory_budget=budget, top=100, screen=False)
+    early = [c for c in result.rejected if c.why.startswith("over the memory budget before costing")]
+    assert {str(c.layout) for c in early} == {k for k, v in held.items() if v * 1.1 > budget} >= {"batch:data"}
+    assert all(not c.memory and "arguments and outputs alone take" in c.why for c in early)
+    assert result.costed == free.costed - len(early)
+
+
+def test_the_screen_errs_low_and_rejects_before_tracing_only_layouts_the_costing_rejects():
+    """The screen (the arguments and outputs, and the unsharded program's temporaries at their
+    peak as the layout could split them) never exceeds the costed peak; under a budget the
+    activations of an unsplit batch break, it rejects layouts without tracing them, saying so,
+    and the ranking is the one costing every layout gives."""
+    args = _mlp(65536, 128, 512)
+    mesh = md.Mesh.abstract({"data": 2, "model": 4})
+    held = FLOOR.Held(_mlp_grads, args)
+    every = md.search(_mlp_grads, mesh, *args, top=100, screen=False)
+    for c in every:
+        floor = held.per_device(mesh, c.layout)
+        assert floor < held.screen(mesh, c.layout, floor) <= c.memory["peak"], c.layout
+    peaks = sorted(c.memory["peak"] for c in every)
+    budget = peaks[len(peaks) // 2] * 1.1
+    exact = md.search(_mlp_grads, mesh, *args, top=100, memory_budget=budget, screen=False)
+    screened = md.search(_mlp_grads, mesh, *args, top=100, memory_budget=budget)
+    early = [c for c in screened.rejected if "(screen)" in c.why]
+    assert early and all("screen=False costs it" in c.why and not c.memory for c in early)
+    assert screened.costed == exact.costed - len(early)
+    assert [(str(c.layout), c.time) for c in screened] == [(str(c.layout), c.time) for c in exact]
+
+
+def test_layouts_making_a_pipeline_or_context_parallelism_are_costed_not_screened():
+    """Splitting the dim an md.scan runs over (a pipeline: microbatched variants hold less) or an
+    attention's positions (the ring holds less than gathering the keys) is costed with those
+    variants: the screen gives such a layout its arguments and outputs alone. A rename keeps the
+    split (the keys' positions are the queries' renamed)."""
+    stack = importlib.import_module("test_pipeline")
+    args = (_arg("batch:64 d_model:256"), _arg("layers:8 d_model:256 d_ff:1024", True),
+            _arg("layers:8 d_ff:1024 d_model:256", True))
+    mesh = md.Mesh.abstract({"pipe": 4, "data": 2})
+    held = FLOOR.Held(stack.loss_and_grads, args)
+    for rules, screened in (("layers:pipe;batch:data", False), ("batch:data", True)):
+        layout = md.Layout.parse(rules)
+        floor = held.per_device(mesh, layout)
+        assert (held.screen(mesh, layout, floor) > floor) == screened, rules
+
+    def attend(x):
+        kv = md.rename(x, {"length": "kv_length"})
+        return md.attention(x, kv, kv, causal=True)
+    x = _arg("batch:4 length:256 heads:2 d_kv:16")
+    held = FLOOR.Held(attend, (x,))
+    assert {"length", "kv_length"} <= held.variant_dims and held.renamed == {"length": {"kv_length"}}
+    ctx = md.Mesh.abstract({"ctx": 4})
+    assert held.screen(ctx, md.Layout.parse("length:ctx"), 0) == 0 < held.screen(ctx, md.Layout.parse("batch:ctx"), 0)
+
+
+def _block_grads(x, wq, wo, w1, w2):
+    """One pre-norm-less transformer block's gradients: attention over the positions renamed
+    (``length`` -> ``kv_length``), then a ReLU MLP."""
+    def loss(wq, wo, w1, w2):
+        q = md.einsum(x, wq, out="batch length heads d_head")
+        kv = md.rename(q, {"length": "kv_length"})
+        a = md.einsum(md.attention(q, kv, kv, over="kv_length", causal=True), wo, out="batch length d_model")
+        h = md.relu(md.einsum(x + a, w1, out="batch length d_ff"))
+        return md.sum(md.square(md.einsum(h, w2, out="batch length d_model"))).array
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(wq, wo, w1, w2)
+
+
+def test_no_layout_is_predicted_faster_than_its_compute_floor_and_the_bound_keeps_the_ranking():
+    """The compute floor (the unsharded program's matmuls and attention kernels, split as the
+    layout splits their dims, renames included) is under every costed layout's predicted step,
+    each kernel priced at its dtype's peak and all at bfloat16's (a transformer block's gradients,
+    batch 8 x 4096 positions, on 8 H100s: compute-bound, so the floor is near the step for the
+    layouts that split the work); searching in the floor's order and stopping where it passes the
+    top's last time ranks the same layouts as costing every one, and costs fewer."""
+    args = (_arg("batch:8 length:4096 d_model:1024"), _arg("d_model:1024 heads:16 d_head:64", True),
+            _arg("heads:16 d_head:64 d_model:1024", True), _arg("d_model:1024 d_ff:4096", True),
+            _arg("d_ff:4096 d_model:1024", True))
+    held = FLOOR.Held(_block_grads, args)
+    hw = md.Hardware.profile("h100-80gb")
+    every = md.search(_block_grads, 8, *args, hardware=hw, top=1000, bound=False)
+    assert len(every) > 10 and every.bounded == 0
+    for c in every:
+        for dtype in (None, "bfloat16"):
+            floor = held.compute_seconds(c.mesh, c.layout, hw, dtype)
+            assert floor <= c.report.time(hw, dtype=dtype).total_s, (c.describe(), dtype)
+    assert held.compute_seconds(every.best.mesh, every.best.layout, hw) > 0.5 * every.best.time
+    top = md.search(_block_grads, 8, *args, hardware=hw, top=3)
+    assert [(c.describe(), c.time) for c in top] == [(c.describe(), c.time) for c in every][:3]
+    assert top.bounded > 0 and top.costed < every.costed
+    assert any(c.why.startswith("not costed: its matmuls and attention alone take") for c in top.rejected)
+
+
+def test_a_context_parallel_layout_is_costed_with_the_ring_forced_only_where_its_plan_does_not_fit():
+    """Attention over 8192 positions split over ctx:4: the planner's choice (by time: the keys
+    gathered, 23.8 MB a device) is the layout's cost where it fits; under a 20 MB budget it does
+    not, and the layout is costed again with the ring forced (17.5 MB: one chunk of keys)."""
+    x = md.named(jax.ShapeDtypeStruct((2, 8192, 2, 64), jnp.float32), "batch targets heads d_kv")
+
+    mesh = md.Mesh.abstract({"data": 2, "ctx": 4})
+    roomy = md.search(_attend, mesh, x, top=1000)
+    assert not any("attention" in c.lower_kwargs for c in roomy.candidates + roomy.rejected)
+    tight = md.search(_attend, mesh, x, top=1000, memory_budget=20e6)
+    ring = [c for c in tight if c.lower_kwargs.get("attention") == "ring"]
+    assert any(c.layout.rules.get("length") == ("ctx",) and c.layout.rules.get("batch") == ("data",) for c in ring)
+    assert all(c.memory["peak"] * 1.1 <= 20e6 for c in tight)
+
+
+def test_an_axis_splitting_the_dim_a_scan_runs_over_splits_nothing_else():
+    """A pipeline's stage axis splits the scanned dim alone (the rewriter refuses a layout that
+    also maps ``vocab`` to it): such groups are not in the space, so no layout is traced only to
+    be refused (71 + 32 such layouts of llama-3-8b on 64 devices were)."""
+    params = [(("layers", 4), ("d_model", 8), ("d_ff", 16)), (("vocab", 32), ("d_model", 8))]
+    sizes = {"layers": 4, "d_model": 8, "d_ff": 16, "vocab": 32, "batch": 8}
+    dim_sets = [frozenset({"layers", "d_model", "d_ff"}), frozenset({"vocab", "d_model"})]
+    every = SPACE.groups(sizes, dim_sets, params)
+    assert ("layers", "vocab") in every and ("d_ff", "vocab") in every
+    kept = SPACE.groups(sizes, dim_sets, params, scanned={"layers"})
+    assert ("layers",) in kept and ("d_ff", "vocab") in kept
+    assert not any("layers" in g and len(g) > 1 for g in kept)

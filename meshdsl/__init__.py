@@ -10,7 +10,7 @@ from . import random
 from .costmodel import hlo_comm   # the measuring side, public: ``from meshdsl import hlo_comm``
 from .names.dims import Dim, Shape, shape
 from .views.display import register_treescope, report_html, reports_table
-from .names.errors import LayoutError, MeshDSLError, MeshError, ShapeError
+from .names.errors import LayoutError, MemoryBudgetError, MeshDSLError, MeshError, ShapeError
 from .views.explain import Report, explain
 from .costmodel.hardware import Hardware
 from .names.layout import Layout
@@ -38,7 +38,7 @@ __all__ = [
     "Mesh", "Layout", "lower", "LoweredFunction", "place", "explain", "Report", "Hardware",
     "search", "SearchResult", "Candidate",
     # errors
-    "MeshDSLError", "LayoutError", "ShapeError", "MeshError",
+    "MeshDSLError", "LayoutError", "MemoryBudgetError", "ShapeError", "MeshError",
     # ops
     "einsum", "add", "subtract", "multiply", "divide", "power", "negative", "maximum", "minimum",
     "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "square", "abs", "sign", "tanh", "sigmoid", "relu",

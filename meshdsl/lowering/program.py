@@ -27,7 +27,7 @@ from ..platform import gcpause, jaxcompat
 from ..costmodel import jaxpr_stats, liveness, roofline
 from ..rewrite import param_gather
 from ..rewrite.contexts import GspmdContext
-from ..names.errors import LayoutError, suggest
+from ..names.errors import LayoutError, MemoryBudgetError, suggest
 from ..rewrite.explicit import ExplicitContext
 from ..platform.jaxcompat import varying_axes
 from ..names.layout import Layout, effective, mesh_spec, to_spec
@@ -98,7 +98,7 @@ class Program:
         bytes moves, that plan's: :meth:`_plans`). The trace best by the objective is kept (its
         predicted step time, or the bytes it moves) of those whose peak memory (:func:`meshdsl.costmodel.liveness.memory`)
         fits ``memory_budget``; where none fits, the solve runs again with the budget less the
-        excess (the graph's memory is an estimate), and at last a LayoutError."""
+        excess (the graph's memory is an estimate), and at last a :class:`MemoryBudgetError`."""
         planning = self.owner.backend == "explicit" and not self._planned and self.owner.planner
         self._recording = planning
         closed = _traced(self.run, avals)
@@ -115,7 +115,14 @@ class Program:
         least = (peak, "the rules' own choices")
         limit = budget
         for _ in range(1 if budget is None else 3):
-            plans = self._plans(ctx, recording, hw, limit)
+            try:
+                plans = self._plans(ctx, recording, hw, limit)
+            except NoPlanFits as e:   # the graph's estimate errs high: the rules' trace may fit
+                if best is None:
+                    raise _no_plan_fits(budget, f"the least the planner finds is {fmt_bytes(e.least)} (values "
+                                        f"held from their producer to their last reader, the backward pass's "
+                                        f"to the end)") from None
+                break
             self.solved = plans[0]   # the latest solve: the budget it kept
             over = []
             for plan in plans:
@@ -145,21 +152,16 @@ class Program:
     def _plans(self, ctx, recording, hw, limit) -> list:
         """The plan of the objective (and, under time, the plan of fewest bytes where it moves an op
         of a loop body), holding at most ``limit`` bytes per device as the graph sees it."""
-        try:
-            plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
-            if self.owner.objective == "time" and any(op.inner for op in recording.ops):
-                # a loop body's ops decide the placements its carries settle in, which the graph
-                # holds fixed: a plan of fewer bytes moving a body op is traced too, and weighed
-                fewest = choose(ctx, recording, objective="bytes", hardware=hw, memory_budget=limit)
-                body = set().union(*(op.inner for op in recording.ops))
-                moved = {k for k in set(fewest.choice) | set(plans[0].choice)
-                         if fewest.choice.get(k) != plans[0].choice.get(k)}
-                if moved & body:
-                    plans.append(fewest)
-        except NoPlanFits as e:
-            raise _no_plan_fits(self.owner.memory_budget, f"the least the planner finds is {fmt_bytes(e.least)} "
-                                f"(values held from their producer to their last reader, the backward "
-                                f"pass's to the end)") from None
+        plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
+        if self.owner.objective == "time" and any(op.inner for op in recording.ops):
+            # a loop body's ops decide the placements its carries settle in, which the graph
+            # holds fixed: a plan of fewer bytes moving a body op is traced too, and weighed
+            fewest = choose(ctx, recording, objective="bytes", hardware=hw, memory_budget=limit)
+            body = set().union(*(op.inner for op in recording.ops))
+            moved = {k for k in set(fewest.choice) | set(plans[0].choice)
+                     if fewest.choice.get(k) != plans[0].choice.get(k)}
+            if moved & body:
+                plans.append(fewest)
         return plans
 
     # -- the traced program ----------------------------------------------------------------------
@@ -281,10 +283,10 @@ def _check_unused_rules(layout: Layout, seen: set, strict: bool = False) -> None
                               f"(md.lower(..., unused_rules='error'))")
 
 
-def _no_plan_fits(budget, least: str) -> LayoutError:
+def _no_plan_fits(budget, least: str) -> MemoryBudgetError:
     """The error where no plan holds at most ``budget`` bytes per device (``least``: what the
     least found was, and where)."""
-    return LayoutError(f"no plan of this program holds at most memory_budget={fmt_bytes(budget)} per device: "
+    return MemoryBudgetError(f"no plan of this program holds at most memory_budget={fmt_bytes(budget)} per device: "
                        f"{least}; raise memory_budget, split more of the program's dims over the mesh (or store "
                        f"parameters split: params= rules), or rematerialise activations (jax.checkpoint around "
                        f"a layer)")

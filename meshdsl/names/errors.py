@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Iterable
 
-__all__ = ["MeshDSLError", "LayoutError", "ShapeError", "MeshError", "user_line", "suggest"]
+__all__ = ["MeshDSLError", "LayoutError", "MemoryBudgetError", "ShapeError", "MeshError", "user_line", "suggest"]
 
 
 class MeshDSLError(ValueError):
@@ -30,6 +30,11 @@ class LayoutError(MeshDSLError):
     divisible by the product of its axes' sizes, a rule names an axis the mesh lacks, one dim maps
     to one axis twice, or a rule is malformed.
     """
+
+
+class MemoryBudgetError(LayoutError):
+    """No plan of the program under the layout holds at most ``memory_budget`` bytes per device
+    (the message says the least found, and what to change)."""
 
 
 class ShapeError(MeshDSLError):

@@ -1,11 +1,11 @@
 """md.search costs only what could rank: a layout whose arguments and outputs, or the screen's
 estimate of its peak, are over the memory budget is rejected before it is traced; layouts are
 costed in the order of their compute floor and the search stops where no layout left could rank;
-a context-parallel layout is costed again with the ring forced only where its plan does not fit;
+a context-parallel layout is screened as its ring would hold, a pipeline as its stages would
+with the most microbatches, and a context-parallel layout is costed again with the ring forced
+only where its plan does not fit;
 layouts the rewriter would refuse (a pipeline's stage axis splitting another dim) are not in the
 space."""
-
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -53,29 +53,59 @@ def test_the_screen_errs_low_and_rejects_before_tracing_only_layouts_the_costing
     assert [(str(c.layout), c.time) for c in screened] == [(str(c.layout), c.time) for c in exact]
 
 
-def test_layouts_making_a_pipeline_or_context_parallelism_are_costed_not_screened():
-    """Splitting the dim an md.scan runs over (a pipeline: microbatched variants hold less) or an
-    attention's positions (the ring holds less than gathering the keys) is costed with those
-    variants: the screen gives such a layout its arguments and outputs alone. A rename keeps the
-    split (the keys' positions are the queries' renamed)."""
-    stack = importlib.import_module("test_pipeline")
+def _stack_grads(x, w1, w2):
+    """The gradients of a stack of ReLU MLPs run by md.scan over ``layers``, its loss (the sum of
+    squares) computed by the scan's head, so that 1F1B can run it."""
+    def step(h, w):
+        return h + md.einsum(md.relu(md.einsum(h, w["w1"], out="batch d_ff")), w["w2"], out="batch d_model"), None
+
+    def loss(w1, w2):
+        return md.scan(step, x, {"w1": w1, "w2": w2}, dim="layers", head=lambda h: md.sum(md.square(h)))[0].array
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+def test_a_pipeline_layout_is_screened_under_what_each_of_its_microbatched_schedules_holds():
+    """Splitting the dim an md.scan runs over makes a pipeline: each stage holds its layers'
+    share of the loop's stacked values and runs one microbatch at a time. The screen splits the
+    stacked values by the stages and the batch by the microbatches (the layout's own, or the most
+    the search tries), and stays under the costed peak of every microbatch count and schedule."""
     args = (_arg("batch:64 d_model:256"), _arg("layers:8 d_model:256 d_ff:1024", True),
             _arg("layers:8 d_ff:1024 d_model:256", True))
     mesh = md.Mesh.abstract({"pipe": 4, "data": 2})
-    held = FLOOR.Held(stack.loss_and_grads, args)
-    for rules, screened in (("layers:pipe;batch:data", False), ("batch:data", True)):
+    held = FLOOR.Held(_stack_grads, args)
+    assert held.scanned == {"layers"}
+    for rules in ("layers:pipe;batch:data", "layers:pipe", "layers:pipe;d_ff:data"):
+        whole = md.Layout.parse(rules)
+        floor = held.per_device(mesh, whole)
+        most = held.screen(mesh, whole, floor, {"batch": 8})
+        assert floor < most < held.screen(mesh, whole, floor), rules
+        for m in (1, 2, 8):
+            layout = md.Layout(whole.rules, params=whole.param_rules, microbatches={"batch": m})
+            assert held.screen(mesh, layout, floor, {"batch": 8}) == held.screen(mesh, whole, floor, {"batch": m})
+            for schedule in ("gpipe", "1f1b"):
+                peak = md.explain(_stack_grads, mesh, layout, *args, schedule=schedule).memory["peak"]
+                assert most <= held.screen(mesh, layout, floor) <= peak, (rules, m, schedule)
+
+
+def test_a_context_parallel_layout_is_screened_under_what_its_least_holding_attention_holds():
+    """Attention over 8192 positions, computed blockwise unsharded (positions held as 16 blocks
+    of 512): a layout splitting the positions (renamed: ``targets`` -> ``length`` ->
+    ``kv_length``, one split) is screened, and the screen stays under the peak of every attention
+    strategy it could be costed with - the ring's, one chunk of queries and keys, the least - so
+    the search never rejects before tracing a context-parallel layout the ring would fit."""
+    x = md.named(jax.ShapeDtypeStruct((2, 8192, 2, 64), jnp.float32), "batch targets heads d_kv")
+    held = FLOOR.Held(_attend, (x,))
+    assert held.renamed == {"targets": {"length"}, "length": {"kv_length"}}
+    mesh = md.Mesh.abstract({"data": 2, "ctx": 4})
+    for rules in ("targets:ctx;batch:data", "targets:ctx", "targets:ctx;heads:data", "targets:data", "targets:data;d_kv:ctx"):
         layout = md.Layout.parse(rules)
         floor = held.per_device(mesh, layout)
-        assert (held.screen(mesh, layout, floor) > floor) == screened, rules
-
-    def attend(x):
-        kv = md.rename(x, {"length": "kv_length"})
-        return md.attention(x, kv, kv, causal=True)
-    x = _arg("batch:4 length:256 heads:2 d_kv:16")
-    held = FLOOR.Held(attend, (x,))
-    assert {"length", "kv_length"} <= held.variant_dims and held.renamed == {"length": {"kv_length"}}
-    ctx = md.Mesh.abstract({"ctx": 4})
-    assert held.screen(ctx, md.Layout.parse("length:ctx"), 0) == 0 < held.screen(ctx, md.Layout.parse("batch:ctx"), 0)
+        peaks = {s: md.explain(_attend, mesh, layout, x, attention=s).memory["peak"] for s in ("ring", "gather", None)}
+        assert floor < held.screen(mesh, layout, floor) <= min(peaks.values()), (rules, peaks)
+    layout = md.Layout.parse("targets:ctx;batch:data")
+    screen = held.screen(mesh, layout, held.per_device(mesh, layout))
+    tight = md.search(_attend, mesh, x, top=1000, memory_budget=screen * 0.99)
+    assert any(c.layout.rules.get("length") == ("ctx",) and "(screen)" in c.why for c in tight.rejected)
 
 
 def _block_grads(x, wq, wo, w1, w2):

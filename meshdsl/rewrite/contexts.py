@@ -168,9 +168,8 @@ class DimsRecorder(GlobalContext):
     """The unsharded reference that also notes the dims of every value a named op returns
     (``dim_sets``): which dims share a tensor, so a layout must not split them over one axis;
     ``shapes``: shape -> the dims (names, in order) of the values of that shape; ``renamed``:
-    dim -> the names a rename gave it; ``variant_dims``: dims whose split makes the program run
-    otherwise than its values' placements say (those an ``md.scan`` may run over - a pipeline -,
-    an attention's positions - context parallelism); ``reshaped``: dim -> the dims a reshape
+    dim -> the names a rename gave it; ``scanned``: the dims an ``md.scan`` runs over (a layout
+    splitting one makes a pipeline); ``reshaped``: dim -> the dims a reshape
     made of it or it of; ``work``: the contractions it computes (:class:`Work`), what a layout
     splits of which bounds its compute per device from below (:mod:`meshdsl.search.floor`)."""
 
@@ -180,7 +179,6 @@ class DimsRecorder(GlobalContext):
         self.shapes: dict = {}
         self.renamed: dict = {}
         self.reshaped: dict = {}     # dim -> the dims a reshape made of it, or it of (both ways)
-        self.variant_dims: set = set()
         self.scanned: set = set()     # the dims an md.scan runs over (a layout splitting one: a pipeline)
         self.work: list = []         # Work: the contractions the program computes, whole
         self._loops: list = []       # (dim, size, differentiated) of the md.scan bodies traced now
@@ -261,11 +259,7 @@ class DimsRecorder(GlobalContext):
             for old, new in mapping.items():
                 self.renamed.setdefault(old, set()).add(new)
         elif name == "scan" and getattr(rule, "dim", None):
-            self.variant_dims.add(rule.dim)
             self.scanned.add(rule.dim)
-        elif name == "attention" and len(args) >= 2 and is_named(args[0]) and is_named(args[1]):
-            q, k = args[:2]
-            self.variant_dims |= ({kwargs.get("over", "kv_length"), kwargs.get("length")} - {None}) | (set(q.names) - set(k.names))
 
 
 class LayoutContext(GlobalContext):

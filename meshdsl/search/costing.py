@@ -114,7 +114,8 @@ class Costing:
         if floor * (1 + self.margin) > self.budget:
             return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
                                      f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
-        least = held.screen(cand.mesh, cand.layout, floor) if self.screen else floor
+        most = {d: max(ms) for d, ms in self.counts.items() if ms}   # a pipeline's most microbatches
+        least = held.screen(cand.mesh, cand.layout, floor, most) if self.screen else floor
         if least > self.budget:   # (no margin: the screen errs low, or high by less than the margin)
             return self.reject(cand, f"over the memory budget before costing (screen): its arguments and outputs "
                                      f"({fmt_bytes(floor)}) and the unsharded program's temporaries as it could split "

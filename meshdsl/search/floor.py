@@ -8,13 +8,18 @@ layout: the floors under which ``md.search`` rejects a layout without costing it
   body's peak as the body's own buffers), each divided by at most what the layout could split it
   by. A buffer's dims are not known, only its shape: an axis of size ``s`` may be split by every
   placed dim whose size divides ``s`` (the dim itself, or a merge holding it), the buffer by no
-  more than the placed dims fitting one of its axes together. Where two dims have one size this
-  divides by both: the estimate errs low. A rename keeps the split. A layout splitting a dim an
-  ``md.scan`` runs over or an attention's positions is not screened (its pipeline or context
-  parallel variants hold otherwise: an attention over 8192 positions split over 4 devices holds
-  17.5 MB with the ring, where the screen says 25.1). Measured against the costed peak on every
+  more than the placed dims fitting one of its axes together; a dim held in blocks over several
+  axes (blockwise attention's ``[blocks, batch, block, heads, d]``: axes whose product is the
+  dim's size) splits it too. Where two dims have one size this divides by both: the estimate
+  errs low. A rename keeps the split. A context-parallel layout (an attention's positions split)
+  is screened as its least-holding strategy, the ring (each device one chunk of queries and of
+  keys): an attention over 8192 positions split over 4 devices holds 17.5 MB with the ring, the
+  screen says 8.4. A layout splitting a dim an ``md.scan`` runs over (a pipeline) is screened
+  as its stages hold it: the loop's stacked values split by the stages, the microbatch dim by
+  the most microbatches its variants take (each stage runs one at a time). Measured against the costed peak on every
   layout of the t5-v1_1-xxl search (``bench/search_speed.py``) and of
-  ``tests/test_search_costs_only_what_could_rank.py``, it never exceeded it; on the 449 costed layouts of llama-3-8b at 32k tokens on 64 devices it did,
+  ``tests/test_search_costs_only_what_could_rank.py``, it never exceeded it; on the 449 costed
+  layouts of llama-3-8b at 32k tokens on 64 devices (context-parallel ones among them) it did,
   by up to 3.5%, so ``md.search`` rejects by the screen without the margin it keeps under the
   costed peak (10%); ``md.search(..., screen=False)`` costs every layout anyway.
 * **the compute floor** (:meth:`Held.compute_seconds`): the seconds its matmuls and attention
@@ -28,6 +33,8 @@ layout: the floors under which ``md.search`` rejects a layout without costing it
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import jax
@@ -64,7 +71,7 @@ class Held:
         self.sizes.update({d: size for shape, dims in recorder.shapes.items() for names in dims
                            for d, size in zip(names, shape)})
         self.shapes = recorder.shapes             # shape -> the dims of the named values of it
-        self.renamed, self.variant_dims = recorder.renamed, recorder.variant_dims
+        self.renamed = recorder.renamed
         self.scanned = recorder.scanned           # the dims an md.scan runs over
         self.work = recorder.work                 # the contractions it computes, whole
         self._related = _related(recorder.renamed, recorder.reshaped)
@@ -85,20 +92,24 @@ class Held:
                 total += nbytes(leaf)
         return total
 
-    def screen(self, mesh, layout, floor: int) -> int:
+    def screen(self, mesh, layout, floor: int, microbatches=None) -> int:
         """The screen's estimate of the layout's peak per device (``floor``: its arguments and
-        outputs); ``floor`` itself where the unsharded program cannot be traced."""
+        outputs); ``floor`` itself where the unsharded program cannot be traced. Where the layout
+        splits a dim an ``md.scan`` runs over (a pipeline), each stage runs one microbatch at a
+        time: ``microbatches`` (dim -> the most microbatches its variants take; the layout's own
+        where it names them) splits that dim further."""
         splits = {d: math.prod(mesh.shape[a] for a in axes) for d, axes in layout.rules.items() if axes}
         splits = {d: k for d, k in splits.items() if k > 1}
+        if set(splits) & self.scanned:   # a pipeline: one microbatch at a time through each stage
+            for d, m in (layout.microbatches or microbatches or {}).items():
+                splits[d] = splits.get(d, 1) * m
         grown = True
         while grown:   # a rename keeps the split (through chains of renames)
             before = len(splits)
             splits.update({d: splits[old] for old, new in self.renamed.items() if old in splits
                            for d in new if d not in splits and d not in layout.rules})
             grown = len(splits) > before
-        if set(splits) & self.variant_dims:
-            return floor   # a pipeline or context parallelism: costed with its variants, not screened
-        splits = {d: k for d, k in splits.items() if d in self.sizes}
+        splits = {d: k for d, k in splits.items() if d in self.sizes and k > 1}
         temps = self.temporaries(mesh)
         return floor + sum(b.size // _most_split(b.shape, splits, self.sizes, self.shapes) for b in temps)
 
@@ -189,4 +200,14 @@ def _most_split(shape, splits, sizes, named) -> int:
                    (max((splits[d] for d in lead), default=1) if dims and dims[0] is None else 1) for dims in known)
     per_axis = [min(s, math.prod(k for d, k in splits.items() if s % sizes[d] == 0)) for s in shape]
     fitting = math.prod(k for d, k in splits.items() if any(s % sizes[d] == 0 for s in shape))
-    return max(1, min(math.prod(per_axis), fitting))
+    blocked = math.prod(k for d, k in splits.items()
+                        if not any(s % sizes[d] == 0 for s in shape) and _in_blocks(tuple(shape), sizes[d]))
+    return max(1, min(math.prod(per_axis) * blocked, fitting * blocked, math.prod(shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_blocks(shape: tuple, size: int) -> bool:
+    """Could a dim of ``size`` be held as blocks over two or more axes of ``shape`` (blockwise
+    attention's ``[blocks, ..., block, ...]``: positions reshaped, the block count leading)?"""
+    axes = [s for s in shape if 1 < s < size]
+    return any(math.prod(c) == size for n in range(2, len(axes) + 1) for c in itertools.combinations(axes, n))

@@ -164,6 +164,24 @@ def test_a_budget_the_rules_own_trace_fits_is_met_where_the_planners_estimate_is
         md.explain(grads, mesh, layout, x, w1, w2, memory_budget=free.memory["peak"] * 0.5)
 
 
+def test_under_a_budget_the_gathered_keys_break_the_solve_takes_the_ring():
+    """Attention over 8192 positions split over ctx:4: by time the planner gathers the keys
+    (21.9 MiB a device). Each strategy declares what it holds beyond its operands and result -
+    the gathered keys' other chunks, the ring's chunk in flight - so under a 20 MiB budget the
+    solve itself takes the ring (no strategy forced), and the traced program fits."""
+    def attend(x):
+        q = md.rename(x, {"targets": "length"})
+        kv = md.rename(q, {"length": "kv_length"})
+        return md.attention(q, kv, kv, causal=True)
+    x = md.named(jax.ShapeDtypeStruct((2, 8192, 2, 64), jnp.float32), "batch targets heads d_kv")
+    mesh, layout = md.Mesh.abstract({"data": 2, "ctx": 4}), md.Layout.parse("targets:ctx;batch:data")
+    budget = 20 * 2 ** 20
+    free = md.explain(attend, mesh, layout, x)
+    assert [a["strategy"] for a in free.attention] == ["gather"] and free.memory["peak"] > budget
+    fits = md.explain(attend, mesh, layout, x, memory_budget=budget)
+    assert [a["strategy"] for a in fits.attention] == ["ring"] and fits.memory["peak"] <= budget
+
+
 def test_a_memory_budget_that_is_no_size_is_refused():
     with raises(md.MeshDSLError, r"md.lower: memory_budget: cannot read '12 GB/s' as a size in bytes"):
         md.lower(lambda x: x, md.Mesh({"data": 8}), md.Layout({}), memory_budget="12 GB/s")

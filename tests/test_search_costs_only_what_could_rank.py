@@ -2,8 +2,8 @@
 estimate of its peak, are over the memory budget is rejected before it is traced; layouts are
 costed in the order of their compute floor and the search stops where no layout left could rank;
 a context-parallel layout is screened as its ring would hold, a pipeline as its stages would
-with the most microbatches, and a context-parallel layout is costed again with the ring forced
-only where its plan does not fit;
+with the most microbatches; each layout is planned under the budget, so a context-parallel one
+takes the ring where the gathered keys would not fit;
 layouts the rewriter would refuse (a pipeline's stage axis splitting another dim) are not in the
 space."""
 
@@ -145,18 +145,21 @@ def test_no_layout_is_predicted_faster_than_its_compute_floor_and_the_bound_keep
     assert any(c.why.startswith("not costed: its matmuls and attention alone take") for c in top.rejected)
 
 
-def test_a_context_parallel_layout_is_costed_with_the_ring_forced_only_where_its_plan_does_not_fit():
-    """Attention over 8192 positions split over ctx:4: the planner's choice (by time: the keys
-    gathered, 23.8 MB a device) is the layout's cost where it fits; under a 20 MB budget it does
-    not, and the layout is costed again with the ring forced (17.5 MB: one chunk of keys)."""
+def test_under_a_budget_the_gathered_keys_break_a_context_parallel_layout_is_planned_with_the_ring():
+    """Attention over 8192 positions split over ctx:4: by time the planner gathers the keys
+    (23.8 MB a device) where that fits; under a 20 MB budget each layout is planned to fit, and
+    the solve itself takes the ring (one chunk of keys) - no strategy forced by the search."""
     x = md.named(jax.ShapeDtypeStruct((2, 8192, 2, 64), jnp.float32), "batch targets heads d_kv")
 
+    def cp(c):
+        return c.layout.rules.get("length") == ("ctx",) and c.layout.rules.get("batch") == ("data",)
     mesh = md.Mesh.abstract({"data": 2, "ctx": 4})
     roomy = md.search(_attend, mesh, x, top=1000)
     assert not any("attention" in c.lower_kwargs for c in roomy.candidates + roomy.rejected)
+    assert [a["strategy"] for c in roomy if cp(c) for a in c.report.attention] == ["gather"]
     tight = md.search(_attend, mesh, x, top=1000, memory_budget=20e6)
-    ring = [c for c in tight if c.lower_kwargs.get("attention") == "ring"]
-    assert any(c.layout.rules.get("length") == ("ctx",) and c.layout.rules.get("batch") == ("data",) for c in ring)
+    assert [a["strategy"] for c in tight if cp(c) for a in c.report.attention] == ["ring"]
+    assert not any("attention" in c.lower_kwargs for c in tight.candidates + tight.rejected)
     assert all(c.memory["peak"] * 1.1 <= 20e6 for c in tight)
 
 

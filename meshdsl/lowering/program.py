@@ -97,8 +97,11 @@ class Program:
         own choices - an emitting trace following it (and, with a loop whose body a plan of fewer
         bytes moves, that plan's: :meth:`_plans`). The trace best by the objective is kept (its
         predicted step time, or the bytes it moves) of those whose peak memory (:func:`meshdsl.costmodel.liveness.memory`)
-        fits ``memory_budget``; where none fits, the solve runs again with the budget less the
-        excess (the graph's memory is an estimate), and at last a :class:`MemoryBudgetError`."""
+        fits ``memory_budget``. The solve is unconstrained first (where its plan's trace fits, no
+        constraint could improve it: the graph's memory is an estimate that errs high as well as
+        low); where no trace fits, it runs again holding at most the budget less what the graph's
+        estimate missed of the traced peak, then the graph's least, and at last a
+        :class:`MemoryBudgetError`."""
         planning = self.owner.backend == "explicit" and not self._planned and self.owner.planner
         self._recording = planning
         closed = _traced(self.run, avals)
@@ -113,12 +116,15 @@ class Program:
         # the rules' own trace, measured only if a plan's trace is to be weighed against it
         best = (None, closed, ctx, None) if budget is None or peak <= budget else None
         least = (peak, "the rules' own choices")
-        limit = budget
-        for _ in range(1 if budget is None else 3):
+        limit = None   # the unconstrained optimum first: where its trace fits, it is the plan
+        for _ in range(1 if budget is None else 4):
             try:
                 plans = self._plans(ctx, recording, hw, limit)
-            except NoPlanFits as e:   # the graph's estimate errs high: the rules' trace may fit
-                if best is None:
+            except NoPlanFits as e:
+                if best is None and limit is not None and limit < e.least < budget:
+                    limit = e.least * (1 + 1e-9)   # less than the graph's least asked: its least, traced
+                    continue
+                if best is None:   # (the graph's estimate errs high: the rules' trace may fit)
                     raise _no_plan_fits(budget, f"the least the planner finds is {fmt_bytes(e.least)} (values "
                                         f"held from their producer to their last reader, the backward pass's "
                                         f"to the end)") from None
@@ -126,6 +132,9 @@ class Program:
             self.solved = plans[0]   # the latest solve: the budget it kept
             over = []
             for plan in plans:
+                if not plan.choice and best is None:   # the rules' own choices again, which do not fit
+                    over.append((peak - budget, peak - plan.graph.memory(plan.solution.choice)))
+                    continue
                 if not plan.choice or (plan.gain <= 0.5 and budget is None):
                     continue   # the rules' own choices are the plan
                 self.plan = plan
@@ -133,7 +142,7 @@ class Program:
                 used = _peak(planned) if budget is not None else 0.0
                 least = min(least, (used, "the plan"))
                 if budget is not None and used > budget:
-                    over.append(used - budget)
+                    over.append((used - budget, used - plan.graph.memory(plan.solution.choice)))
                     continue
                 cost = measure(planned, self.last_ctx)
                 if best is not None and best[0] is None:
@@ -142,7 +151,10 @@ class Program:
                     best = (cost, planned, self.last_ctx, plan)
             if not over:
                 break
-            limit -= min(over)   # a plan the graph thought fits does not: ask the solve for less
+            # a plan the graph thought fits does not: ask the solve for less - by its excess, or
+            # by what the graph's estimate missed of its traced peak, whichever asks more
+            asked = budget if limit is None else limit
+            limit = min(asked - min(e for e, _ in over), budget - min(m for _, m in over))
         if best is None:
             raise _no_plan_fits(budget, f"the least peak found is {fmt_bytes(least[0])} ({least[1]})")
         _, closed, self.last_ctx, self.plan = best

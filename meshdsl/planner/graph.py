@@ -50,6 +50,9 @@ class Strategy:
     own_time: float | None = None   # its own collectives' seconds on their links, as bytes of the
     #                                 reference link (None: its bytes, the bytes objective)
     memory: tuple = ()     # per result slot: the bytes per device the result holds
+    kept: float = 0.0      # bytes per device it holds beyond operands and results, to the end
+    #                        (residuals the backward pass reads) or, undifferentiated, while it runs
+    working: float = 0.0   # bytes per device it holds beyond operands and results while it runs
 
     @property
     def time(self) -> float:
@@ -171,7 +174,8 @@ class Graph:
     def memory(self, choice) -> float:
         """Per-device bytes the plan ``choice`` holds at its peak, as the graph sees it: every
         value from its producer to its last reader (to the end where the backward pass reads it),
-        in the placement its producer's strategy gives it."""
+        in the placement its producer's strategy gives it; and what each op's strategy holds
+        beyond (its residuals to the end, its working buffers while it runs)."""
         level = [0.0] * (len(self.nodes) + 1)
         for v, (p, slot) in self.producer.items():
             mem = self.nodes[p].strategies[choice[p]].memory
@@ -179,6 +183,12 @@ class Graph:
                 first, last = self.live_range(v)
                 level[first] += mem[slot]
                 level[last + 1] -= mem[slot]
+        for p, node in enumerate(self.nodes):
+            s = node.strategies[choice[p]]
+            if s.kept or s.working:
+                level[p] += s.kept + s.working
+                level[p + 1] -= s.working
+                level[len(self.nodes)] -= s.kept
         peak = held = 0.0
         for x in level[:-1]:
             held += x

@@ -142,7 +142,8 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
                 f.entry, f.gives, own.forward + own.backward + reads, detail=f, label=_label(ctx, recording, op, f),
                 work=_compute_cost(op, f, k in grads, dtype, hw, rate) if rate else 0.0,
                 own_time=prices.own(own) + reads if rate else None,
-                memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives))))
+                memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives)),
+                **_beyond(f, k in grads)))
         if k in grads:   # what a differentiated op reads, the backward pass reads again
             graph.saved.update(v for v in op.operands if recording.values[v][3])
         node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
@@ -155,6 +156,15 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
             _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
             graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
     return graph, nodes
+
+
+def _beyond(found, grad: bool) -> dict:
+    """What a strategy holds beyond its operands and results (its rule's declared ``held``):
+    residuals kept to the end where the op is differentiated, else only while it runs."""
+    if not found.held:
+        return {}
+    kept, working = found.held
+    return {"kept": kept, "working": working} if grad else {"working": working + kept}
 
 
 def _differentiated(recording) -> set:

@@ -211,6 +211,8 @@ class Found:
     runs: tuple = ()          # (mesh axes, forward runs, backward runs) of each collective it emits
     work: tuple = ()          # (forward FLOPs, HBM bytes, backward FLOPs, HBM bytes) of its local
     #                           contractions, per device (empty: it emitted none)
+    held: tuple = ()          # (kept, working) bytes per device it holds beyond its operands and
+    #                           results (empty: none declared)
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -221,7 +223,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
         leaves[i] = _relay(ctx, x, pl)
     entry = tuple(ctx.placement(leaves[i]) for i in named)   # as relaid: a pending sum x does not carry is not claimed
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-    start = len(ctx.rec.records), len(ctx.rec.casts), len(ctx.rec.work)
+    start = len(ctx.rec.records), len(ctx.rec.casts), len(ctx.rec.work), len(ctx.rec.held)
     met: list = []
     reads: list = []
     makes: list = []
@@ -243,7 +245,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
                          tuple(reads), frozenset(makes), emitted, duals, runs,
-                         tuple(map(sum, zip(*ctx.rec.work[start[2]:]))))
+                         tuple(map(sum, zip(*ctx.rec.work[start[2]:]))), tuple(map(sum, zip(*ctx.rec.held[start[3]:]))))
 
 
 def _runs(records, casts) -> tuple:

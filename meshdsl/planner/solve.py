@@ -25,7 +25,9 @@ alone would. (Memory is not a tie-break yet: the strategies do not price it.)
 With a memory budget (bytes per device), Alpa's constraint at each point of the program:
 
     sum over values v live at node t, over their producer's strategies s, of
-        x[producer, s] * bytes per device v holds under s   <=  budget
+        x[producer, s] * bytes per device v holds under s
+    + what each op's strategy holds beyond its operands and results (an attention's gathered
+      keys kept for the backward pass, a ring's chunks while it runs)   <=  budget
 
 (:meth:`~meshdsl.planner.graph.Graph.live_range`: from its producer to its last reader, to the
 end where the backward pass reads it); the whole graph is then one part.
@@ -221,6 +223,12 @@ def _memory_rows(graph: Graph, x: dict, budget: float) -> list:
         if any(sizes):
             first, last = graph.live_range(v)
             starts.setdefault(first, []).append((last, p, sizes))
+    for p, node in enumerate(graph.nodes):   # what a strategy holds beyond (residuals, working buffers)
+        kept, working = [s.kept for s in node.strategies], [s.working for s in node.strategies]
+        if any(kept):
+            starts.setdefault(p, []).append((len(graph.nodes) - 1, p, kept))
+        if any(working):
+            starts.setdefault(p, []).append((p, p, working))
     live: list = []
     rows: dict = {}
     for t in range(len(graph.nodes)):

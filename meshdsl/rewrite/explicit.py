@@ -342,7 +342,7 @@ class ExplicitContext(LayoutContext):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
         planned = self.planner.checkpoint() if self.planner is not None else None
         return (len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts), len(self.attentions),
-                len(self.rec.work))
+                len(self.rec.work), len(self.rec.held))
 
     @contextlib.contextmanager
     def as_at(self, mark):
@@ -363,9 +363,10 @@ class ExplicitContext(LayoutContext):
                 self._relaid.setdefault(source, set()).add(target)
 
     def rollback(self, mark) -> None:
-        n_records, n_cache, planned, n_casts, n_attentions, n_work = mark
+        n_records, n_cache, planned, n_casts, n_attentions, n_work, n_held = mark
         del self.rec.casts[n_casts:]
         del self.rec.work[n_work:]
+        del self.rec.held[n_held:]
         del self.attentions[n_attentions:]
         if planned is not None:
             self.planner.rollback(planned)

@@ -61,6 +61,8 @@ class Recorder:
         #                                (casts, slices, own backwards; axes () where not known)
         self.work: list = []           # (forward FLOPs, HBM bytes, backward FLOPs, HBM bytes) of each
         #                                local contraction the rules traced, times its executions
+        self.held: list = []           # (kept, working) bytes per device an op holds beyond its
+        #                                operands and results (kept: stacked over executions)
         self.sandbox = None            # the planner's sandbox being traced now (an int), if any
         self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
         self._sandboxes = 0
@@ -115,6 +117,14 @@ class Recorder:
         if self.tracing and self.sandbox not in self._closed:
             m = self.multiplier
             self.work.append((forward_flops * m, forward_bytes * m, backward_flops * m, backward_bytes * m))
+
+    def holds(self, kept: float, working: float) -> None:
+        """The op being lowered holds buffers beyond its operands and results: ``kept`` bytes per
+        device each execution until the backward pass reads them (where it is differentiated; else
+        while it runs), ``working`` while it runs (an attention's gathered keys, a ring's chunks):
+        the planner weighs each strategy's memory by what its rule holds."""
+        if self.tracing and self.sandbox not in self._closed:
+            self.held.append((kept * self.multiplier, working))
 
     @contextlib.contextmanager
     def at(self, name: str, line: str):

@@ -1,7 +1,7 @@
 """Costing one layout for ``md.search``: its rejections before tracing (memory floors), its
-trace and explain, a layout of a known per-device program retimed on its own links, and the
-variants a report calls for (a pipeline's microbatch counts and schedules, an attention's forced
-strategies where the plan is over the budget). :mod:`meshdsl.search.search` orders the layouts
+trace and explain (planned under the budget), a layout of a known per-device program retimed on
+its own links, and the variants a report calls for (a pipeline's microbatch counts and
+schedules). :mod:`meshdsl.search.search` orders the layouts
 and ranks what this costs.
 """
 
@@ -11,11 +11,10 @@ import dataclasses
 import math
 
 from ..costmodel.step_time import StepTime
-from ..names.errors import LayoutError, MeshDSLError
+from ..names.errors import LayoutError, MemoryBudgetError, MeshDSLError
 from ..names.layout import Layout
 from ..names.mesh import Mesh
 from ..names.units import fmt_bytes
-from ..ops.attention import STRATEGIES as ATTENTION
 from ..platform import gcpause
 from ..platform.jaxcompat import forget_staged
 from ..views.explain import Report, explain
@@ -53,28 +52,26 @@ class Candidate:
         """The layout, with the program choices and the non-default lowering options (the
         schedule of a pipeline) it was costed with."""
         extra = [f"{k}={v}" for k, v in self.choices.items()]
-        extra += [f"{k}={v}" for k, v in self.lower_kwargs.items() if DEFAULTS.get(k, object()) != v]
+        extra += [f"{k}={v}" for k, v in self.lower_kwargs.items()
+                  if k != "memory_budget" and DEFAULTS.get(k, object()) != v]
         return " · ".join([str(self.layout), *extra])
 
 
 class Costing:
     """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
 
-    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, (), ()), screen=True):
+    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, ()), screen=True):
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
         self.screen = screen
-        self.counts, self.schedules, self.strategies = variants   # what to try again: pipelines, attention
+        self.counts, self.schedules = variants   # what to try again: a pipeline's microbatches and schedules
         self.ranked, self.rejected, self.costed, self.retimed, self.bounded = [], [], 0, 0, 0
         self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
 
     def variants(self, cand, program, held, report) -> None:
-        """Cost ``cand`` again where its report shows a pipeline (its microbatch counts and
-        schedules) or a context-parallel attention whose plan is over the budget (its forced
-        strategies)."""
+        """Cost ``cand`` again where its report shows a pipeline: with its microbatch counts and
+        schedules."""
         if report.pipeline is not None:
             self.pipelines(cand, program, held, self.counts, self.schedules)
-        if any(a["devices"] > 1 and a["strategy"] in ATTENTION for a in report.attention) and cand not in self.ranked:
-            self.attentions(cand, program, held, self.strategies, report)   # the planner's choice does not fit
 
     def pipelines(self, cand, program, held, counts, schedules) -> None:
         """Cost ``cand`` (a layout under which the program pipelines) with each microbatch count
@@ -85,15 +82,6 @@ class Costing:
                 piped = Layout(cand.layout.rules, params=cand.layout.param_rules, microbatches={dim: m})
                 self.cost(Candidate(piped, cand.mesh, {**cand.lower_kwargs, "schedule": schedule}, cand.choices),
                           program, held)
-
-    def attentions(self, cand, program, held, strategies, report) -> None:
-        """Cost ``cand`` (a layout under which an attention is context-parallel) with each of
-        ``strategies`` forced, but the planner's own choice."""
-        chosen = {a["strategy"] for a in report.attention}
-        for strategy in strategies:
-            if {strategy} != chosen:
-                self.cost(Candidate(cand.layout, cand.mesh, {**cand.lower_kwargs, "attention": strategy},
-                                    cand.choices), program, held)
 
     def bar(self, top: int) -> float:
         """The step time of the ``top``-th ranked so far (inf while fewer are ranked)."""
@@ -130,14 +118,14 @@ class Costing:
                 report = explain(program, cand.mesh, cand.layout, *self.args, hardware=self.hw, **cand.lower_kwargs)
             except MeshDSLError as e:
                 self.traced[shape] = (rename, e)
-                return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+                return self.reject(cand, _refused(e))
             finally:
                 forget_staged()   # the next layout traces other local shapes
                 gcpause.collect_young()
             self.traced.setdefault(shape, (rename, report))
         elif isinstance(report, MeshDSLError):
             self.retimed += 1
-            return self.reject(cand, f"invalid: {str(report).splitlines()[0]}")
+            return self.reject(cand, _refused(report))
         else:
             self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
@@ -147,6 +135,13 @@ class Costing:
         else:
             self.ranked.append(cand)
         return report
+
+
+def _refused(e: MeshDSLError) -> str:
+    """Why a layout the lowering refused is rejected: no plan of it fits the budget, or it is
+    invalid (the error's first line)."""
+    first = str(e).splitlines()[0]
+    return f"over the memory budget: {first}" if isinstance(e, MemoryBudgetError) else f"invalid: {first}"
 
 
 def _shape_of(cand, program) -> tuple:

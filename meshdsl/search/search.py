@@ -30,10 +30,10 @@ unsharded program's contractions split as the layout splits their dims), and the
 where that floor is over the step time of the ``top``-th layout ranked so far: none left could
 rank (``bound=False`` costs them all).
 
-Context parallelism is a layout placing an attention's positions (``length``): the planner picks
-each attention's strategy by the step's time; where that plan is over the memory budget, the
-layout is costed again with each of ``attentions=`` forced (the ring holds one chunk of keys).
-The memory estimate is
+Each layout is planned under the memory budget (less the margin): the solver weighs each op's
+strategies by the step's time holding at most that, so a context-parallel layout (an
+attention's positions split) whose keys gathered would not fit takes the ring, which holds one
+chunk of keys - no strategy forced from outside the solve. The memory estimate is
 :func:`meshdsl.costmodel.liveness.memory`'s (XLA's buffer reuse modelled: within 10% of the compiled peak on
 the measured training steps, ``docs/cost_model.md``).
 """
@@ -124,7 +124,7 @@ class SearchResult:
 def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_budget: int | float | str | None = None,
            hardware: Hardware | str | None = None, top: int = 10, dims: Sequence[str] | None = None,
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
-           microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",), attentions: Sequence[str] = ("ring",),
+           microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",),
            dtype: str | None = None, overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
            bound: bool = True, **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
@@ -133,9 +133,11 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
         fn: the program, as for :func:`meshdsl.explain`.
         mesh_or_device_count: a mesh, or a device count to factorise (see the module doc).
         args: its arguments (abstract shapes are fine).
-        memory_budget: bytes per device (a number, or text such as ``"12GiB"``); layouts whose
-            estimated peak, plus ``memory_margin`` of it, is over it are rejected. Default: the
-            hardware's device memory.
+        memory_budget: bytes per device (a number, or text such as ``"12GiB"``): each layout is
+            planned to hold at most it less ``memory_margin`` (the solver trades time for memory:
+            a ring for gathered keys, parameters left stored), and rejected where no plan does or
+            its estimated peak, plus ``memory_margin`` of it, is over it. Default: the hardware's
+            device memory.
         hardware: an :class:`~meshdsl.Hardware` or a profile name (default ``"h100-80gb"``).
         top: how many ranked candidates to keep.
         dims: the dims to place (default: every dim of the arguments, and every dim a rename in
@@ -146,9 +148,6 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             ["none", "full"]}``); a candidate's ``choices`` say which it was costed with.
         microbatches: where a layout makes the program a pipeline, also these microbatch counts
             over ``microbatch_dim`` (those dividing it), each with each of ``schedules``.
-        attentions: where a layout splits an ``md.attention``'s positions (the planner picks its
-            strategy by the step's time) and its plan is over the memory budget, also each of
-            these forced (``md.lower(attention=)``).
         dtype: the dtype every matmul is priced at (:meth:`meshdsl.Report.time`; default: each
             kernel's own; ``overlap`` too).
         overlap: the overlap of compute and communication.
@@ -167,13 +166,14 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     """
     start = time.perf_counter()
     hw, budget = _hardware_and_budget(hardware, memory_budget)
+    options = {"memory_budget": budget / (1 + memory_margin), **options}   # each plan solved to fit, less the margin
     programs = [(dict(c), functools.partial(fn, **c) if c else fn) for c in space.combinations(choices)]
     held = {id(p): Held(p, args) for _, p in programs}
     sizes, params, units = space.dims_of(args, dims, held[id(programs[0][1])])
     meshes = space.meshes(mesh_or_device_count, mesh_axes)
     dim_sets = set().union(*(h.dim_sets for h in held.values()))
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
-    run = Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules, attentions), screen)
+    run = Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules), screen)
     with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
         scanned = set().union(*(h.scanned for h in held.values()))
         _cost_all(run, hw, meshes, (sizes, units, scanned), params, zero, dim_sets, programs, held, options, top, bound)

@@ -130,25 +130,7 @@ class Program:
                                         f"to the end)") from None
                 break
             self.solved = plans[0]   # the latest solve: the budget it kept
-            over = []
-            for plan in plans:
-                if not plan.choice and best is None:   # the rules' own choices again, which do not fit
-                    over.append((peak - budget, peak - plan.graph.memory(plan.solution.choice)))
-                    continue
-                if not plan.choice or (plan.gain <= 0.5 and budget is None):
-                    continue   # the rules' own choices are the plan
-                self.plan = plan
-                planned = _traced(self.run, avals)
-                used = _peak(planned) if budget is not None else 0.0
-                least = min(least, (used, "the plan"))
-                if budget is not None and used > budget:
-                    over.append((used - budget, used - plan.graph.memory(plan.solution.choice)))
-                    continue
-                cost = measure(planned, self.last_ctx)
-                if best is not None and best[0] is None:
-                    best = (measure(best[1], best[2]),) + best[1:]
-                if best is None or cost < best[0]:
-                    best = (cost, planned, self.last_ctx, plan)
+            best, least, over = self._weigh(plans, avals, peak, best, least, measure)
             if not over:
                 break
             # a plan the graph thought fits does not: ask the solve for less - by its excess, or
@@ -160,6 +142,33 @@ class Program:
         _, closed, self.last_ctx, self.plan = best
         self.solved = self.plan or self.solved
         return closed
+
+    def _weigh(self, plans, avals, peak, best, least, measure) -> tuple:
+        """Each plan traced (the rules' own choices are the trace made) and weighed against
+        ``best`` (cost, trace, context, plan) by ``measure`` where its peak fits the budget:
+        ``(best, least peak found, over)``, ``over`` the (excess, what the graph's estimate
+        missed) of each plan whose trace does not fit."""
+        budget = self.owner.memory_budget
+        over = []
+        for plan in plans:
+            if not plan.choice and best is None:   # the rules' own choices again, which do not fit
+                over.append((peak - budget, peak - plan.graph.memory(plan.solution.choice)))
+                continue
+            if not plan.choice or (plan.gain <= 0.5 and budget is None):
+                continue   # the rules' own choices are the plan
+            self.plan = plan
+            planned = _traced(self.run, avals)
+            used = _peak(planned) if budget is not None else 0.0
+            least = min(least, (used, "the plan"))
+            if budget is not None and used > budget:
+                over.append((used - budget, used - plan.graph.memory(plan.solution.choice)))
+                continue
+            cost = measure(planned, self.last_ctx)
+            if best is not None and best[0] is None:
+                best = (measure(best[1], best[2]),) + best[1:]
+            if best is None or cost < best[0]:
+                best = (cost, planned, self.last_ctx, plan)
+        return best, least, over
 
     def _plans(self, ctx, recording, hw, limit) -> list:
         """The plan of the objective (and, under time, the plan of fewest bytes where it moves an op

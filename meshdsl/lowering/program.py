@@ -112,10 +112,9 @@ class Program:
         ctx, hw, budget = self.last_ctx, self.owner.hardware, self.owner.memory_budget
         recording, ctx.planner = ctx.planner, None
         measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
-        peak = _peak(closed) if budget is not None else 0.0   # (the liveness walk only where a budget asks)
-        # the rules' own trace, measured only if a plan's trace is to be weighed against it
-        best = (None, closed, ctx, None) if budget is None or peak <= budget else None
-        least = (peak, "the rules' own choices")
+        rules = _RulesTrace(closed, ctx, budget)   # its peak walked only where a budget needs it
+        best = None          # (cost, trace, context, plan) of the best plan traced that fits
+        least = None         # (peak, what) of the least a plan traced holds
         limit = None   # the unconstrained optimum first: where its trace fits, it is the plan
         for _ in range(1 if budget is None else 4):
             try:
@@ -124,48 +123,52 @@ class Program:
                 if best is None and limit is not None and limit < e.least < budget:
                     limit = e.least * (1 + 1e-9)   # less than the graph's least asked: its least, traced
                     continue
-                if best is None:   # (the graph's estimate errs high: the rules' trace may fit)
+                if best is None and not rules.fits:   # (the graph's estimate errs high: the rules' may fit)
                     raise _no_plan_fits(budget, f"the least the planner finds is {fmt_bytes(e.least)} (values "
                                         f"held from their producer to their last reader, the backward pass's "
                                         f"to the end)") from None
                 break
             self.solved = plans[0]   # the latest solve: the budget it kept
-            best, least, over = self._weigh(plans, avals, peak, best, least, measure)
+            best, least, over = self._weigh(plans, avals, rules, best, least, measure)
             if not over:
                 break
             # a plan the graph thought fits does not: ask the solve for less - by its excess, or
             # by what the graph's estimate missed of its traced peak, whichever asks more
             asked = budget if limit is None else limit
             limit = min(asked - min(e for e, _ in over), budget - min(m for _, m in over))
+        # the rules' own trace is kept where no plan's trace is better and it fits
+        if (best is None or measure(closed, ctx) <= best[0]) and rules.fits:
+            best = (None, closed, ctx, None)
         if best is None:
-            raise _no_plan_fits(budget, f"the least peak found is {fmt_bytes(least[0])} ({least[1]})")
+            found = min([(rules.peak, "the rules' own choices")] + ([least] if least else []))
+            raise _no_plan_fits(budget, f"the least peak found is {fmt_bytes(found[0])} ({found[1]})")
         _, closed, self.last_ctx, self.plan = best
         self.solved = self.plan or self.solved
         return closed
 
-    def _weigh(self, plans, avals, peak, best, least, measure) -> tuple:
-        """Each plan traced (the rules' own choices are the trace made) and weighed against
-        ``best`` (cost, trace, context, plan) by ``measure`` where its peak fits the budget:
-        ``(best, least peak found, over)``, ``over`` the (excess, what the graph's estimate
-        missed) of each plan whose trace does not fit."""
+    def _weigh(self, plans, avals, rules, best, least, measure) -> tuple:
+        """Each plan other than the rules' own choices traced, and kept as ``best`` (cost, trace,
+        context, plan) where its peak fits the budget and ``measure`` prices it under the best so
+        far: ``(best, least peak a plan traced holds, over)``, ``over`` the (excess, what the
+        graph's estimate missed) of each plan whose trace does not fit (the rules' own choices
+        among them, asked for again where they do not)."""
         budget = self.owner.memory_budget
         over = []
         for plan in plans:
-            if not plan.choice and best is None:   # the rules' own choices again, which do not fit
-                over.append((peak - budget, peak - plan.graph.memory(plan.solution.choice)))
+            if not plan.choice:
+                if budget is not None and not rules.fits:   # the rules' own choices again, which do not fit
+                    over.append((rules.peak - budget, rules.peak - plan.graph.memory(plan.solution.choice)))
                 continue
-            if not plan.choice or (plan.gain <= 0.5 and budget is None):
-                continue   # the rules' own choices are the plan
+            if plan.gain <= 0.5 and budget is None:
+                continue   # as good as the rules' own choices: their trace is the program
             self.plan = plan
             planned = _traced(self.run, avals)
             used = _peak(planned) if budget is not None else 0.0
-            least = min(least, (used, "the plan"))
+            least = min(least or (used, "the plan"), (used, "the plan"))
             if budget is not None and used > budget:
                 over.append((used - budget, used - plan.graph.memory(plan.solution.choice)))
                 continue
             cost = measure(planned, self.last_ctx)
-            if best is not None and best[0] is None:
-                best = (measure(best[1], best[2]),) + best[1:]
             if best is None or cost < best[0]:
                 best = (cost, planned, self.last_ctx, plan)
         return best, least, over
@@ -318,6 +321,24 @@ def _moved(closed, ctx) -> float:
     recorded collectives, as often as the live program runs each (dead ones dropped)."""
     runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
     return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)
+
+
+class _RulesTrace:
+    """The planning trace (the rules' own choices): its peak bytes per device walked once, where
+    a budget asks whether it fits."""
+
+    def __init__(self, closed, ctx, budget):
+        self.closed, self.ctx, self.budget, self._peak = closed, ctx, budget, None
+
+    @property
+    def peak(self) -> float:
+        if self._peak is None:
+            self._peak = _peak(self.closed) if self.budget is not None else 0.0
+        return self._peak
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.peak <= self.budget
 
 
 def _peak(closed) -> float:

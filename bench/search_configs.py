@@ -64,8 +64,8 @@ def run(quick: bool = False) -> str:
     rows += [_row("md.search, second", result[1], result, best.time)] if len(result) > 1 else []
     for name, (shape, layout) in CONFIGURED.items():
         mesh = md.Mesh.abstract(shape)
-        report = md.explain(step, mesh, layout, model, data)
-        t = report.time(hw)
+        report = md.explain(step, mesh, layout, model, data, hardware=hw)   # planned and priced as the search does:
+        t = report.time(hw, dtype=None)                                      # each kernel at its own dtype
         rows.append({"source": name, "mesh": str(mesh), "layout": str(layout), "predicted_s": t.total_s,
                      "vs_best": t.total_s / best.time, "bytes": report.total_bytes, "peak_bytes": report.memory["peak"],
                      "fits": report.memory["peak"] * 1.1 <= hw.memory_bytes,

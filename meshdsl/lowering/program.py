@@ -112,7 +112,7 @@ class Program:
         ctx, hw, budget = self.last_ctx, self.owner.hardware, self.owner.memory_budget
         recording, ctx.planner = ctx.planner, None
         measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
-        rules = _RulesTrace(closed, ctx, budget)   # its peak walked only where a budget needs it
+        rules = _RulesTrace(closed, budget)   # its peak walked only where a budget needs it
         best = None          # (cost, trace, context, plan) of the best plan traced that fits
         least = None         # (peak, what) of the least a plan traced holds
         limit = None   # the unconstrained optimum first: where its trace fits, it is the plan
@@ -327,8 +327,8 @@ class _RulesTrace:
     """The planning trace (the rules' own choices): its peak bytes per device walked once, where
     a budget asks whether it fits."""
 
-    def __init__(self, closed, ctx, budget):
-        self.closed, self.ctx, self.budget, self._peak = closed, ctx, budget, None
+    def __init__(self, closed, budget):
+        self.closed, self.budget, self._peak = closed, budget, None
 
     @property
     def peak(self) -> float:

@@ -55,7 +55,8 @@ def record(ctx, *args) -> str:
     tag = f"mdk{next(_TAGS)}"
     work = kernel_cost(ctx, *args[:9])
     ctx.rec.computed(work["forward_flops"], work["forward_bytes"], work["backward_flops"], work["backward_bytes"])
-    ctx.rec.holds(*_beyond(ctx, *args[:8], args[9]))
+    spec, _, strategy, ring, q, k, v, out_dtype, _, block = args
+    ctx.rec.holds(*_memory(ctx, spec, strategy, ring, q, k, v, out_dtype, block)[1:])   # beyond operands and result
     if ctx.explicit and ctx.rec.sandbox is None and ctx.rec.tracing and not pricing():
         ctx.attentions.append({**describe(ctx, *args), "kernel": {"scope": tag, **work}})
     return tag
@@ -124,11 +125,6 @@ def _memory(ctx, spec, strategy, ring, q, k, v, out_dtype, block) -> tuple[dict,
     extra = 4 * stats + ((size["k"] + size["v"]) * (n - 1) / n if strategy == "gather" else
                          size["q"] + size["k"] + size["v"] + out_b if strategy == "ulysses" else 0.0)
     return {"kept": kept, "working": working}, extra, working
-
-
-def _beyond(ctx, spec, dims, strategy, ring, q, k, v, out_dtype, block) -> tuple[float, float]:
-    """(kept, working) bytes per device beyond the operands and result (:func:`_memory`)."""
-    return _memory(ctx, spec, strategy, ring, q, k, v, out_dtype, block)[1:]
 
 
 def describe(ctx, spec, dims, strategy, ring, q, k, v, out_dtype, pos, block) -> dict:

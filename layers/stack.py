@@ -9,7 +9,8 @@ holds one copy of the layer's code whatever the depth: compile time does not gro
 
 ``ys`` come back stacked along ``layers``. With a ``key``, step ``l`` gets
 ``jax.random.fold_in(key, l)`` (the same keys :func:`layer_at` loops use), else ``None``.
-``remat`` trades compute for memory per step, by name (:data:`REMAT_POLICIES`): ``"none"`` keeps
+``remat`` trades compute for memory per step, by name (:data:`REMAT_POLICIES`, or ``"auto"``: the
+planner chooses none, dots or full by the step's time under the memory budget): ``"none"`` keeps
 the activations the backward pass needs, ``"full"`` recomputes the whole step, ``"dots"`` keeps
 matmul results without batch dims, ``"einsums"`` keeps every einsum result, ``"collectives"`` keeps
 what collectives produced (recomputing never communicates again), ``"sequence-parallel"`` keeps all
@@ -32,38 +33,14 @@ import meshdsl as md
 
 __all__ = ["scan_layers", "layer_at", "with_remat", "remat_policy", "REMAT_POLICIES", "NAMES"]
 
-# Names the rewriter gives to values (meshdsl.rewrite.collectives, the einsum rule): remat policies keep or
-# recompute them by name.
-NAMES = ("einsum", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-COLLECTIVES = NAMES[1:]
-
-REMAT_POLICIES = {
-    "none": None,                                                            # keep what autodiff keeps
-    "full": jax.checkpoint_policies.nothing_saveable,                       # recompute the whole step
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,       # keep weight matmuls
-    "einsums": jax.checkpoint_policies.save_only_these_names("einsum"),     # keep every einsum result
-    # keep what collectives produced: the backward pass recomputes, but never communicates again
-    "collectives": jax.checkpoint_policies.save_only_these_names(*COLLECTIVES),
-    # Megatron's sequence parallelism: keep the einsums and what every collective but the gather
-    # produced; the gathered sequence is not kept: the backward pass gathers the kept shard again
-    # (memory of one shard, bytes of one more all-gather)
-    "sequence-parallel": jax.checkpoint_policies.save_only_these_names(
-        "einsum", *(n for n in COLLECTIVES if n != "all-gather")),
-}
+NAMES = md.REMAT_NAMES         # the names remat policies keep values by (einsum results, collectives by kind)
+REMAT_POLICIES = md.REMAT_POLICIES
 
 
 def remat_policy(policy: str):
     """The jax policy for a name of :data:`REMAT_POLICIES`, or for a comma-separated list of value
     names to keep (``"einsum,all-gather"``; names in :data:`NAMES`)."""
-    if policy in REMAT_POLICIES:
-        return REMAT_POLICIES[policy]
-    names = [n.strip() for n in str(policy).split(",") if n.strip()]
-    unknown = [n for n in names if n not in NAMES]
-    if not names or unknown:
-        raise md.MeshDSLError(
-            f"remat policy must be one of {sorted(REMAT_POLICIES)} or a comma-separated list of value names "
-            f"to keep from {list(NAMES)}, got {policy!r}")
-    return jax.checkpoint_policies.save_only_these_names(*names)
+    return md.remat_policy(policy)
 
 
 def with_remat(fn, policy: str = "none"):
@@ -88,11 +65,11 @@ def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=Non
     def one_layer(layer_state, c, layer_key):
         return step(nnx.merge(graphdef, layer_state), c, layer_key)
 
-    run = with_remat(one_layer, remat)
+    run = one_layer   # md.scan rematerialises the step (remat="auto": the planner's choice)
 
     if key is None:
         return md.scan(lambda c, s: run(s, c, None), carry, state, dim=dim, reverse=reverse, unroll=unroll,
-                       head=head, schedule=schedule)
+                       head=head, schedule=schedule, remat=remat)
 
     def keyed(c, xs):
         s, layer = xs
@@ -103,7 +80,7 @@ def scan_layers(module: nnx.Module, carry, step, *, dim: str = "layers", key=Non
     # (a pipeline) hands every stage the numbers of its own layers.
     numbers = md.arange(md.Dim(dim, length))
     return md.scan(keyed, carry, (state, numbers), dim=dim, reverse=reverse, unroll=unroll, head=head,
-                   schedule=schedule)
+                   schedule=schedule, remat=remat)
 
 
 def layer_at(module: nnx.Module, index: int, dim: str = "layers") -> nnx.Module:

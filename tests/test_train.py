@@ -185,9 +185,13 @@ def test_remat_auto_is_chosen_with_the_layout_and_recorded(tmp_path, capsys):
     assert json.loads((tmp_path / "auto" / "run.json").read_text())["remat"] == chosen
 
 
-def test_remat_auto_without_layout_auto_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="--remat auto is chosen with the layout: add --layout auto"):
-        main([*TINY, "--out", str(tmp_path / "bad"), "--remat", "auto"])
+def test_remat_auto_on_a_given_layout_is_the_planners_choice_under_the_memory_budget(tmp_path):
+    """--remat auto without --layout auto: the planner chooses the stacks' policy within
+    --memory-budget; the run trains the losses of --remat none (recomputing changes no value)."""
+    kept = train(tmp_path, "none", "--steps", "2", "--mesh", "data:8", "--remat", "none")
+    auto = train(tmp_path, "auto", "--steps", "2", "--mesh", "data:8", "--remat", "auto", "--memory-budget", "1GiB")
+    assert auto["trainer"].remat == "auto" and auto["trainer"].grad_fn.memory_budget == 2 ** 30
+    np.testing.assert_allclose(losses(auto), losses(kept), rtol=1e-5)
 
 
 def test_cli_defaults_and_errors(tmp_path, resumed):

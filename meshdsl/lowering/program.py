@@ -116,12 +116,15 @@ class Program:
         best = None          # (cost, trace, context, plan) of the best plan traced that fits
         least = None         # (peak, what) of the least a plan traced holds
         limit = None   # the unconstrained optimum first: where its trace fits, it is the plan
+        least_tried = False
         for _ in range(1 if budget is None else 4):
             try:
                 plans = self._plans(ctx, recording, hw, limit)
             except NoPlanFits as e:
-                if best is None and limit is not None and limit < e.least < budget:
-                    limit = e.least * (1 + 1e-9)   # less than the graph's least asked: its least, traced
+                if best is None and limit is not None and limit < e.least and not least_tried:
+                    # less than the graph's least asked: its least, traced (it may fit where the
+                    # graph's estimate errs high)
+                    limit, least_tried = e.least * (1 + 1e-9), True
                     continue
                 if best is None and not rules.fits:   # (the graph's estimate errs high: the rules' may fit)
                     raise _no_plan_fits(budget, f"the least the planner finds is {fmt_bytes(e.least)} (values "
@@ -132,10 +135,11 @@ class Program:
             best, least, over = self._weigh(plans, avals, rules, best, least, measure)
             if not over:
                 break
-            # a plan the graph thought fits does not: ask the solve for less - by its excess, or
-            # by what the graph's estimate missed of its traced peak, whichever asks more
-            asked = budget if limit is None else limit
-            limit = min(asked - min(e for e, _ in over), budget - min(m for _, m in over))
+            # a plan the graph thought fits does not: ask the solve for its graph's estimate less
+            # its traced excess (the budget less what the estimate missed of the traced peak):
+            # less than that plan holds as the graph sees it, so another plan, and no less than
+            # the graph's own differences between plans say fits (it errs high as well as low)
+            limit = budget - max(m for _, m in over)
         # the rules' own trace is kept where no plan's trace is better and it fits
         if (best is None or measure(closed, ctx) <= best[0]) and rules.fits:
             best = (None, closed, ctx, None)

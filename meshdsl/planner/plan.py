@@ -20,6 +20,7 @@ from ..costmodel.cost import element_bytes, moved_bytes
 from ..costmodel.hardware import Hardware
 from ..rewrite.relayout import relayout_bytes
 from .graph import Graph, Node, SharedCopy, Strategy
+from .remat import value_bytes
 from .solve import Solution, solve
 
 __all__ = ["build", "choose", "decisions", "Plan", "OBJECTIVES", "hardware_of"]
@@ -59,14 +60,16 @@ def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) 
     in that time (``rate``: its bandwidth): the local contractions its rule emitted there
     (``found.work``: an einsum's blocks, an attention's kernel, as often as they run), each pass
     the larger of its FLOPs at the dtype's peak and its HBM bytes at the memory's bandwidth, the
-    backward's where the op is differentiated (``grad``). A loop's body ops are priced apart (0 here)."""
-    if not found.work or op.inner:
-        return 0.0
-    forward_flops, forward_bytes, backward_flops, backward_bytes = found.work
-
+    backward's where the op is differentiated (``grad``). A loop's body ops are priced apart: a loop
+    pays only what its remat policy recomputes (``found.again``)."""
     def seconds(flops, nbytes):
         return max(flops / hw.matmul_peak(dtype) / hw.matmul_efficiency,
                    nbytes / hw.hbm_bandwidth / hw.memory_efficiency)
+    if op.inner:
+        return seconds(*found.again) * rate if found.again and grad else 0.0
+    if not found.work:
+        return 0.0
+    forward_flops, forward_bytes, backward_flops, backward_bytes = found.work
     total = seconds(forward_flops, forward_bytes) + (seconds(backward_flops, backward_bytes) if grad else 0.0)
     return total * rate
 
@@ -116,7 +119,7 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
     graph = Graph(lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst), timed)
     graph.rate = rate
     nodes = {}
-    held = functools.partial(_held, ctx, recording)
+    held = functools.partial(value_bytes, ctx, recording)
     for v, pl in recording.entered.items():
         graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered", memory=(held(v, pl),))]))
         graph.saved.add(v)   # an argument's buffer is held throughout
@@ -284,9 +287,12 @@ def decisions(plan, followed: bool) -> list:
 
 
 def _label(ctx, recording, op, found) -> str:
-    """``"operands [b:data] [d:model]; candidate 2"``: where the operands enter, which candidate."""
+    """``"operands [b:data] [d:model]; candidate 2"``: where the operands enter, which candidate
+    (a loop's remat policy by name)."""
     text = "operands " + " ".join(f"[{p.describe(recording.values[v][0], ctx.mesh) or 'whole'}]"
                                   for v, p in zip(op.operands, found.entry))
+    if found.remat:
+        return text + f"; remat {found.remat}"
     return text + "".join(f"; candidate {c} at decision {p}" for p, c in found.options)
 
 
@@ -302,12 +308,6 @@ def _live(recording) -> set:
             live.update(op.inner)   # a scan's results come from its body, and what its body reads
             wanted |= set(op.operands).union(*(recording.ops[j].operands for j in op.inner))
     return live
-
-
-def _held(ctx, recording, v, pl) -> float:
-    """Bytes per device value ``v`` holds in placement ``pl``."""
-    dims, dtype, _, _ = recording.values[v]
-    return element_bytes(dtype, ctx.mesh.platform) * math.prod(dims.sizes) / ctx.mesh.axes_size(tuple(pl.split_axes()))
 
 
 def _relay_bytes(ctx, value, src, dst, price=None) -> float:

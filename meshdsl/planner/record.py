@@ -29,6 +29,7 @@ from ..costmodel.cost import dual_bytes
 from ..names.errors import MeshDSLError
 from ..platform.jaxcompat import apart, differentiated, pricing, varying_axes
 from ..names.named import NamedArray, Placement, is_named
+from . import remat
 from .candidates import loop_tries, op_tries
 
 __all__ = ["Recording", "OpRecord", "Found"]
@@ -153,6 +154,8 @@ class Recording:
             default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd,
                                                     runs=_less(f.runs, body)) for f in [default] + others]
         strategies = _distinct([default] + [s for s in others if len(s.gives) == len(default.gives)])
+        if inner:   # a loop: its remat policy's residuals, and the policies it leaves to the plan
+            strategies = remat.strategies(ctx, self, rule, self.ops[k:], operands, strategies, xs)
         outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
         results = [self.vid(ctx, y, made=True) for y in outs]
         for slot, v in enumerate(results):
@@ -213,6 +216,8 @@ class Found:
     #                           contractions, per device (empty: it emitted none)
     held: tuple = ()          # (kept, working) bytes per device it holds beyond its operands and
     #                           results (empty: none declared)
+    again: tuple = ()         # (forward FLOPs, HBM bytes) a loop's remat policy recomputes
+    remat: str = ""           # a loop's remat policy (meshdsl.planner.remat), for reports
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):

@@ -75,7 +75,7 @@ def _step_signal(text: str) -> tuple[int, int]:
 
 def _remat(text: str) -> str:
     """A remat policy of meshdsl.layers (a name, or value names to keep), checked at parse time;
-    ``auto``: chosen with the layout (``--layout auto``)."""
+    ``auto``: the planner's choice (or the search's, with ``--layout auto``)."""
     from meshdsl.layers.stack import remat_policy
     if text == "auto":
         return text
@@ -119,7 +119,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
            "group:data;experts:data for MoE); auto: md.search ranks the layouts of the training step (over the "
            "device count, or the --mesh given) and the run takes the best")
     a("--memory-budget", default=None, metavar="SIZE",
-      help="--layout auto: bytes per device a layout may use, e.g. 12GiB (default: the --hardware's memory)")
+      help="--layout auto: bytes per device a layout may use, e.g. 12GiB (default: the --hardware's memory); "
+           "--remat auto: what the training step's plan may hold per device (default: no limit)")
     a("--hardware", default="measure", metavar="NAME",
       help="--layout auto: the time model's device, a profile (h100-80gb, tpu-v5p, ...) or measure (this "
            "machine's speeds, fitted in a few seconds)")
@@ -161,8 +162,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--remat", type=_remat, default="none",
       help="what each layer keeps for the backward pass (the rest is recomputed): none (keep all), full "
            "(keep nothing), dots, einsums, collectives (never communicate again), sequence-parallel (gather "
-           "the sequence shard again), or value names to keep: einsum,all-reduce,all-gather,...; auto (with "
-           "--layout auto): the search chooses among none, dots and full with the layout")
+           "the sequence shard again), or value names to keep: einsum,all-reduce,all-gather,...; auto: the "
+           "planner chooses none, dots or full per layer stack, the fastest within --memory-budget (with "
+           "--layout auto, the search chooses it with the layout)")
     a("--dtype", default="float32", choices=("float32", "bfloat16"),
       help="compute dtype: bfloat16 casts the parameters at use; gradients, parameters and optimizer state "
            "stay in --param-dtype")

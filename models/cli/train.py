@@ -163,9 +163,6 @@ def _run(args) -> dict:
     if args.layout == "auto":
         from meshdsl.models.training import autolayout
         autolayout.choose_for_run(args, config, enc_len, dec_len, say)
-    elif args.remat == "auto":
-        raise UsageError("--remat auto is chosen with the layout: add --layout auto, or name a policy "
-                         "(none, dots, full, ...)")
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches:
@@ -204,7 +201,8 @@ def _run(args) -> dict:
                       param_gather=args.param_gather, param_dtype=jnp.dtype(args.param_dtype),
                       dtype=jnp.dtype(args.dtype), debug_nan_at_step=args.debug_nan_at_step,
                       pipeline_schedule=args.schedule, repeats=args.repeats,
-                      attention=None if args.attention == "auto" else args.attention)
+                      attention=None if args.attention == "auto" else args.attention,
+                      memory_budget=args.memory_budget if args.remat == "auto" else None)
     _check_rules(trainer, args, enc_len, dec_len)
     like = trainer.abstract_state()
     if args.overwrite and not args.resume and not args.eval_only and latest_step(ckpt_dir) is not None:

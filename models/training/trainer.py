@@ -58,7 +58,8 @@ class Trainer:
     def __init__(self, config, mesh: md.Mesh, layout: md.Layout, tx: optax.GradientTransformation, schedule, *,
                  seed: int = 0, accum: int = 1, remat: str = "none", param_gather: str = "keep",
                  param_dtype=jnp.float32, dtype=jnp.float32, debug_nan_at_step: int | None = None,
-                 pipeline_schedule: str = "gpipe", repeats: int = 1, attention: str | None = None):
+                 pipeline_schedule: str = "gpipe", repeats: int = 1, attention: str | None = None,
+                 memory_budget=None):
         self.config, self.mesh, self.layout = config, mesh, layout
         self.tx, self.schedule, self.seed, self.accum, self.remat = tx, schedule, seed, accum, remat
         self.debug_nan_at_step = debug_nan_at_step
@@ -76,7 +77,10 @@ class Trainer:
         # repeats: the circular schedule's chunks per stage (md.lower's repeats); attention: md.attention's
         # context parallelism strategy (md.lower's attention); a rule for a dim the model lacks is an error
         strict = dict(schedule=pipeline_schedule, repeats=repeats, attention=attention, unused_rules="error")
-        self.grad_fn = md.lower(self._loss_and_grads, mesh, layout, param_gather=param_gather, **strict)
+        # memory_budget: per device, what the training step's plan holds at most (remat="auto" then
+        # recomputes where the activations do not fit)
+        self.grad_fn = md.lower(self._loss_and_grads, mesh, layout, param_gather=param_gather,
+                                memory_budget=memory_budget, **strict)
         self.eval_fn = md.lower(self._eval_metrics, mesh, layout, **strict)
         self._compiled = self._eval = None
 

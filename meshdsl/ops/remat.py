@@ -1,0 +1,78 @@
+"""Rematerialisation of a ``md.scan`` step: which of its values the backward pass keeps, by name.
+
+A policy trades compute (and the collectives the step runs again) for the activations each step
+holds until the backward pass: ``"none"`` keeps what autodiff keeps, ``"full"`` recomputes the
+whole step from its carry, ``"dots"`` keeps the matmuls without batch dims (a layer's projections;
+an attention's scores and kernel are recomputed), ``"einsums"`` every einsum result,
+``"collectives"`` what collectives produced (recomputing never communicates again),
+``"sequence-parallel"`` all but gathered values (Megatron: the backward pass gathers the kept shard
+again), or a comma-separated list of value names to keep (``"einsum,all-reduce"``): the rewriter
+names einsum results ``"einsum"`` and collective results by kind.
+
+``"auto"`` leaves the choice to the planner: it prices :data:`CHOICES` (none, dots, full) per loop,
+each with the memory its steps keep and the time of what it recomputes, and takes the fastest that
+fits the memory budget, in the same solve as the placements (:mod:`meshdsl.planner.remat`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ..names.errors import MeshDSLError
+
+__all__ = ["NAMES", "POLICIES", "CHOICES", "AUTO", "policy", "checked", "wrap"]
+
+# Names the rewriter gives to values (meshdsl.rewrite.collectives, the einsum rule): policies keep or
+# recompute them by name.
+NAMES = ("einsum", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVES = NAMES[1:]
+
+POLICIES = {
+    "none": None,                                                            # keep what autodiff keeps
+    "full": jax.checkpoint_policies.nothing_saveable,                       # recompute the whole step
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,       # keep weight matmuls
+    "einsums": jax.checkpoint_policies.save_only_these_names("einsum"),     # keep every einsum result
+    # keep what collectives produced: the backward pass recomputes, but never communicates again
+    "collectives": jax.checkpoint_policies.save_only_these_names(*_COLLECTIVES),
+    # Megatron's sequence parallelism: keep the einsums and what every collective but the gather
+    # produced; the gathered sequence is not kept: the backward pass gathers the kept shard again
+    # (memory of one shard, bytes of one more all-gather)
+    "sequence-parallel": jax.checkpoint_policies.save_only_these_names(
+        "einsum", *(n for n in _COLLECTIVES if n != "all-gather")),
+}
+
+AUTO = "auto"
+CHOICES = ("none", "dots", "full")   # what the planner weighs for remat="auto", its default first
+
+
+def checked(name: str) -> str:
+    """``name`` if it is a policy (a name of :data:`POLICIES`, ``"auto"``, or value names to keep);
+    else a :class:`MeshDSLError` listing what is."""
+    if name == AUTO or name in POLICIES:
+        return name
+    names = [n.strip() for n in str(name).split(",") if n.strip()]
+    unknown = [n for n in names if n not in NAMES]
+    if not names or unknown:
+        raise MeshDSLError(
+            f"remat policy must be one of {sorted(POLICIES)}, {AUTO!r} (the planner chooses among "
+            f"{list(CHOICES)}) or a comma-separated list of value names to keep from {list(NAMES)}, "
+            f"got {name!r}")
+    return name
+
+
+def policy(name: str):
+    """The jax checkpoint policy of a policy name (None: keep what autodiff keeps)."""
+    checked(name)
+    if name == AUTO:
+        raise MeshDSLError("remat='auto' is the planner's to resolve: name a policy of "
+                           f"{sorted(POLICIES)} outside md.lower")
+    if name in POLICIES:
+        return POLICIES[name]
+    return jax.checkpoint_policies.save_only_these_names(*(n.strip() for n in name.split(",") if n.strip()))
+
+
+def wrap(step, name: str | None):
+    """``step`` under ``jax.checkpoint`` with the named policy (None or ``"none"``: unchanged)."""
+    if name is None or name == "none":
+        return step
+    return jax.checkpoint(step, policy=policy(name))

@@ -1,0 +1,106 @@
+"""A loop's remat policy as strategies of the loop: what its steps keep for the backward pass,
+and what recomputing the rest costs.
+
+A ``md.scan(..., remat=...)`` step whose backward pass jax runs keeps, per step and until then,
+the residuals of its policy (:mod:`meshdsl.ops.remat`), as the planner counts them from the ops
+its body ran (each value at its per-device size where the rule put it, as often as it runs):
+
+* ``"none"``: every value made in the step that a body op other than a linear one (a sum, a move,
+  a cast) reads (autodiff keeps such an op's operands or its result, which the next op reads),
+  and the carry entering each step;
+* ``"dots"``: the results of the step's einsums without batch dims (no dim in both operands and
+  the result: a layer's projections) and the carry entering each step;
+* ``"full"``: the carry entering each step.
+
+What a policy recomputes runs again in the backward pass: ``"full"`` the step's forward compute,
+``"dots"`` all of it but those einsums; both run the step's forward collectives again (what they
+moved is recomputed from what was kept). Under ``remat="auto"`` the loop takes one strategy per
+policy of :data:`meshdsl.ops.remat.CHOICES`: its decision point's candidate, the residuals it
+keeps (``held``), the forward compute (``again``) and collectives it runs again; the solver
+weighs them with the placements, by the step's time under the memory budget. Under a named policy
+(``"none"``, ``"dots"``, ``"full"``) the loop's one strategy keeps that policy's residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..costmodel.cost import element_bytes
+from ..ops import remat as remats
+from ..platform.jaxcompat import differentiated
+
+__all__ = ["value_bytes", "strategies", "ACCOUNTED"]
+
+ACCOUNTED = remats.CHOICES   # the policies whose residuals the planner counts
+
+
+def value_bytes(ctx, recording, v, pl) -> float:
+    """Bytes per device value ``v`` holds in placement ``pl``."""
+    dims, dtype, _, _ = recording.values[v]
+    return element_bytes(dtype, ctx.mesh.platform) * math.prod(dims.sizes) / ctx.mesh.axes_size(tuple(pl.split_axes()))
+
+
+def _batchless_einsum(recording, op) -> bool:
+    """An einsum of two operands no dim of which is in both and in its result (``x[b s d] w[d f]``):
+    jax's ``dots_with_no_batch_dims_saveable`` keeps its result."""
+    if op.name != "einsum" or len(op.operands) != 2 or len(op.results) != 1:
+        return False
+    a, b = (set(recording.values[v][0].names) for v in op.operands)
+    return not (a & b & set(recording.values[op.results[0]][0].names))
+
+
+# ops whose backward reads none of their operands (a sum's, a move's, a cast's): autodiff keeps none
+_LINEAR = frozenset(("add", "subtract", "negative", "sum", "rename", "transpose", "reshape", "concat", "slice",
+                     "pad", "shift", "astype", "stop_gradient", "dynamic_slice", "cumsum"))
+
+
+def _residuals(ctx, recording, body, carry_bytes: float) -> dict:
+    """Bytes per device each policy of :data:`ACCOUNTED` keeps until the backward pass."""
+    made = {v for op in body for v in op.results}
+
+    def total(values):
+        return sum(value_bytes(ctx, recording, v, recording.placed[v]) * recording.values[v][2] for v in values)
+    read = {v for op in body if op.name not in _LINEAR for v in op.operands if v in made}
+    dots = {op.results[0] for op in body if _batchless_einsum(recording, op)}
+    return {"none": total(read) + carry_bytes, "dots": total(dots) + carry_bytes, "full": carry_bytes}
+
+
+def _again(recording, body, policy: str):
+    """``(forward FLOPs, HBM bytes, collectives, runs)`` the backward pass runs again under
+    ``policy``: the recomputed ops' forward contractions, and the step's forward collectives."""
+    if policy == "none":
+        return (), (), ()
+    recomputed = [op for op in body if policy == "full" or not _batchless_einsum(recording, op)]
+    works = [op.strategies[0].work for op in recomputed if op.strategies[0].work]
+    again = (sum(w[0] for w in works), sum(w[1] for w in works)) if works else ()
+    collectives = tuple(c for op in body for c in op.strategies[0].collectives)
+    runs = tuple((axes, n, 0) for op in body for axes, n, _ in op.strategies[0].runs if n)
+    return again, collectives, runs
+
+
+def strategies(ctx, recording, rule, body, operands, found: list, xs) -> list:
+    """The loop's strategies ``found`` (its rule's, default first), each under the policies
+    ``rule.remat`` leaves open: with the residuals each keeps, and what it runs again. ``body``:
+    the op records of the loop's step; ``operands``: the value ids of the loop's operands (the
+    carry first, ``rule.relays`` of them), ``xs`` those operands (a policy matters only where one
+    is differentiated)."""
+    name = getattr(rule, "remat", None)
+    if name not in ACCOUNTED + (remats.AUTO,) or not any(differentiated(x.raw) for x in xs):
+        return found
+    length, carry = getattr(rule, "length", 1), operands[:getattr(rule, "relays", 0)]
+    carry_bytes = sum(value_bytes(ctx, recording, v, recording.placed[v]) * recording.values[v][2]
+                      for v in carry) * length
+    kept = _residuals(ctx, recording, body, carry_bytes)
+    policies = remats.CHOICES if name == remats.AUTO else (name,)
+    out = []
+    for f in found:
+        working = f.held[1] if f.held else 0.0
+        for i, policy in enumerate(policies):
+            again, collectives, runs = _again(recording, body, policy)
+            moved = sum(b for *_, b in collectives)
+            options = tuple(sorted({**dict(f.options), 0: i}.items())) if name == remats.AUTO and i else f.options
+            out.append(dataclasses.replace(
+                f, options=options, held=(kept[policy], working), again=again, forward=f.forward + moved,
+                collectives=f.collectives + collectives, runs=f.runs + runs, remat=policy))
+    return out

@@ -121,3 +121,20 @@ def test_a_llama_stack_under_a_budget_keeping_the_matmuls_fits_recomputes_only_t
     budget = (peaks["none"] + peaks["dots"]) / 2
     assert _policy(md.explain(step("auto"), mesh, layout, model, batch, memory_budget=budget)) == "dots"
     assert _peak(md.lower(step("auto"), mesh, layout, memory_budget=budget).lower(model, batch).compile()) <= budget
+
+
+def test_a_search_of_a_stack_left_to_the_planner_screens_by_recomputing_and_finds_layouts_only_that_fits():
+    """``md.search`` of a step scanned with ``remat="auto"``: its memory screen bounds each layout
+    by the policy that holds least (full), so a budget that only recomputing meets rejects no
+    layout before costing; the best layout's plan recomputes."""
+    config = LLAMA_CONFIGS["llama-tiny"].replace(layers=4, d_model=128, d_ff=512, vocab=1024)
+    model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
+    tokens = md.named(jax.ShapeDtypeStruct((16, 256), jnp.int32), "batch targets")
+    batch = {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
+             "decoder_loss_weights": md.named(jax.ShapeDtypeStruct((16, 256), jnp.float32), "batch targets")}
+    loss = objective(config)
+    step = lambda m, b: nnx.value_and_grad(lambda m: loss(m, b, train=True, remat="auto")[0].array)(m)  # noqa: E731
+    result = md.search(step, 8, model, batch, memory_budget="40MiB", hardware="cpu", top=3,
+                       dims=["batch", "kv_heads", "d_ff"])
+    assert result.candidates, [c.why for c in result.rejected]
+    assert _policy(result.best.report) == "full"

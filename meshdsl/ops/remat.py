@@ -16,11 +16,14 @@ fits the memory budget, in the same solve as the placements (:mod:`meshdsl.plann
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 
 from ..names.errors import MeshDSLError
 
-__all__ = ["NAMES", "POLICIES", "CHOICES", "AUTO", "policy", "checked", "wrap"]
+__all__ = ["NAMES", "POLICIES", "CHOICES", "AUTO", "policy", "checked", "wrap", "auto_as", "auto_taken_as"]
 
 # Names the rewriter gives to values (meshdsl.rewrite.collectives, the einsum rule): policies keep or
 # recompute them by name.
@@ -76,3 +79,22 @@ def wrap(step, name: str | None):
     if name is None or name == "none":
         return step
     return jax.checkpoint(step, policy=policy(name))
+
+
+_AUTO_AS: contextvars.ContextVar = contextvars.ContextVar("remat_auto_as", default=None)
+
+
+@contextlib.contextmanager
+def auto_as(name: str | None):
+    """``remat="auto"`` taken as policy ``name`` while inside (None: the planner's choice): the
+    search's memory screen traces the policy that holds least, a bound on what any plan holds."""
+    token = _AUTO_AS.set(name)
+    try:
+        yield
+    finally:
+        _AUTO_AS.reset(token)
+
+
+def auto_taken_as() -> str | None:
+    """The policy ``remat="auto"`` is taken as here (:func:`auto_as`), or None."""
+    return _AUTO_AS.get()

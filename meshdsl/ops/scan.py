@@ -70,7 +70,8 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
     def run(ctx, c_leaves, x_leaves):
         policy = remat
         if remat == remats.AUTO:   # the planner's decision point (its first), its default keeping all
-            policy = remats.CHOICES[ctx.option(len(remats.CHOICES))] if ctx.explicit else "none"
+            policy = remats.auto_taken_as() or (
+                remats.CHOICES[ctx.option(len(remats.CHOICES))] if ctx.explicit else "none")
         return loop.run(ctx, remats.wrap(step, policy), dim, length, x_leaves, x_tree, c_leaves, c_tree,
                         reverse, unroll, where)
 

@@ -182,10 +182,12 @@ class DimsRecorder(GlobalContext):
         self.scanned: set = set()     # the dims an md.scan runs over (a layout splitting one: a pipeline)
         self.work: list = []         # Work: the contractions the program computes, whole
         self._loops: list = []       # (dim, size, differentiated) of the md.scan bodies traced now
+        self.remat_auto = False      # an md.scan leaves its remat policy to the planner
 
     def apply(self, name: str, rule, args, kwargs):
         self._note(name, rule, args, kwargs)
         loop = self._loop(rule, args) if name == "scan" else None
+        self.remat_auto = self.remat_auto or getattr(rule, "remat", None) == "auto"
         if loop is not None:
             self._loops.append(loop)
         try:

@@ -46,6 +46,7 @@ from ..platform.jaxcompat import fresh
 from ..costmodel.jaxpr_stats import nbytes
 from ..names.layout import Layout, effective
 from ..lowering.lower import lower
+from ..ops import remat as remats
 from ..names.named import is_named
 from ..names.tracing import using
 
@@ -74,6 +75,7 @@ class Held:
         self.renamed = recorder.renamed
         self.scanned = recorder.scanned           # the dims an md.scan runs over
         self.work = recorder.work                 # the contractions it computes, whole
+        self.remat_auto = recorder.remat_auto     # a stack's remat policy is each plan's choice
         self._related = _related(recorder.renamed, recorder.reshaped)
         self._temporaries = None   # the unsharded program's temporaries at its peak, traced when first screened
         self._kernels: list = []   # and its kernels (the same trace)
@@ -150,12 +152,19 @@ class Held:
 
     def temporaries(self, mesh) -> list:
         """The temporaries live at the unsharded program's peak (traced once, on ``mesh``
-        with nothing split); none where it cannot be traced."""
+        with nothing split); none where it cannot be traced. A stack scanned with
+        ``remat="auto"`` is traced recomputing all (``"full"``: what any plan holds at least), and
+        again keeping all for its kernels (what any plan computes at least)."""
         if self._temporaries is None:
             try:
-                closed, ctx, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
+                with remats.auto_as("full" if self.remat_auto else None):
+                    closed, ctx, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
                 body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
                 self._temporaries = liveness.at_peak(body)
+                if self.remat_auto:
+                    with remats.auto_as("none"):
+                        closed, ctx, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
+                    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
                 self._kernels = roofline.program_kernels(body, ctx.attentions)
             except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
                 self._temporaries = []

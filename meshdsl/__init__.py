@@ -26,7 +26,8 @@ from .ops import (
     slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
     where, zeros,
 )
-from .ops.remat import NAMES as REMAT_NAMES, POLICIES as REMAT_POLICIES, policy as remat_policy
+from .ops.remat import CHOICES as REMAT_AUTO_CHOICES, NAMES as REMAT_NAMES, POLICIES as REMAT_POLICIES, \
+    policy as remat_policy
 from .views.pipeline_plot import plot_pipeline
 from .views.plots import device_blocks, plot_placement, plot_reports
 
@@ -49,7 +50,7 @@ __all__ = [
     "sum", "mean", "max", "min", "softmax", "logsumexp", "argmax", "top_k", "cumsum",
     "rename", "transpose", "reshape", "concat", "slice", "pad", "shift", "one_hot", "take",
     "attention", "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
-    "remat_policy", "REMAT_POLICIES", "REMAT_NAMES",
+    "remat_policy", "REMAT_POLICIES", "REMAT_NAMES", "REMAT_AUTO_CHOICES",
     # notebook views
     "register_treescope", "report_html", "reports_table", "device_blocks", "plot_placement", "plot_reports",
     "plot_pipeline",

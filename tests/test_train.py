@@ -172,10 +172,10 @@ def test_layout_auto_trains_with_the_layout_the_search_ranks_first(tmp_path, cap
         main([*TINY, "--out", str(tmp_path / "bad"), "--layout", "auto", "--params-layout", "d_model:data"])
 
 
-@pytest.mark.slow  # ~80 s on 2 cores: the search costs every layout three times (its choice: test_search)
+@pytest.mark.slow  # ~25 s on 2 cores: a search through the CLI (the plan's choice: test_remat_is_a_strategy_...)
 def test_remat_auto_is_chosen_with_the_layout_and_recorded(tmp_path, capsys):
-    """--remat auto with --layout auto: each layout is costed with each remat policy (none, dots,
-    full); the run trains with the pair ranked first and records both."""
+    """--remat auto with --layout auto: each layout's plan chooses the remat policy (none, dots,
+    full); the run trains with the best layout and its plan's policy, and records both."""
     result = train(tmp_path, "auto", "--steps", "1", "--mesh", "data:8", "--layout", "auto", "--remat", "auto",
                    "--memory-budget", "1GiB", "--hardware", "h100-80gb")
     printed = capsys.readouterr().out

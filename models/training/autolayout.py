@@ -1,8 +1,9 @@
 """``--layout auto``: the training step's mesh and layout chosen by ``md.search``.
 
 The step searched is the one the run trains (the model's loss and gradients, the run's ``--remat``, a
-batch of the run's shapes, abstract: nothing is computed); ``--remat auto`` lets the search choose
-the remat policy too (none, dots or full: each layout costed with each). Over the device count when ``--mesh``
+batch of the run's shapes, abstract: nothing is computed); ``--remat auto`` leaves the stacks'
+remat policy to each layout's plan (none, dots or full: the fastest its solve finds within the budget),
+and the run takes the best layout's. Over the device count when ``--mesh``
 is left at its default (every factorisation into ``data`` or ``data x model``), else over the mesh
 given; the dims placed are the model's parallel ones (batch, heads, d_ff, vocab, d_model; experts
 and group for MoE; kv_heads for Llama), with ZeRO-3 storage tried for each. The time model runs on ``--hardware``
@@ -28,16 +29,17 @@ from meshdsl.models.families.loss import t5_loss
 from meshdsl.models.training.faults import UsageError
 from meshdsl.names.units import fmt_bytes
 
-__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "choose_for_run", "rules_text", "step_of"]
+__all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "choose_for_run", "planned_remat", "rules_text",
+           "step_of"]
 
 DEFAULT_MESH = "data:-1"
-REMAT_CHOICES = ("none", "dots", "full")   # what --remat auto chooses among
+REMAT_CHOICES = md.REMAT_AUTO_CHOICES   # what --remat auto chooses among (none, dots, full)
 _DIMS = ("batch", "heads", "kv_heads", "d_ff", "vocab", "d_model", "experts", "group")
 
 
 def step_of(remat: str, loss=t5_loss):
     """The training step searched: ``loss``'s value and gradients of ``model`` on ``batch``
-    (``remat``, or a keyword argument of the step where it is ``"auto"``)."""
+    (``remat``: a policy, or ``"auto"``: the plan's choice; a keyword argument of the step)."""
     def step(model, batch, remat=remat):
         return nnx.value_and_grad(lambda m: loss(m, batch, train=True, remat=remat)[0].array)(model)
     return step
@@ -66,12 +68,18 @@ def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length
         hw = md.Hardware.profile(hardware)
     dims = [d for d in _DIMS if any(d in leaf.names for leaf in jax.tree_util.tree_leaves(
         args, is_leaf=lambda x: isinstance(x, md.NamedArray)) if isinstance(leaf, md.NamedArray))]
-    choices = {"remat": list(REMAT_CHOICES)} if remat == "auto" else None
     result = md.search(step_of(remat, objective(config)), target, *args, memory_budget=memory_budget, hardware=hw, top=5,
-                       dims=dims, zero=True, choices=choices)
+                       dims=dims, zero=True)
     _print(result, say)
     best = result.best
-    return best.mesh, best.layout, best.lower_kwargs, best.choices.get("remat", remat), result
+    return best.mesh, best.layout, best.lower_kwargs, planned_remat(best.report) if remat == "auto" else remat, result
+
+
+def planned_remat(report) -> str:
+    """The remat policy a plan took for its stacks (``remat="auto"``: each layout's solve weighs
+    none, dots and full under the budget); where stacks differ, the one recomputing most."""
+    taken = [d["chosen"].rsplit("; remat ", 1)[1] for d in report.decisions() if "; remat " in d["chosen"]]
+    return max(taken, key=REMAT_CHOICES.index, default="none")
 
 
 def choose_for_run(args, config, enc_len: int, dec_len: int, say) -> None:

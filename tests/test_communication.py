@@ -112,6 +112,34 @@ def test_shift_on_a_split_dim_is_collective_permute_of_the_boundary(mesh, arrays
     assert hlo["collective-permute"][0] == permutes
 
 
+@pytest.mark.parametrize("offset, kept", [(-14, 2), (13, 3), (15, 1)])
+def test_a_shift_into_a_whole_result_moves_only_the_rows_that_stay(mesh, arrays, offset, kept):
+    """A parameter stored split over model (4 devices, blocks of 4 along seq) shifted into a result
+    holding seq whole: the rows that stay lie on one device, so they are summed zero-filled (one
+    all-reduce of those rows), not the dim gathered (4 rows a device). Over 2 devices (batch over
+    data, blocks of 4) gathering each device's part of them moves as little: one all-gather of
+    the widest part."""
+    w = md.param(arrays["x3"])
+    per_row = B // DATA * D * F32
+    layout = md.Layout({"batch": "data"}, params={"seq": "model"})
+    hlo, _ = check_comm(lambda w: md.shift(w, "seq", offset), mesh, layout, (w,),
+                        {"all-reduce": ring_all_reduce(kept * per_row, MODEL)}, objective="bytes")
+    assert hlo["all-reduce"][0] == 1
+    hlo, _ = check_comm(lambda w: md.shift(w, "batch", -6), mesh, md.Layout({}, params={"batch": "data"}), (w,),
+                        {"all-gather": ring_gather(DATA * 2 * S * D * F32, DATA)}, objective="bytes")
+    assert hlo["all-gather"][0] == 1
+
+
+@pytest.mark.parametrize("start, size", [(1, 2), (13, 3)])
+def test_a_slice_into_a_whole_result_moves_only_the_rows_it_reads(mesh, arrays, start, size):
+    """md.slice of a parameter stored split over model into a result holding the dim whole, the
+    rows read on one device: those rows summed zero-filled (one all-reduce), not the dim gathered."""
+    layout = md.Layout({"batch": "data"}, params={"seq": "model"})
+    hlo, _ = check_comm(lambda w: md.slice(w, "seq", start, size), mesh, layout, (md.param(arrays["x3"]),),
+                        {"all-reduce": ring_all_reduce(size * B // DATA * D * F32, MODEL)}, objective="bytes")
+    assert sum(count for count, *_ in hlo.values()) == 1
+
+
 def test_a_shift_from_two_devices_takes_one_gather_where_latency_outweighs_the_bytes(mesh, arrays):
     """Offset 5 over blocks of 4 needs rows from two devices: two permutes (2 KiB) or one
     all-gather (6 KiB). On the CPU profile (10 us a collective, 230 GB/s) the gather's one latency

@@ -11,7 +11,8 @@ from ..names.dims import Dim, Shape, parse_dims
 from ..names.errors import ShapeError, suggest
 from ..names.named import NamedArray
 
-__all__ = ["where_", "as_named", "union_dims", "names_in", "one_dim", "align", "new_dims", "axis_of", "block_offset"]
+__all__ = ["where_", "as_named", "union_dims", "names_in", "one_dim", "align", "new_dims", "axis_of", "block_offset",
+           "whole_copy_made", "rows_gathered"]
 
 
 def where_(ctx) -> str:
@@ -117,3 +118,42 @@ def align(local, from_dims, to_dims):
             full.append(next(it) if n in src else 1)
         local = jnp.reshape(local, full)
     return local
+
+
+def rows_gathered(ctx, x: NamedArray, axes, name: str, lo: int, hi: int, vary, keep):
+    """The local array of ``x`` holding rows ``lo .. hi`` of ``name`` whole (its other dims placed
+    by ``axes``), where ``x`` holds ``name`` split and one collective of only those rows moves
+    fewer bytes than gathering the dim: each device's part of them (padded to the widest part)
+    all-gathered, or - where few devices hold them - the rows zero-filled elsewhere and summed
+    (an all-reduce of ``hi - lo`` rows), whichever moves fewer. A shift or slice whose result holds
+    the dim whole needs only the rows it keeps (a shift by ``-28`` of 32 rows on 2 devices: 4 rows,
+    not 16). None where neither moves fewer bytes than the gather, where ``x`` holds a pending
+    sum, or where a copy of ``x`` holding the dim whole is made anyway."""
+    split = ctx.placement(x).of(x.dims, name) if ctx.explicit else ()
+    if not split or ctx.pending(x) or axes[name]:
+        return None
+    n, size = ctx.axes_size(split), x.dims[name].size
+    block = size // n
+    starts = [min(max(lo, d * block), (d + 1) * block) for d in range(n)]
+    ends = [max(min(hi, (d + 1) * block), s) for d, s in enumerate(starts)]
+    width = max(e - s for s, e in zip(starts, ends))
+    summed = 2 * (hi - lo) / n   # an all-reduce's rows per device, against (n - 1) per row gathered
+    if min(width, summed) >= block or ctx.relaid(x, tuple(axes[d] for d in x.names)):
+        return None
+    pos = x.names.index(name)
+    local = ctx.local(x, {**axes, name: split}, frozenset(vary) | set(split), keep_pending=keep)
+    tensor = f"[{x.dims}] rows {lo}..{hi} of {name}"
+    me = C.axis_index(split)
+    if summed < width:
+        rows = np.arange(lo, hi)
+        owner = rows // block
+        mine = jnp.asarray(owner[None, :] == np.arange(n)[:, None])[me]
+        shape = [1] * local.ndim
+        shape[pos] = hi - lo
+        picked = jnp.take(local, jnp.asarray(rows - owner * block, jnp.int32), axis=pos)
+        return C.psum(ctx, jnp.where(mine.reshape(shape), picked, jnp.zeros((), local.dtype)), split, tensor)
+    offsets = [min(s - d * block, block - width) for d, s in enumerate(starts)]
+    part = jax.lax.dynamic_slice_in_dim(local, jnp.asarray(offsets, jnp.int32)[me], width, axis=pos)
+    parts = C.all_gather(ctx, part, split, pos, invariant=True, tensor=tensor)
+    rows = [d * width + s - d * block - offsets[d] + j for d, (s, e) in enumerate(zip(starts, ends)) for j in range(e - s)]
+    return jnp.take(parts, jnp.asarray(rows, jnp.int32), axis=pos)

@@ -19,7 +19,7 @@ from ..rewrite import collectives as C
 from ..names.dims import Dim, Shape
 from ..names.errors import LayoutError, ShapeError
 from ..names.named import NamedArray
-from .common import as_named, block_offset, new_dims, one_dim, where_, whole_copy_made
+from .common import as_named, block_offset, new_dims, one_dim, rows_gathered, where_, whole_copy_made
 from .registry import op
 from .restructure import reshape
 
@@ -189,14 +189,22 @@ def shift(ctx, x, dim, offset: int, wrap: bool = False) -> NamedArray:
         axes[name] = ()   # a copy holding the dim whole is made anyway (top_k): read it, no rows move
     keep = ctx.pending(x) - {a for a in axes[name]}
     vary = ctx.vary(axes.values(), [x], keep, out_size=x.size)
-    local = ctx.local(x, axes, vary, keep_pending=keep)
     pos = x.names.index(name)
+    kept = size - abs(offset)   # rows that stay (the rest are zeros)
+    if not wrap and offset:   # the result whole, x held split: gather only the rows that stay
+        rows = rows_gathered(ctx, x, axes, name, max(0, -offset), max(0, -offset) + kept, vary, keep)
+        if rows is not None:
+            y = ctx.out(jnp.pad(rows, [(max(offset, 0), max(-offset, 0)) if k == pos else (0, 0)
+                                       for k in range(rows.ndim)]), x.dims, axes, keep)
+            body = ctx.part(rows, Shape(Dim(name, kept) if d.name == name else d for d in x.dims), y)
+            return ctx.pieces(y, name, [(body, max(offset, 0))])
+    local = ctx.local(x, axes, vary, keep_pending=keep)
     split = axes[name]
     if not split or offset == 0:
         y = ctx.out(_shift_local(local, pos, offset, wrap), x.dims, axes, keep)
         if wrap or offset == 0:
             return y
-        kept = size - abs(offset)   # rows that stay (the rest are zeros): relaid alone (relayout's pieces)
+        # the rows that stay, relaid alone (relayout's pieces)
         body = jax.lax.slice_in_dim(local, max(0, -offset), max(0, -offset) + kept, axis=pos)
         body = ctx.part(body, Shape(Dim(name, kept) if d.name == name else d for d in x.dims), y)
         return ctx.pieces(y, name, [(body, max(offset, 0))])

@@ -18,7 +18,7 @@ from ..rewrite import collectives as C
 from ..names.dims import Dim, Shape
 from ..names.errors import ShapeError
 from ..rewrite.relayout import relayout_bytes
-from .common import align, as_named, names_in, where_
+from .common import align, as_named, names_in, rows_gathered, where_
 from .elementwise import add
 from ..names.named import NamedArray
 from .registry import op
@@ -275,6 +275,12 @@ def _windows_of(ctx, pieces, name, size, what):
         # a split off the layout kept only where this piece's result is the op's (asked of the next result)
         how = _cheapest_along(ctx, [x], name, keep, size, [start], out if len(pieces) == 1 else None)
         axes, vary = _placed_along(ctx, x, name, keep, how, math.prod(out.sizes))
+        lo, hi = max(0, start), min(n, start + size)
+        rows = rows_gathered(ctx, x, axes, name, lo, hi, vary, keep) if how is None and hi > lo else None
+        if rows is not None:   # the dim whole, x held split: only the rows read move
+            rows = jnp.pad(rows, [(lo - start, start + size - hi) if d.name == name else (0, 0) for d in x.dims])
+            results.append(ctx.out(rows, out, axes, keep))
+            continue
         local = ctx.local(x, axes, vary, keep_pending=keep)
         pos = x.names.index(name)
         if how is not None and how[0] == "window":

@@ -24,7 +24,7 @@ from .dims import Dim, Shape, parse_dims
 from .errors import ShapeError, user_line
 from .tracing import current
 
-__all__ = ["NamedArray", "Placement", "named", "param", "is_named"]
+__all__ = ["NamedArray", "Placement", "Facts", "named", "param", "is_named"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +67,40 @@ class Placement:
         return ", ".join(parts) or "replicated"
 
 
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the rewriter knows of a value inside a lowering beyond its placement, kept on the
+    value (a value rebuilt by jax - a pytree round trip, a loop's carry - starts with none):
+
+    * ``made_by``: ``"einsum at model.py:12"``, the op that produced it (for messages);
+    * ``weights_only``: computed from parameters and constants alone (no data reaches it);
+    * ``narrowed``: computed from an op the planner left unwidened (its readers follow);
+    * ``pieces``: ``(dim, ((piece, offset), ...))`` of a value made of pieces along a dim (a pad,
+      a concat, a zero-filled shift), zeros elsewhere: a later slice or relayout reads the pieces."""
+
+    made_by: str = ""
+    weights_only: bool = False
+    narrowed: bool = False
+    pieces: tuple | None = None
+
+
+NO_FACTS = Facts()
+
+
 class NamedArray:
     """A jax array with named dims. Build one with :func:`named`; ops match dims by name."""
 
-    __slots__ = ("_array", "dims", "is_param", "placement")
+    __slots__ = ("_array", "dims", "is_param", "placement", "facts")
     __array_priority__ = 1000  # numpy scalars defer to our operators
 
-    def __init__(self, array, dims, *, is_param: bool = False, placement: Placement | None = None):
+    def __init__(self, array, dims, *, is_param: bool = False, placement: Placement | None = None,
+                 facts: Facts = NO_FACTS):
         # No validation here: jax and optax rebuild NamedArrays from children of other shapes.
         self._array = array
         self.dims = dims if isinstance(dims, Shape) else Shape(dims)
         self.is_param = is_param
         self.placement = placement
+        self.facts = facts   # the rewriter's facts about it (Facts), not part of its pytree
 
     # -- the data ----------------------------------------------------------------------------------
 

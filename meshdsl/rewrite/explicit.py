@@ -15,6 +15,7 @@ captures from outside is relaid outside the loop (hoisted), once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from . import collectives as C
 from ..platform import jaxcompat
@@ -24,7 +25,7 @@ from ..costmodel.cost import dual_bytes
 from ..names.errors import LayoutError
 from ..platform.jaxcompat import differentiated, varying_axes
 from ..names.layout import check_axes
-from ..names.named import NamedArray, Placement
+from ..names.named import Facts, NamedArray, Placement
 from .placement import plan
 from .relayout import relayout
 
@@ -53,12 +54,11 @@ class ExplicitContext(LayoutContext):
         self.param_axes: frozenset = frozenset()
         self._cache: dict = {}       # relayout / cast results, per jax trace
         self._cache_log: list = []   # cache keys in insertion order (for rollback)
-        self._made_by: dict = {}     # id(local array) -> "op at line" that produced it
-        self._keepalive: list = []   # keeps the ids above unique while the context lives
-        self._weights: set = set()   # ids of local arrays computed from parameters/constants alone
-        self._pads: dict = {}        # id(local array) -> (dim, [(piece, offset)]) of a pad or concat
+        # What the rewriter knows of each value is on the value (NamedArray.facts: its maker, whether
+        # only weights reach it, whether it was left unwidened, its pieces); below, the caches of
+        # this trace's relayouts, keyed by the local array relaid (alive while the context lives).
+        self._keepalive: list = []   # keeps the ids below unique while the context lives
         self._relaid: dict = {}      # id(local array) -> {target axes per dim} relaid (cached) so far
-        self._narrowed: set = set()  # ids of local arrays computed from an op left unwidened (see vary)
         self._narrowing = False      # the op being lowered was left unwidened
         self._copies: dict = {}      # (id(local array), target) -> (planner's op number making it, its bytes)
         self._sliced_from: dict = {}  # id(local block) -> (the local array it is a slice of, that array's axes)
@@ -124,7 +124,7 @@ class ExplicitContext(LayoutContext):
         # the planner (candidate 1: stay invariant). An op reading a value computed from one left
         # unwidened follows that decision (else it would widen the value in its place).
         if widen and self.param_axes and (self.rec.multiplier > 1 or self.rec.in_loop() or any(differentiated(x.raw) for x in operands)):
-            if any(id(x.raw) in self._narrowed for x in operands) or self.option(2):
+            if any(x.facts.narrowed for x in operands) or self.option(2):
                 self._narrowing = True
             else:
                 out |= self.param_axes
@@ -135,7 +135,7 @@ class ExplicitContext(LayoutContext):
         scalars aside): no data reaches it, so it is no reason to vary over data axes. Values made
         from no parameter (``arange`` positions, bucket ids) count as data: a parameter they
         index into (a position-bias table) has its gradient summed where it is read, at its size."""
-        return x.is_param or id(x.raw) in self._weights
+        return x.is_param or x.facts.weights_only
 
     def relaid(self, x: NamedArray, target) -> bool:
         """Is ``x`` relaid to ``target`` (axes per dim, pending sums reduced) in this trace
@@ -165,35 +165,28 @@ class ExplicitContext(LayoutContext):
         return bool(self.option(2))
 
     def pieces(self, y, name, pieces):
-        self._pads[id(y.raw)] = (name, list(pieces), tuple(y.dims))
-        self._keepalive.append(y.raw)
+        y.facts = dataclasses.replace(y.facts, pieces=(name, tuple(pieces)))
         return y
 
     def part(self, array, dims, like):
         pl = self.placement(like)
         axes = dict(zip(like.names, pl.axes))
-        x = NamedArray(array, dims)
-        x.placement = Placement(tuple(axes[d.name] for d in dims), pl.pending)
-        self._keepalive.append(array)
-        return x
+        return NamedArray(array, dims, placement=Placement(tuple(axes[d.name] for d in dims), pl.pending))
 
     def padded_from(self, y):
         """``(dim name, [(piece, offset)])`` of a value made of pieces along a dim (a pad, a
-        concat, a zero-filled shift), or None. Only under the dims it was made with: a rename or
-        reshape since gives the same local array other dims (a swap ``c <-> d`` of two dims of one
-        size: the pieces' ``c`` is the value's ``d`` now)."""
-        hit = self._pads.get(id(y.raw))
-        return None if hit is None or hit[2] != tuple(y.dims) else hit[:2]
+        concat, a zero-filled shift), or None. A rename or reshape since makes another value (a
+        swap ``c <-> d`` of two dims of one size: the pieces' ``c`` is the value's ``d`` now)."""
+        return y.facts.pieces
 
     def derived(self, operands, result) -> None:
-        if self._narrowing or any(id(x.raw) in self._narrowed for x in operands):
-            self._narrowed.update(id(y.raw) for y in result)
-            self._keepalive.extend(y.raw for y in result)
+        narrowed = self._narrowing or any(x.facts.narrowed for x in operands)
         self._narrowing = False
-        if operands and all(self.weights_only(x) for x in operands):
-            for y in result:
-                self._weights.add(id(y.raw))
-                self._keepalive.append(y.raw)
+        weights = bool(operands) and all(self.weights_only(x) for x in operands)
+        for y in result:
+            if narrowed and not y.facts.narrowed or weights and not y.facts.weights_only:
+                y.facts = dataclasses.replace(y.facts, narrowed=y.facts.narrowed or narrowed,
+                                              weights_only=y.facts.weights_only or weights)
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
         pl = self.placement(x)
@@ -222,11 +215,7 @@ class ExplicitContext(LayoutContext):
         if overlap:
             raise LayoutError(f"internal: {what} result both split and pending over {sorted(overlap)}")
         x.placement = Placement(axes, frozenset(pending))
-        if self._narrowing:
-            self._narrowed.add(id(array))
-        if self.op:
-            self._made_by[id(array)] = what
-            self._keepalive.append(array)
+        x.facts = Facts(made_by=what if self.op else "", narrowed=self._narrowing)
         return x
 
     def operand(self, x: NamedArray) -> NamedArray:
@@ -243,10 +232,6 @@ class ExplicitContext(LayoutContext):
 
     def position_extent(self, name: str, size: int) -> int:
         return size if self.frame is None else self.frame.extent(name, size)
-
-    def made_by(self, array) -> str:
-        """``"einsum at model.py:12"`` for a value an op produced (``""`` for inputs)."""
-        return self._made_by.get(id(array), "")
 
     # -- values entering and leaving the rewriter ----------------------------------------------
 

@@ -166,7 +166,7 @@ class _Move:
             self.arr, self.names, self.shape_txt = None, names, ""
             return
         self.arr, self.names, self.source = x.raw, x.names, x.raw
-        source = ctx.made_by(x.raw)
+        source = x.facts.made_by
         self.shape_txt = f"[{x.dims}]" + (f" from {source}" if source else "")
 
     def emit(self, kind, axes, grow, collective):

@@ -68,7 +68,7 @@ def bytes_by_kind(summary: dict) -> dict:
     return {k: v[1] for k, v in summary.items()}
 
 
-# -- the three promises on one program (test_outside_programs_keep_the_promises, test_reduced_programs_keep_the_promises, test_small_programs_keep_the_promises) -----
+# -- the three promises on one program (the test_*_keep_the_promises files) ---------------------------------
 
 def moved_by_backend(fn, mesh, layout, *args, **kw):
     """Bytes per device the compiled program moves, explicit and gspmd backends (the explicit plan

@@ -284,7 +284,7 @@ def test_zero1_optimizer_update_stays_in_the_storage_layout():
     (stored split over data). The state is never gathered: the gradient is sliced to it and only the
     new weights are gathered. The weight's gradient is all-reduced by the backward pass (the
     transpose of using a replicated weight on every device), so the step moves 3 Psi, not the 2 Psi
-    of the params= layout that stores the weight split too (test_outside_programs_keep_the_promises.py::test_neighbours_fused_training_step_bytes)."""
+    of the params= layout that stores the weight split too (test_parameters_and_gradients_keep_the_promises.py::test_a_fused_training_step_moves_the_gradient_reduction_alone)."""
     mesh = md.Mesh({"data": 8})
     k = jax.random.split(jax.random.key(3), 2)
     x = md.named(jax.random.normal(k[0], (16, D)), "batch d_model")

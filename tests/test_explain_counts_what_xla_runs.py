@@ -12,7 +12,7 @@ import numpy as np
 
 import meshdsl as md
 
-from helpers import promises_kept as _kept
+from helpers import explain_vs_hlo, promises_kept as _kept
 
 
 def _normal(shape, names, seed=0):
@@ -222,3 +222,88 @@ def test_two_attentions_reading_one_value_gather_it_once():
     def fn(v):
         return attend(v, "c", "d"), -attend(v, "d", "c")
     _kept(fn, md.Mesh({"x": 8}), md.Layout({"c": "x"}), v, moved={"all-gather": 224})
+
+
+_explain_vs_hlo = explain_vs_hlo
+
+
+# -- programs found by fuzzers and from outside --------------------------------------------------
+
+def test_a_collective_of_one_value_is_counted_once():
+    x = md.named(jnp.arange(8.0), "b")
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"b": "data"})
+
+    def fn(x):
+        s = md.sum(x)
+        return s, x + s
+
+    e, h = _explain_vs_hlo(fn, mesh, layout, x)
+    assert e == h
+
+
+def test_explain_counts_a_regathered_parameter_as_xla_runs_it():
+    x = md.named(jnp.ones((8, 4, 16)), "batch seq d_model")
+    w = md.param(md.named(jnp.ones((16, 32)) * 0.1, "d_model d_ff"))
+
+    def ffn(x, w):
+        return x + md.einsum(md.relu(md.einsum(x, w, out="batch seq d_ff")), w, out="batch seq d_model")
+
+    def step(x, w):
+        return jax.grad(lambda w: md.sum(md.square(ffn(x, w))).array)(w)
+
+    mesh = md.Mesh({"data": 2, "model": 4})
+    layout = md.Layout({"batch": ("data", "model")}, params={"d_model": ("data", "model")})
+    e, h = _explain_vs_hlo(step, mesh, layout, x, w, param_gather="regather")
+    assert e == h
+
+
+def test_explain_counts_a_loop_invariant_collective_xla_hoists():
+    """The backward pass gathers the constant cotangent of acc (a carry passed through unchanged):
+    XLA hoists it and folds it (all-gather of a broadcast constant), and explain models both."""
+    r = np.random.default_rng(0)
+    x3 = md.named(jnp.asarray(r.standard_normal((32, 16)), jnp.float32), "d b")
+    w = md.named(jnp.asarray(r.standard_normal((4, 16, 16)) * 0.3, jnp.float32), "L b n2")
+
+    def step(carry, w):
+        h, acc = carry
+        z = md.rename(md.einsum(h, w, out="d n2"), {"n2": "b"})
+        return (z * 0.25 + h, acc + md.sum(z, "d") * 0.1), None
+
+    def fn(x3, w):
+        (h, acc), _ = md.scan(step, (x3, md.sum(x3, "d") * 0.0 + 1.0), w, dim="L")
+        return md.sum(h) + md.sum(acc)
+
+    fg = lambda x3, w: jax.grad(lambda x3: fn(x3, w).array)(x3)
+    mesh, layout = md.Mesh({"data": 4, "model": 2}), md.Layout({"b": "model", "n2": "data"})
+    e, h = _explain_vs_hlo(fg, mesh, layout, x3, w)
+    assert e == h
+
+
+def test_explain_sees_through_the_same_jit_called_twice():
+    """Two md.where (one jitted jnp.where, called twice) on predicates that each need all-reduces,
+    two md.cumsum:
+    explain splices each call in with its own variables and counts both (a shared variable would
+    merge the two and drop one's collectives)."""
+    r = np.random.default_rng(1)
+    x = md.named(jnp.asarray(r.standard_normal((16, 8, 32)), jnp.float32), "a d e")
+    y = md.named(jnp.asarray(r.standard_normal((16, 32)), jnp.float32), "a e")
+    fn = lambda x, y: (md.where(md.greater(md.logsumexp(x, "d"), 0.0), y, -y),
+                       md.where(md.greater(md.logsumexp(x * 2.0, "d"), 0.0), y, 2.0 * y))
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 4, "y": 2}), md.Layout({"d": "y"}), x, y)
+    assert e == h and e["all-reduce"] > 0
+    c = md.named(jnp.asarray(r.standard_normal(64), jnp.float32), "c")
+    fn = lambda c: (md.cumsum(c, "c"), md.cumsum(c * 2.0, "c"))   # jnp.cumsum's jit, twice
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 8}), md.Layout({"c": "x"}), c)
+    assert e == h == {"all-gather": 2 * 7 * 4}
+
+
+def test_explain_counts_a_computation_the_program_repeats():
+    """Two identical einsums (and their all-reduces) in one program: XLA merges them (CSE), so
+    explain must count the all-reduce once, forward and backward."""
+    x = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32), "b d")
+    fn = lambda v: (md.einsum(v, v, out=""), md.einsum(v, v, out=""))
+    grads = lambda x: jax.grad(lambda x: md.sum(md.tanh(fn(x)[0]) + md.tanh(fn(x)[1])).array)(x)
+    mesh, layout = md.Mesh({"x": 4, "y": 2}), md.Layout({"b": "y"})
+    for f in (fn, grads):
+        e, h = _explain_vs_hlo(f, mesh, layout, x)
+        assert e == h and e

@@ -171,24 +171,33 @@ class Graph:
             return p, len(self.nodes) - 1
         return p, max([p] + [c for c, _ in self.consumers.get(v, ())])
 
-    def memory(self, choice) -> float:
-        """Per-device bytes the plan ``choice`` holds at its peak, as the graph sees it: every
-        value from its producer to its last reader (to the end where the backward pass reads it),
-        in the placement its producer's strategy gives it; and what each op's strategy holds
-        beyond (its residuals to the end, its working buffers while it runs)."""
-        level = [0.0] * (len(self.nodes) + 1)
+    def holdings(self) -> list:
+        """What the program holds, as the memory model sees it: ``(first, last, node, sizes)`` for
+        every value (held from its producer to its last reader, to the end where the backward
+        pass reads it; ``sizes``: its bytes per device under each strategy of its producer
+        ``node``) and for what each op's strategies hold beyond (residuals to the end where it is
+        differentiated, working buffers while it runs). :meth:`memory` and the solver's memory
+        rows (:mod:`meshdsl.planner.solve`) both read it."""
+        out = []
         for v, (p, slot) in self.producer.items():
-            mem = self.nodes[p].strategies[choice[p]].memory
-            if mem:
-                first, last = self.live_range(v)
-                level[first] += mem[slot]
-                level[last + 1] -= mem[slot]
+            sizes = [s.memory[slot] if s.memory else 0.0 for s in self.nodes[p].strategies]
+            if any(sizes):
+                out.append((*self.live_range(v), p, sizes))
         for p, node in enumerate(self.nodes):
-            s = node.strategies[choice[p]]
-            if s.kept or s.working:
-                level[p] += s.kept + s.working
-                level[p + 1] -= s.working
-                level[len(self.nodes)] -= s.kept
+            kept, working = [s.kept for s in node.strategies], [s.working for s in node.strategies]
+            if any(kept):
+                out.append((p, len(self.nodes) - 1, p, kept))
+            if any(working):
+                out.append((p, p, p, working))
+        return out
+
+    def memory(self, choice) -> float:
+        """Per-device bytes the plan ``choice`` holds at its peak, as the graph sees it
+        (:meth:`holdings`, each in the strategy its node takes)."""
+        level = [0.0] * (len(self.nodes) + 1)
+        for first, last, p, sizes in self.holdings():
+            level[first] += sizes[choice[p]]
+            level[last + 1] -= sizes[choice[p]]
         peak = held = 0.0
         for x in level[:-1]:
             held += x

@@ -214,21 +214,13 @@ def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) ->
 
 
 def _memory_rows(graph: Graph, x: dict, budget: float) -> list:
-    """The coefficients of one row per point of the program where the values held may exceed
-    ``budget`` (distinct rows only): the bytes per device each holds under its producer's strategy
-    (``x``: node -> its strategies' variables), summed over the values live there."""
+    """The coefficients of one row per point of the program where what is held may exceed
+    ``budget`` (distinct rows only): the bytes per device of each holding live there
+    (:meth:`Graph.holdings`) under each strategy of its node (``x``: node -> its strategies'
+    variables)."""
     starts: dict = {}
-    for v, (p, slot) in graph.producer.items():
-        sizes = [s.memory[slot] if s.memory else 0.0 for s in graph.nodes[p].strategies]
-        if any(sizes):
-            first, last = graph.live_range(v)
-            starts.setdefault(first, []).append((last, p, sizes))
-    for p, node in enumerate(graph.nodes):   # what a strategy holds beyond (residuals, working buffers)
-        kept, working = [s.kept for s in node.strategies], [s.working for s in node.strategies]
-        if any(kept):
-            starts.setdefault(p, []).append((len(graph.nodes) - 1, p, kept))
-        if any(working):
-            starts.setdefault(p, []).append((p, p, working))
+    for first, last, p, sizes in graph.holdings():
+        starts.setdefault(first, []).append((last, p, sizes))
     live: list = []
     rows: dict = {}
     for t in range(len(graph.nodes)):

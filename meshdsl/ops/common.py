@@ -130,8 +130,8 @@ def rows_gathered(ctx, x: NamedArray, axes, name: str, lo: int, hi: int, vary, k
     not 16). None where neither moves fewer bytes than the gather, where ``x`` holds a pending
     sum, or where a copy of ``x`` holding the dim whole is made anyway."""
     split = ctx.placement(x).of(x.dims, name) if ctx.explicit else ()
-    if not split or ctx.pending(x) or axes[name]:
-        return None
+    if not split or ctx.pending(x) or axes[name] or set(split) & {a for d in x.names for a in axes[d]}:
+        return None   # (the plan places another dim on an axis of the split: no such placement)
     n, size = ctx.axes_size(split), x.dims[name].size
     block = size // n
     starts = [min(max(lo, d * block), (d + 1) * block) for d in range(n)]

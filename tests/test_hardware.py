@@ -6,6 +6,7 @@ row-major device order: on a GPU profile (8 devices per host) an axis whose grou
 host's block of 8 devices runs on NVLink, one whose groups span hosts on the network.
 """
 
+import dataclasses
 import math
 import time
 
@@ -13,7 +14,7 @@ import jax
 import pytest
 
 import meshdsl as md
-from meshdsl.costmodel.hardware import PROFILES, Hardware, Link
+from meshdsl.costmodel.hardware import PROFILES, Hardware, Link, _cache
 
 
 @pytest.mark.parametrize("name", PROFILES)
@@ -112,6 +113,28 @@ def test_measure_fits_positive_finite_constants_in_seconds():
     numbers += [v for link in hw.interconnect.values() for v in (link.bandwidth, link.latency)]
     assert all(math.isfinite(v) and v > 0 for v in numbers), hw
     assert hw.link("model", mesh) == "model" and hw.link(("data", "model"), mesh) in ("data", "model")
+
+
+def test_a_kernel_whose_working_set_fits_the_cache_runs_at_the_cache_bandwidth():
+    """``cache_bytes``: kernels touching at most that run at ``cache_bandwidth``, larger ones
+    stream at ``hbm_bandwidth`` x ``memory_efficiency``; profiles without a cache stream all."""
+    cpu = dataclasses.replace(Hardware.profile("cpu"), cache_bytes=2 ** 20, cache_bandwidth=4e10)
+    assert cpu.memory_seconds(2 ** 20) == pytest.approx(2 ** 20 / 4e10)
+    assert cpu.memory_seconds(2 ** 21) == pytest.approx(2 ** 21 / (cpu.hbm_bandwidth * cpu.memory_efficiency))
+    assert cpu.memory_seconds(8 * 2 ** 20, touched=2 ** 19) == pytest.approx(8 * 2 ** 20 / 4e10)
+    h100 = Hardware.profile("h100-80gb")
+    assert h100.cache_bytes == 0
+    assert h100.memory_seconds(2 ** 10) == pytest.approx(2 ** 10 / (h100.hbm_bandwidth * h100.memory_efficiency))
+
+
+def test_measure_credits_the_cache_only_up_to_the_sizes_that_ran_faster_than_streaming():
+    """The cache size is the largest size up to which every measured size ran at least 1.5x the
+    streaming bandwidth; its bandwidth the least of those (never over-credited)."""
+    points = [(2 ** 16, 8e9), (2 ** 18, 6e9), (2 ** 20, 7e9), (2 ** 22, 1.2e9), (2 ** 24, 9e9)]
+    assert _cache(points, 1e9) == (2 ** 20, 6e9)
+    assert _cache(points, 5e9) == (2 ** 16, 8e9)
+    assert _cache(points, 6e9) == (0.0, 0.0)
+    assert _cache([(2 ** 16, 1e9)], 1e9) == (0.0, 0.0)
 
 
 def test_measure_needs_devices_to_time():

@@ -161,6 +161,11 @@ class Hardware:
         attention_efficiency: the fraction of the peak a fused attention kernel reaches.
         memory_efficiency: the fraction of ``hbm_bandwidth`` a streaming kernel reaches.
         kernel_launch_s: seconds each kernel adds (launch and scheduling).
+        cache_bytes: a kernel touching at most this many bytes per device runs at
+            ``cache_bandwidth`` (its working set stays in cache; 0: every kernel streams at
+            ``hbm_bandwidth``). :meth:`measure` fits both on a CPU, where a step's activations
+            often fit the caches; the GPU and TPU profiles leave it 0.
+        cache_bandwidth: the bandwidth of such a kernel, bytes/s.
 
     Example:
         >>> from meshdsl.costmodel.hardware import Hardware
@@ -182,6 +187,8 @@ class Hardware:
     attention_efficiency: float = 1.0
     memory_efficiency: float = 1.0
     kernel_launch_s: float = 0.0
+    cache_bytes: float = 0.0
+    cache_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         named = {"default_link": self.default_link, "cross_host_link": self.cross_host_link,
@@ -216,6 +223,15 @@ class Hardware:
         if key not in self.flops:
             raise MeshDSLError(f"hardware {self.name!r} has no peak FLOP/s for {key}; it has {sorted(self.flops)}")
         return self.flops[key]
+
+    def memory_seconds(self, nbytes: float, touched: float | None = None) -> float:
+        """Seconds to move ``nbytes`` through memory by kernels each touching ``touched`` bytes
+        (default ``nbytes``: one kernel): at ``cache_bandwidth`` where that fits ``cache_bytes``,
+        else at ``hbm_bandwidth`` times ``memory_efficiency``."""
+        touched = nbytes if touched is None else touched
+        if self.cache_bytes and touched <= self.cache_bytes:
+            return nbytes / self.cache_bandwidth
+        return nbytes / (self.hbm_bandwidth * self.memory_efficiency)
 
     def matmul_peak(self, operand_dtype) -> float:
         """Peak FLOP/s of a matmul whose operands are ``operand_dtype``: 16-bit and narrower at the
@@ -267,10 +283,12 @@ class Hardware:
             raise MeshError(f"Hardware.measure needs a mesh of devices with an axis of size > 1, got {mesh!r}")
         timer = _Timer(mesh, seconds)
         links = {a: _fit_link(*timer.collectives(a)) for a in axes}
+        streaming = timer.elementwise()
+        cache_bytes, cache_bandwidth = _cache(timer.in_loop(), streaming)
         return cls(name="measured", flops={d: timer.matmul(d) for d in ("bfloat16", "float32")},
-                   hbm_bandwidth=timer.elementwise(), memory_bytes=_device_memory(mesh),
+                   hbm_bandwidth=streaming, memory_bytes=_device_memory(mesh),
                    interconnect=links, default_link=min(links, key=lambda a: links[a].bandwidth),
-                   axis_links={a: a for a in axes})
+                   axis_links={a: a for a in axes}, cache_bytes=cache_bytes, cache_bandwidth=cache_bandwidth)
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
@@ -290,6 +308,19 @@ def _axis_part(axis: str, sizes: dict[str, int]) -> tuple[str, int, int]:
     if name not in sizes:
         raise MeshError(f"mesh {sizes} has no axis {name!r}{suggest(name, sizes)}")
     return (name, int(m.group(2)), int(m.group(3))) if m else (name, 1, sizes[name])
+
+
+def _cache(points, streaming: float) -> tuple[float, float]:
+    """``(cache_bytes, cache_bandwidth)`` from ``(bytes touched, bandwidth)`` of a kernel repeated
+    in a loop at growing sizes: the largest size up to which every size runs at least 1.5x the
+    streaming bandwidth, and the least bandwidth up to it (a kernel's working set that fits is
+    never credited more than the slowest such size reached); ``(0, 0)`` where none does."""
+    size, rate = 0.0, math.inf
+    for touched, bandwidth in sorted(points):
+        if bandwidth < 1.5 * streaming:
+            break
+        size, rate = touched, min(rate, bandwidth)
+    return (size, rate) if size else (0.0, 0.0)
 
 
 def _fit_link(nbytes: np.ndarray, secs: np.ndarray) -> Link:
@@ -349,6 +380,17 @@ class _Timer:
     def elementwise(self) -> float:
         size, took = self.grown(lambda k: self.run(lambda x: x * 2 + 1, ((k,), jnp.float32)), 2 ** 20, 2 ** 26)
         return 2.0 * 4 * size / took   # read and write 4-byte elements
+
+    CACHE_ELEMENTS = (2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20)   # float32 per device: 64 KiB .. 4 MiB
+    LOOP = 64
+
+    def in_loop(self) -> list:
+        """``(bytes touched, bandwidth)`` of ``x * a + 1`` repeated in a loop inside one program
+        (no dispatch between runs) at each of :data:`CACHE_ELEMENTS` per device."""
+        def body(x):
+            return jax.lax.fori_loop(0, self.LOOP, lambda i, v: v * 0.5 + 1.0, x)
+        return [(2.0 * 4 * k, 2.0 * 4 * k * self.LOOP / self.run(body, ((k,), jnp.float32)))
+                for k in self.CACHE_ELEMENTS]
 
     def collectives(self, axis: str) -> tuple[np.ndarray, np.ndarray]:
         """Bytes sent per device and seconds, for an all-reduce and an all-gather over ``axis``."""

@@ -139,7 +139,7 @@ def kernel_seconds(kernel, hardware: Hardware, dtype=None) -> tuple[float, float
         rate = hardware.attention_efficiency if kernel.kind == "attention" else hardware.matmul_efficiency
         peak = hardware.peak_flops(dtype) if dtype else hardware.matmul_peak(kernel.dtype)
         flops_s = kernel.flops / (peak * rate)
-    return flops_s, kernel.bytes / (hardware.hbm_bandwidth * hardware.memory_efficiency)
+    return flops_s, hardware.memory_seconds(kernel.bytes)
 
 
 def _collective(record, hardware: Hardware, mesh) -> dict:

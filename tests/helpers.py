@@ -172,3 +172,29 @@ VOCAB, EXPERTS = md.Dim("vocab", V), md.Dim("experts", E)
 SMALL = "d_model=32,d_ff=64,heads=4,d_kv=8"
 RUN = ["--override", SMALL, "--batch", "8", "--encoder-length", "32", "--log-every", "1", "--no-explain",
        "--eval-batches", "0", "--steps", "8", "--ckpt-every", "2"]
+
+
+def gated_mlp_stack(layers=4, batch=8, seq=64, d_model=128, d_ff=512):
+    """Weights ``w1 [layers d_model d_ff]``, ``w2 [layers d_ff d_model]`` (parameters) and an input
+    ``x [batch seq d_model]`` of a stack of gated MLP blocks."""
+    r = np.random.default_rng(0)
+    w1 = md.param(md.named(jax.numpy.asarray(r.standard_normal((layers, d_model, d_ff)) * 0.05, np.float32),
+                           "layers d_model d_ff"))
+    w2 = md.param(md.named(jax.numpy.asarray(r.standard_normal((layers, d_ff, d_model)) * 0.05, np.float32),
+                           "layers d_ff d_model"))
+    x = md.named(jax.numpy.asarray(r.standard_normal((batch, seq, d_model)), np.float32), "batch seq d_model")
+    return w1, w2, x
+
+
+def gated_mlp_grads(remat):
+    """The gradients (of ``w1``, ``w2``) of ``sum(h * h)`` after the stack of gated MLP blocks
+    :func:`gated_mlp_stack` makes, scanned over ``layers`` with ``remat``."""
+    def loss(w1, w2, x):
+        def step(h, ws):
+            a, b = ws
+            u = md.einsum(h, a, out="batch seq d_ff")
+            return h + md.einsum(md.tanh(u) * md.sigmoid(u), b, out="batch seq d_model"), None
+        h, _ = md.scan(step, x, (w1, w2), dim="layers", remat=remat)
+        return md.sum(h * h).array
+
+    return lambda w1, w2, x: jax.grad(loss, argnums=(0, 1))(w1, w2, x)

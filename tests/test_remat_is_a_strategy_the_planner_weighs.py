@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import meshdsl as md
+from helpers import gated_mlp_grads, gated_mlp_stack
 from meshdsl.models.families.family import model_class, objective
 from meshdsl.models.llama_configs import LLAMA_CONFIGS
 
@@ -18,24 +19,11 @@ MESH = md.Mesh({"data": 8})
 
 
 def _inputs():
-    r = np.random.default_rng(0)
-    w1 = md.param(md.named(jnp.asarray(r.standard_normal((L, D, F)) * 0.05, jnp.float32), "layers d_model d_ff"))
-    w2 = md.param(md.named(jnp.asarray(r.standard_normal((L, F, D)) * 0.05, jnp.float32), "layers d_ff d_model"))
-    x = md.named(jnp.asarray(r.standard_normal((B, S, D)), jnp.float32), "batch seq d_model")
-    return w1, w2, x
+    return gated_mlp_stack(L, B, S, D, F)
 
 
 def _grads(remat):
-    """The gradients of a stack of gated MLP blocks scanned with ``remat``."""
-    def loss(w1, w2, x):
-        def step(h, ws):
-            a, b = ws
-            u = md.einsum(h, a, out="batch seq d_ff")
-            return h + md.einsum(md.tanh(u) * md.sigmoid(u), b, out="batch seq d_model"), None
-        h, _ = md.scan(step, x, (w1, w2), dim="layers", remat=remat)
-        return md.sum(h * h).array
-
-    return lambda w1, w2, x: jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+    return gated_mlp_grads(remat)
 
 
 def _close(got, want):

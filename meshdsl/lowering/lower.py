@@ -185,9 +185,11 @@ def lower(fn, mesh: Mesh, layout: Layout, backend: str = "explicit", *, param_ga
     ``param_gather`` says what happens to parameters stored split (``params=`` rules) where an op
     needs them whole: ``"keep"`` (ZeRO-3 as written) all-gathers them and keeps the gathered value
     inside ``md.scan`` for the backward pass; ``"regather"`` gathers them again there (ZeRO-3's
-    memory saving); ``"auto"`` gathers a parameter only where that moves fewer bytes than leaving
-    it as stored and moving the activations (an embedding table looked up or a logits projection
-    of a small batch stays put: its ids, rows and logits move instead).
+    memory saving); ``"auto"`` leaves both choices to the plan, by the step's time under
+    ``memory_budget``: whether to gather a parameter or leave it as stored and move the
+    activations (an embedding table looked up or a logits projection of a small batch stays put:
+    its ids, rows and logits move instead), and, inside ``md.scan``, whether to keep each gathered
+    parameter for the backward pass or gather it again there.
 
     ``schedule``: how an ``md.scan`` over a dim the layout splits (``layers: pipe``) is pipelined
     (microbatches from ``md.Layout(..., microbatches={"batch": M})``): ``"gpipe"``, ``"1f1b"``

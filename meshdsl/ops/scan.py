@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 
+from ..rewrite import param_gather
 from ..rewrite.contexts import active
 from ..names.errors import LayoutError, ShapeError, user_line
 from ..names.named import is_named as _is_named
@@ -72,8 +73,14 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
         if remat == remats.AUTO:   # the planner's decision point (its first), its default keeping all
             policy = remats.auto_taken_as() or (
                 remats.CHOICES[ctx.option(len(remats.CHOICES))] if ctx.explicit else "none")
-        return loop.run(ctx, remats.wrap(step, policy), dim, length, x_leaves, x_tree, c_leaves, c_tree,
-                        reverse, unroll, where)
+        below = -1
+        if ctx.explicit and ctx.planner is not None and ctx.params.name == "auto":
+            # the planner's decision point (after remat's): its body ops up to which the backward
+            # gathers the parameters they gather again (0: none), declared by meshdsl.planner.remat
+            below = ctx.planner.current + ctx.option(2)
+        with param_gather.regathering_below(below):
+            return loop.run(ctx, remats.wrap(step, policy), dim, length, x_leaves, x_tree, c_leaves, c_tree,
+                            reverse, unroll, where)
 
     run.relays = sum(map(_is_named, c_leaves))   # the carry enters in its layout placement, relaid by the loop
     run.dim = dim   # what it scans over (a layout splitting it makes a pipeline)

@@ -291,6 +291,8 @@ def _label(ctx, recording, op, found) -> str:
     (a loop's remat policy by name)."""
     text = "operands " + " ".join(f"[{p.describe(recording.values[v][0], ctx.mesh) or 'whole'}]"
                                   for v, p in zip(op.operands, found.entry))
+    if found.regathered:
+        text += f"; {found.regathered} parameter{'s' * (found.regathered > 1)} gathered again"
     if found.remat:
         return text + f"; remat {found.remat}"
     return text + "".join(f"; candidate {c} at decision {p}" for p, c in found.options)

@@ -218,6 +218,9 @@ class Found:
     #                           results (empty: none declared)
     again: tuple = ()         # (forward FLOPs, HBM bytes) a loop's remat policy recomputes
     remat: str = ""           # a loop's remat policy (meshdsl.planner.remat), for reports
+    gathers: tuple = ()       # (kept, moved, mesh axes, executions, again) of each parameter it
+    #                           gathered inside a loop (Recorder.param_gathered)
+    regathered: int = 0       # a loop's: parameters its backward gathers again by the plan's choice
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -228,7 +231,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
         leaves[i] = _relay(ctx, x, pl)
     entry = tuple(ctx.placement(leaves[i]) for i in named)   # as relaid: a pending sum x does not carry is not claimed
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-    start = len(ctx.rec.records), len(ctx.rec.casts), len(ctx.rec.work), len(ctx.rec.held)
+    start = len(ctx.rec.records), len(ctx.rec.casts), len(ctx.rec.work), len(ctx.rec.held), len(ctx.rec.gathers)
     met: list = []
     reads: list = []
     makes: list = []
@@ -250,7 +253,8 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
                          tuple(reads), frozenset(makes), emitted, duals, runs,
-                         tuple(map(sum, zip(*ctx.rec.work[start[2]:]))), tuple(map(sum, zip(*ctx.rec.held[start[3]:]))))
+                         tuple(map(sum, zip(*ctx.rec.work[start[2]:]))), tuple(map(sum, zip(*ctx.rec.held[start[3]:]))),
+                         gathers=tuple(ctx.rec.gathers[start[4]:]))
 
 
 def _runs(records, casts) -> tuple:

@@ -79,12 +79,32 @@ def _again(recording, body, policy: str):
     return again, collectives, runs
 
 
+def _gathers(body) -> list:
+    """``(body index, (kept, moved, axes, runs, again))`` of each parameter stored split that the
+    body's ops gather (as their default strategy does), in program order."""
+    return [(j, g) for j, op in enumerate(body) for g in op.strategies[0].gathers]
+
+
+def _gathered_again(f, entries, regathered: int = 0):
+    """``f`` with the backward pass gathering the parameters of ``entries`` again: their bytes
+    on their links, each run's latency."""
+    moved = sum(g[1] for _, g in entries)
+    if not moved:
+        return f
+    return dataclasses.replace(f, backward=f.backward + moved, duals=f.duals + tuple((g[2], g[1]) for _, g in entries),
+                               runs=f.runs + tuple((g[2], 0, g[3]) for _, g in entries), regathered=regathered)
+
+
 def strategies(ctx, recording, rule, body, operands, found: list, xs) -> list:
     """The loop's strategies ``found`` (its rule's, default first), each under the policies
     ``rule.remat`` leaves open: with the residuals each keeps, and what it runs again. ``body``:
     the op records of the loop's step; ``operands``: the value ids of the loop's operands (the
     carry first, ``rule.relays`` of them), ``xs`` those operands (a policy matters only where one
-    is differentiated)."""
+    is differentiated). Parameters the step gathers (ZeRO-3) are kept with the residuals of
+    ``"none"``, or gathered again in the backward pass; under ``param_gather="auto"`` that is the
+    loop's decision too: its candidate ``c`` gathers again those of its body's first ``c - 1``
+    ops (:func:`meshdsl.rewrite.param_gather.regathering_below`), one strategy per op that
+    gathers, each holding less and moving more than the last."""
     name = getattr(rule, "remat", None)
     if name not in ACCOUNTED + (remats.AUTO,) or not any(differentiated(x.raw) for x in xs):
         return found
@@ -92,7 +112,11 @@ def strategies(ctx, recording, rule, body, operands, found: list, xs) -> list:
     carry_bytes = sum(value_bytes(ctx, recording, v, recording.placed[v]) * recording.values[v][2]
                       for v in carry) * length
     kept = _residuals(ctx, recording, body, carry_bytes)
+    gathers = _gathers(body)
+    kept["none"] += sum(g[0] for _, g in gathers if not g[4])
     policies = remats.CHOICES if name == remats.AUTO else (name,)
+    point = 1 if name == remats.AUTO else 0   # the regather decision point follows remat's
+    choosing = ctx.params.name == "auto"
     out = []
     for f in found:
         working = f.held[1] if f.held else 0.0
@@ -100,7 +124,22 @@ def strategies(ctx, recording, rule, body, operands, found: list, xs) -> list:
             again, collectives, runs = _again(recording, body, policy)
             moved = sum(b for *_, b in collectives)
             options = tuple(sorted({**dict(f.options), 0: i}.items())) if name == remats.AUTO and i else f.options
-            out.append(dataclasses.replace(
+            g = dataclasses.replace(
                 f, options=options, held=(kept[policy], working), again=again, forward=f.forward + moved,
-                collectives=f.collectives + collectives, runs=f.runs + runs, remat=policy))
+                collectives=f.collectives + collectives, runs=f.runs + runs, remat=policy)
+            out.append(_gathered_again(g, [e for e in gathers if e[1][4]]))
+            if policy == "none" and choosing:
+                out += _regather_chain(g, gathers, point)
+    return out
+
+
+def _regather_chain(f, gathers, point: int) -> list:
+    """Strategy ``f`` (remat none, keeping what its body gathers) with the backward pass gathering
+    again the parameters of its body's first ops: one strategy per op that gathers."""
+    out = []
+    for j in sorted({j for j, _ in gathers}):
+        entries = [e for e in gathers if e[0] <= j]
+        options = tuple(sorted({**dict(f.options), point: j + 2}.items()))
+        held = (f.held[0] - sum(g[0] for _, g in entries), f.held[1])
+        out.append(_gathered_again(dataclasses.replace(f, options=options, held=held), entries, len(entries)))
     return out

@@ -327,7 +327,7 @@ class ExplicitContext(LayoutContext):
         """A mark to roll records and cache back to (an aborted trace, see md.scan)."""
         planned = self.planner.checkpoint() if self.planner is not None else None
         return (len(self.rec.records), len(self._cache_log), planned, len(self.rec.casts), len(self.attentions),
-                len(self.rec.work), len(self.rec.held))
+                len(self.rec.work), len(self.rec.held), len(self.rec.gathers))
 
     @contextlib.contextmanager
     def as_at(self, mark):
@@ -348,8 +348,9 @@ class ExplicitContext(LayoutContext):
                 self._relaid.setdefault(source, set()).add(target)
 
     def rollback(self, mark) -> None:
-        n_records, n_cache, planned, n_casts, n_attentions, n_work, n_held = mark
+        n_records, n_cache, planned, n_casts, n_attentions, n_work, n_held, n_gathers = mark
         del self.rec.casts[n_casts:]
+        del self.rec.gathers[n_gathers:]
         del self.rec.work[n_work:]
         del self.rec.held[n_held:]
         del self.attentions[n_attentions:]

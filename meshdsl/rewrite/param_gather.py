@@ -21,18 +21,29 @@ Policies:
   planner's solver finds the step faster (a decision point of each op reading it): a tied
   embedding [vocab, d_model] stored ``d_model:data`` is not gathered for a small batch's lookups
   or logits; its ids, rows and logits move instead. A copy one op gathers is free to the others,
-  so the solve gathers a parameter once for all its ops or leaves it for all of them. No trace
-  of its own: the planning trace prices both choices at each op.
+  so the solve gathers a parameter once for all its ops or leaves it for all of them. Inside
+  ``md.scan`` each parameter gathered is kept for the backward pass or gathered there again, as
+  the plan chooses by the step's time under the memory budget (the loop's decision point,
+  weighed with its remat policy: :mod:`meshdsl.planner.remat`). No trace of its own: the
+  planning trace prices every choice.
+
+Inside a loop every policy tells the recorder what each gather keeps and what gathering it again
+would move (:meth:`meshdsl.rewrite.recorder.Recorder.param_gathered`): keeping is in the plan's
+memory, gathering again in its bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 
+from ..costmodel.cost import array_bytes
 from . import collectives as C
 from .relayout import needs_gather, relayout_bytes
 
-__all__ = ["POLICIES", "Keep", "Regather", "Auto", "make"]
+__all__ = ["POLICIES", "Keep", "Regather", "Auto", "make", "regathering_below"]
 
 
 class Keep:
@@ -43,25 +54,25 @@ class Keep:
     def place(self, ctx, dims, operands, target, result_bytes):
         return target
 
-    def compute(self, ctx, relay, contract, arrays, operands, axes):
-        """``contract`` of the operands' local blocks; ``relay(i, array)`` places operand ``i``."""
-        return contract(*[relay(i, a) for i, a in enumerate(arrays)])
-
-    def finish(self) -> None:
-        """Called when the trace is over."""
-
-
-class Regather(Keep):
-    """Gather at use; the backward pass gathers again instead of keeping the gathered value."""
-
-    name = "regather"
+    def again(self, ctx) -> bool:
+        """Does the backward pass of the op running now (in a loop) gather its parameters again?"""
+        return False
 
     def compute(self, ctx, relay, contract, arrays, operands, axes):
-        gathered = [i for i, x in enumerate(operands) if x.is_param and needs_gather(ctx, x, axes)]
+        """``contract`` of the operands' local blocks; ``relay(i, array)`` places operand ``i``.
+        Inside a loop each parameter gathered is kept for the backward pass, or gathered there
+        again (:meth:`again`): the planner is told which, and what each holds and moves."""
         local = [relay(i, a) for i, a in enumerate(arrays)]  # one forward gather per value, shared
+        gathered = [i for i, x in enumerate(operands) if x.is_param and needs_gather(ctx, x, axes)] \
+            if ctx.explicit else []
         if not gathered or ctx.rec.multiplier == 1:
             # Outside a loop XLA merges a backward re-gather with the forward gather (CSE; its
             # barriers are expanded first on CPU): keep the gathered value, and explain says so.
+            return contract(*local)
+        again = self.again(ctx)
+        for i in gathered:
+            _tell(ctx, operands[i], local[i], axes, again)
+        if not again:
             return contract(*local)
         stored = tuple(arrays[i] for i in gathered)
 
@@ -81,6 +92,28 @@ class Regather(Keep):
 
         return C.attributed_vjp(ctx, forward, backward)(stored, *local)
 
+    def finish(self) -> None:
+        """Called when the trace is over."""
+
+
+class Regather(Keep):
+    """Gather at use; inside a loop the backward pass gathers again instead of keeping the
+    gathered value."""
+
+    name = "regather"
+
+    def again(self, ctx) -> bool:
+        return True
+
+
+def _tell(ctx, x, block, axes, again: bool) -> None:
+    """Tell the recorder parameter ``x`` was gathered to ``block`` (placed by ``axes``)."""
+    pl = ctx.placement(x)
+    target = tuple(tuple(axes.get(d.name, ())) for d in x.dims)
+    over = tuple(a for held, want in zip(pl.axes, target) for a in held if a not in want)
+    moved = relayout_bytes(ctx, x.dims, x.dtype.itemsize, pl.axes, frozenset(), target)
+    ctx.rec.param_gathered(array_bytes(block.shape, block.dtype, ctx.mesh.platform), moved, over, again)
+
 
 def _vjp(fn, primals, ct):
     return jax.vjp(fn, *primals)[1](ct)
@@ -92,9 +125,14 @@ class Auto(Keep):
     the planner's solver decides with the whole program's time (a copy one op gathers is read
     free by the others: a parameter is gathered once for all its ops, or stays for all). The
     rule's own choice, where no planner decides: gather where that moves no more bytes than
-    staying at this op."""
+    staying at this op. Inside a loop, whether the backward gathers a parameter again or keeps it
+    is the loop's decision (:func:`regathering_below`), which the planner makes by the step's
+    time under the memory budget."""
 
     name = "auto"
+
+    def again(self, ctx) -> bool:
+        return ctx.planner is not None and ctx.planner.current < _BELOW.get()
 
     def place(self, ctx, dims, operands, target, result_bytes):
         return self._stationary(ctx, operands, target, result_bytes) or target
@@ -142,6 +180,22 @@ def _stored_plan(ctx, params, axes):
             cut = next((i for i, a in enumerate(held) if a in used), len(held))
             alt[name] = held[:cut]
     return alt
+
+
+_BELOW: contextvars.ContextVar = contextvars.ContextVar("regather_below", default=-1)
+
+
+@contextlib.contextmanager
+def regathering_below(number: int):
+    """Under ``param_gather="auto"``, inside: the backward pass gathers again the parameters
+    that the ops numbered below ``number`` (the planner's op numbers) gather, instead of keeping
+    them. A loop sets it around its step from its decision point (the planner declares the
+    candidates: :mod:`meshdsl.planner.remat`)."""
+    token = _BELOW.set(number)
+    try:
+        yield
+    finally:
+        _BELOW.reset(token)
 
 
 POLICIES = {"keep": Keep, "regather": Regather, "auto": Auto}

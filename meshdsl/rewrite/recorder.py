@@ -63,6 +63,8 @@ class Recorder:
         #                                local contraction the rules traced, times its executions
         self.held: list = []           # (kept, working) bytes per device an op holds beyond its
         #                                operands and results (kept: stacked over executions)
+        self.gathers: list = []        # (kept, moved, mesh axes, executions, again) of each parameter
+        #                                stored split an op gathered inside a loop (see param_gathered)
         self.sandbox = None            # the planner's sandbox being traced now (an int), if any
         self._closed: set = set()      # sandboxes rolled back: what jax traces for them later is dead
         self._sandboxes = 0
@@ -125,6 +127,16 @@ class Recorder:
         the planner weighs each strategy's memory by what its rule holds."""
         if self.tracing and self.sandbox not in self._closed:
             self.held.append((kept * self.multiplier, working))
+
+    def param_gathered(self, kept: float, moved: float, axes, again: bool) -> None:
+        """The op being lowered gathered a parameter stored split inside a loop: ``kept`` bytes
+        per device each execution (its gathered block, which the backward pass reads), ``moved``
+        bytes per execution over factor ``axes``; ``again``: the backward gathers it again instead
+        of keeping it. The planner weighs keeping against gathering again by what each holds and
+        moves (:mod:`meshdsl.planner.remat`)."""
+        if self.tracing and self.sandbox not in self._closed:
+            m = self.multiplier
+            self.gathers.append((kept * m, moved * m, self.mesh.collapse(tuple(axes)), m, again))
 
     @contextlib.contextmanager
     def at(self, name: str, line: str):

@@ -13,7 +13,7 @@ from .views.display import register_treescope, report_html, reports_table
 from .names.errors import LayoutError, MemoryBudgetError, MeshDSLError, MeshError, ShapeError
 from .views.explain import Report, explain
 from .costmodel.hardware import Hardware
-from .names.layout import Layout
+from .names.layout import OFFLOAD, Layout
 from .lowering.lower import LoweredFunction, lower, place
 from .names.mesh import Mesh
 from .names.named import NamedArray, named, param
@@ -37,7 +37,7 @@ __all__ = [
     # names and values
     "Dim", "Shape", "shape", "NamedArray", "named", "param",
     # mesh, layout, lowering, cost
-    "Mesh", "Layout", "lower", "LoweredFunction", "place", "explain", "Report", "Hardware",
+    "Mesh", "Layout", "OFFLOAD", "lower", "LoweredFunction", "place", "explain", "Report", "Hardware",
     "search", "SearchResult", "Candidate",
     # errors
     "MeshDSLError", "LayoutError", "MemoryBudgetError", "ShapeError", "MeshError",

@@ -80,6 +80,9 @@ class Layout:
             axes *added* to the compute rule (ZeRO-3 / FSDP: ``{"d_model": "data"}``).
         microbatches: ``{dim: M}`` - a pipeline (an ``md.scan`` over a dim the layout splits) cuts
             its carry into ``M`` microbatches along ``dim``.
+        offload: what lives in host memory between steps (:data:`OFFLOAD`): ``"optimizer"``, the
+            optimizer state (split as its parameter is stored), brought to the device for the
+            update and back each step (MaxText's ``optimizer_memory_host_offload``).
 
     Raises:
         LayoutError: a rule that is not a mesh axis name or tuple of them, an axis listed twice for
@@ -99,7 +102,7 @@ class Layout:
 
     def __init__(self, rules: Mapping[str, AxisRule] | str | Layout | None = None,
                  params: Mapping[str, AxisRule] | str | Layout | None = None,
-                 microbatches: Mapping[str, int] | None = None) -> None:
+                 microbatches: Mapping[str, int] | None = None, offload: str | Sequence[str] = ()) -> None:
         if isinstance(rules, str):
             rules = _parse_rules(rules, "md.Layout")
         if isinstance(params, str):
@@ -107,6 +110,7 @@ class Layout:
         self.rules: dict[str, Axes] = _check_rules(rules, "md.Layout")
         self.param_rules: dict[str, Axes] = _check_rules(params, "md.Layout params")
         self.microbatches: dict[str, int] = _check_microbatches(microbatches)
+        self.offload: frozenset[str] = _check_offload(offload)
         for dim, extra in self.param_rules.items():
             both = set(extra) & set(self.rules.get(dim, ()))
             if both:
@@ -212,7 +216,7 @@ class Layout:
 
     def _key(self):
         return (tuple(sorted(self.rules.items())), tuple(sorted(self.param_rules.items())),
-                tuple(sorted(self.microbatches.items())))
+                tuple(sorted(self.microbatches.items())), tuple(sorted(self.offload)))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Layout) and self._key() == other._key()
@@ -226,10 +230,24 @@ class Layout:
         out = fmt(self.rules)
         out += f" | params {fmt(self.param_rules)}" if self.param_rules else ""
         micro = ";".join(f"{d}:{m}" for d, m in self.microbatches.items())
-        return out + (f" | microbatches {micro}" if micro else "")
+        out += f" | microbatches {micro}" if micro else ""
+        return out + (f" | offload {','.join(sorted(self.offload))}" if self.offload else "")
 
     def __repr__(self) -> str:
         return f"Layout({str(self)!r})"
+
+
+OFFLOAD = ("optimizer",)   # what a layout may keep in host memory between steps
+
+
+def _check_offload(offload) -> frozenset[str]:
+    """``"optimizer"`` or a sequence of names of :data:`OFFLOAD`."""
+    names = [offload] if isinstance(offload, str) else list(offload or ())
+    for name in names:
+        if name not in OFFLOAD:
+            raise LayoutError(f"md.Layout: offload names {name!r}; what a layout can keep in host memory is "
+                              f"{list(OFFLOAD)} (parameters and activations: not yet)")
+    return frozenset(names)
 
 
 def _check_microbatches(micro) -> dict[str, int]:

@@ -31,7 +31,8 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims"]
+           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims",
+           "HOST_MEMORY", "host_memory_kind", "to_memory"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
@@ -224,3 +225,20 @@ def called_jaxpr(eqn):
 def dot_dims(eqn) -> tuple:
     """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` of a ``dot_general``."""
     return eqn.params["dimension_numbers"]
+
+
+HOST_MEMORY = "pinned_host"   # the host memory kind offloaded state lives in (DMA-able, as MaxText's)
+
+
+def host_memory_kind(device=None) -> str | None:
+    """:data:`HOST_MEMORY` where ``device`` (the first device) can address it, else ``None``."""
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    return HOST_MEMORY if HOST_MEMORY in kinds else None
+
+
+def to_memory(tree, where: str):
+    """Inside ``jax.jit``: ``tree``'s arrays moved to ``"device"`` or ``"host"`` memory, each keeping
+    its split (a host <-> device transfer XLA schedules; no collective)."""
+    space = {"device": jax.memory.Space.Device, "host": jax.memory.Space.Host}[where]
+    return jax.device_put(tree, space)

@@ -10,6 +10,7 @@ import ast
 import os
 import sys
 
+import meshdsl as md
 from meshdsl.models.families.configs import MODELS
 from meshdsl.models.training import runrecord
 from meshdsl.models.training.faults import UsageError
@@ -125,6 +126,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
       help="--layout auto: the time model's device, a profile (h100-80gb, tpu-v5p, ...) or measure (this "
            "machine's speeds, fitted in a few seconds)")
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
+    a("--offload", default=None, choices=md.OFFLOAD,
+      help="keep in host memory between steps: optimizer (the optimizer state, split as its parameter is "
+           "stored; brought to the device for the update and sent back each step)")
     a("--microbatches", type=POSITIVE, default=None,
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
            "microbatches along batch (--schedule)")
@@ -171,7 +175,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--param-dtype", default="float32", choices=("float32", "bfloat16"), help="parameter storage dtype")
     a("--param-gather", default="keep", choices=("keep", "regather", "auto"),
       help="weights stored split (--params-layout): keep the gathered copy for the backward pass, gather again "
-           "there, or auto: gather only where that moves fewer bytes than moving the activations")
+           "there, or auto: the plan's choice, per weight, by the step's time within --memory-budget")
     a("--seed", type=int, default=0, help="parameters, data order, span noise and dropout")
     a("--out", default=None, help="output directory (default runs/<model>)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --out (an error if none)")

@@ -165,8 +165,9 @@ def _run(args) -> dict:
         autolayout.choose_for_run(args, config, enc_len, dec_len, say)
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
-    if args.microbatches:
-        layout = md.Layout(layout.rules, layout.param_rules, microbatches={"batch": args.microbatches})
+    if args.microbatches or args.offload:
+        layout = md.Layout(layout.rules, layout.param_rules, offload=args.offload or (),
+                           microbatches={"batch": args.microbatches} if args.microbatches else None)
     layout.check_mesh(mesh)
     for warning in faults.mesh_warnings(mesh, layout):
         say(warning)
@@ -292,6 +293,8 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
     t0 = time.perf_counter()
     compiled = trainer.compile(state, first)
     say(f"compiled   one step in {time.perf_counter() - t0:.1f}s; {runinfo.hlo_text(compiled)}")
+    for line in runinfo.transfers_text(trainer.transfers(state)):
+        say(line)
 
     if lead:
         runrecord.write_run(out, {**record, "layout": str(trainer.layout), "mesh": str(trainer.mesh), **baseline})

@@ -43,10 +43,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshdsl.names.named import NamedArray, is_named
+from meshdsl.platform.jaxcompat import HOST_MEMORY
 from meshdsl.names.units import fmt_bytes
 
 __all__ = ["Checkpoints", "CheckpointError", "save", "restore", "latest_step", "abstract_like", "shardings",
-           "MANIFEST", "state_bytes"]
+           "offloaded", "MANIFEST", "state_bytes"]
 
 MANIFEST = "manifest.sha256.json"
 _COMPLETE = "_CHECKPOINT_METADATA"  # orbax writes it when a step is finalized
@@ -133,22 +134,32 @@ def _spec(x: NamedArray, mesh, layout) -> PartitionSpec:
 
 def shardings(tree, mesh, layout):
     """``tree`` with each array replaced by the ``NamedSharding`` that ``layout`` gives it on ``mesh``
-    (NamedArray nodes kept, so the result matches ``tree`` for ``jax.jit``'s in/out_shardings)."""
-    def leaf(x):
-        if is_named(x):
-            return NamedArray(NamedSharding(mesh.jax_mesh, _spec(x, mesh, layout)), x.dims, is_param=x.is_param)
-        return NamedSharding(mesh.jax_mesh, PartitionSpec())
-    return jax.tree_util.tree_map(leaf, tree, is_leaf=is_named)
+    (NamedArray nodes kept, so the result matches ``tree`` for ``jax.jit``'s in/out_shardings);
+    a train state's optimizer state in host memory where the layout offloads it."""
+    def leaf(path, x):
+        sharding = _sharding(path, x, mesh, layout)
+        return NamedArray(sharding, x.dims, is_param=x.is_param) if is_named(x) else sharding
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_named)
 
 
 def abstract_like(tree, mesh, layout):
     """``tree`` as ShapeDtypeStructs carrying the shardings ``layout`` gives on ``mesh``."""
-    def leaf(x):
-        spec = _spec(x, mesh, layout) if is_named(x) else PartitionSpec()
+    def leaf(path, x):
         arr = x.raw if is_named(x) else x
-        struct = jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=NamedSharding(mesh.jax_mesh, spec))
+        struct = jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=_sharding(path, x, mesh, layout))
         return NamedArray(struct, x.dims, is_param=x.is_param) if is_named(x) else struct
-    return jax.tree_util.tree_map(leaf, tree, is_leaf=is_named)
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_named)
+
+
+def offloaded(path, layout) -> bool:
+    """Does the leaf at ``path`` of a train state live in host memory (``md.Layout(...,
+    offload="optimizer")`` puts the optimizer state there)?"""
+    return "optimizer" in layout.offload and bool(path) and _keys(path[:1]) == ("opt_state",)
+
+
+def _sharding(path, x, mesh, layout) -> NamedSharding:
+    sharding = NamedSharding(mesh.jax_mesh, _spec(x, mesh, layout) if is_named(x) else PartitionSpec())
+    return sharding.with_memory_kind(HOST_MEMORY) if offloaded(path, layout) else sharding
 
 
 def _keys(path) -> tuple[str, ...]:

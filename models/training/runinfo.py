@@ -85,3 +85,9 @@ def hlo_text(compiled) -> str:
     kinds = ", ".join(f"{k} x{v['count']}" for k, v in rep.summary().items())
     return (f"the compiled step (with the optimizer update) moves {fmt_bytes(rep.total_moved_bytes())} "
             f"per device ({kinds or 'no collectives'})")
+
+
+def transfers_text(transfers) -> list[str]:
+    """One line per host <-> device transfer of a step (:meth:`Trainer.transfers`)."""
+    return [f"offload    {t['what']} {t['direction']}: {fmt_bytes(t['bytes'])} per device each step"
+            for t in transfers]

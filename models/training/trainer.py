@@ -15,6 +15,11 @@ step is one ``jax.jit`` with the state donated:
     params, opt_state = optax update        on the global arrays: Adafactor's factored moments and
                                             global-norm clipping see whole values
 
+A layout that offloads the optimizer state (``md.Layout(..., offload="optimizer")``) keeps it in
+host memory between steps: the step brings it to the device for the update and sends the new state
+back (the state's bytes each way per step, :meth:`Trainer.transfers`); on the device it is held
+only while the update runs.
+
 Batches are dicts of global arrays ``[accum, batch / accum, length]`` (see :class:`Feed`); the
 ``accum`` microbatches interleave the rows so every device holds its share of each microbatch.
 
@@ -26,6 +31,8 @@ parallelism strategy (``md.lower(..., attention=)``; None: the planner's choice)
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +48,7 @@ from meshdsl.models.families.family import model_class, objective
 from meshdsl.models.families.loss import batch_arrays
 from meshdsl.models.training import checkpoint
 from meshdsl.names.named import is_named
+from meshdsl.platform.jaxcompat import HOST_MEMORY, host_memory_kind, to_memory
 
 __all__ = ["Trainer", "Feed", "host_metrics", "named_batch"]
 
@@ -61,6 +69,10 @@ class Trainer:
                  pipeline_schedule: str = "gpipe", repeats: int = 1, attention: str | None = None,
                  memory_budget=None):
         self.config, self.mesh, self.layout = config, mesh, layout
+        if layout.offload and host_memory_kind(mesh.jax_mesh.devices.flat[0]) is None:
+            raise md.LayoutError(f"layout {layout} offloads {', '.join(sorted(layout.offload))} to host memory, but "
+                                 f"the {mesh.jax_mesh.devices.flat[0].platform} devices here have no "
+                                 f"{HOST_MEMORY!r} memory; remove the offload")
         self.tx, self.schedule, self.seed, self.accum, self.remat = tx, schedule, seed, accum, remat
         self.debug_nan_at_step = debug_nan_at_step
         # dtype: the compute dtype; every layer casts its (param_dtype) weights to it at use, so
@@ -171,7 +183,11 @@ class Trainer:
         if self.debug_nan_at_step is not None:  # tests: a NaN gradient at that (1-based) step
             bad = step + 1 == self.debug_nan_at_step
             grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.nan, g).astype(g.dtype), grads)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+        offload = "optimizer" in self.layout.offload
+        # an offloaded optimizer state comes to the device for the update and goes back to the host
+        opt_state = to_memory(state["opt_state"], "device") if offload else state["opt_state"]
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        opt_state = to_memory(opt_state, "host") if offload else opt_state
         new_params = optax.apply_updates(params, updates)
         grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(new_params)
         # the loop saves the new state only if all three are finite
@@ -214,6 +230,18 @@ class Trainer:
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64) * n
         return {k: v / max(tokens, 1.0) for k, v in totals.items()} | {"tokens": tokens}
+
+    def transfers(self, state) -> list[dict]:
+        """The host <-> device transfers of one step, per device: ``{"what", "direction", "bytes"}``
+        (an offloaded optimizer state comes to the device and goes back: its bytes each way)."""
+        if "optimizer" not in self.layout.offload:
+            return []
+        shardings = jax.tree_util.tree_leaves(self.state_shardings(state)["opt_state"])
+        arrays = jax.tree_util.tree_leaves(state["opt_state"])
+        per_device = sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                         for a, s in zip(arrays, shardings))
+        return [{"what": "optimizer state", "direction": direction, "bytes": float(per_device)}
+                for direction in ("host to device", "device to host")]
 
     def explain(self, state, batches) -> md.Report:
         """md.explain of one microbatch's loss-and-gradient program (the collectives of a step)."""

@@ -1,0 +1,99 @@
+"""Offload as a storage layout: ``md.Layout(..., offload="optimizer")`` keeps the optimizer state
+in host memory between steps (split as its parameter is stored); each step brings it to the
+device for the update and sends the new state back. Training is unchanged to the last bit, a
+checkpoint resumes into host memory, and the run says what moves each step."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import meshdsl as md
+from meshdsl.models.cli.train import main
+from meshdsl.models.families.configs import get_config
+from meshdsl.models.training.optim import make_optimizer
+from meshdsl.models.training import trainer as trainer_module
+
+TINY = ["--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--batch", "8", "--encoder-length", "32",
+        "--log-every", "1", "--no-explain", "--eval-batches", "0", "--params-layout", "d_model:data"]
+STEPS = 20
+
+
+def _kinds(tree) -> set:
+    return {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(tree)}
+
+
+def _leaves(tree) -> list:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """20 steps with the optimizer state on the device, the same offloaded (a checkpoint at step
+    10), and the offloaded run resumed from that checkpoint."""
+    root = tmp_path_factory.mktemp("offload")
+    device = main([*TINY, "--out", str(root / "device"), "--steps", str(STEPS), "--ckpt-every", "-1"])
+    host = main([*TINY, "--out", str(root / "host"), "--steps", str(STEPS), "--ckpt-every", "10",
+                 "--offload", "optimizer"])
+    shutil.copytree(root / "host", root / "resumed")
+    shutil.rmtree(root / "resumed" / "checkpoints" / str(STEPS))
+    resumed = main([*TINY, "--out", str(root / "resumed"), "--steps", str(STEPS), "--ckpt-every", "10",
+                    "--offload", "optimizer", "--resume"])
+    return device, host, resumed
+
+
+def test_an_offloaded_optimizer_state_trains_exactly_as_one_on_the_device(runs):
+    device, host, _ = runs
+    losses = [[float(r["loss"]) for r in run["records"]] for run in (device, host)]
+    assert len(losses[0]) == STEPS and losses[0][-1] < losses[0][0]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    for part in ("params", "opt_state"):
+        for a, b in zip(_leaves(host["state"][part]), _leaves(device["state"][part])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert _kinds(host["state"]["opt_state"]) == {"pinned_host"}
+    assert _kinds(host["state"]["params"]) == _kinds(device["state"]["opt_state"]) == {"device"}
+
+
+def test_an_offloaded_run_resumes_into_host_memory_bit_identically(runs):
+    _, host, resumed = runs
+    assert [r["step"] for r in resumed["records"]] == list(range(11, STEPS + 1))
+    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in host["records"][10:]]
+    for a, b in zip(_leaves(resumed["state"]), _leaves(host["state"])):
+        np.testing.assert_array_equal(a, b)
+    assert _kinds(resumed["state"]["opt_state"]) == {"pinned_host"}
+
+
+def test_the_run_names_each_transfer_and_its_bytes_per_device(runs, capsys):
+    _, host, _ = runs
+    trainer, state = host["trainer"], host["state"]
+    (to_device, to_host) = trainer.transfers(state)
+    per_device = sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(state["opt_state"])
+                     for s in leaf.addressable_shards[:1])
+    assert to_device == {"what": "optimizer state", "direction": "host to device", "bytes": per_device}
+    assert to_host["direction"] == "device to host" and to_host["bytes"] == per_device
+    # stored as its parameter (d_model:data): an eighth of a replicated state's, where a factor splits
+    whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state["opt_state"]))
+    assert per_device < whole / 2
+    assert runs[0]["trainer"].transfers(runs[0]["state"]) == []
+
+
+def test_a_layout_writes_what_it_offloads_and_refuses_what_it_cannot():
+    layout = md.Layout({"batch": "data"}, params={"d_model": "data"}, offload="optimizer")
+    assert str(layout) == "batch:data | params d_model:data | offload optimizer"
+    assert layout != md.Layout({"batch": "data"}, params={"d_model": "data"})
+    assert layout == md.Layout({"batch": "data"}, params="d_model:data", offload=["optimizer"])
+    with pytest.raises(md.LayoutError, match=r"offload names 'params'; what a layout can keep in host memory "
+                                             r"is \['optimizer'\]"):
+        md.Layout({"batch": "data"}, offload="params")
+
+
+def test_offload_on_devices_without_host_memory_is_refused_before_compiling(monkeypatch):
+    monkeypatch.setattr(trainer_module, "host_memory_kind", lambda device=None: None)
+    tx, schedule = make_optimizer("adafactor", 1e-2, 0, 10, "constant")
+    layout = md.Layout({"batch": "data"}, offload="optimizer")
+    with pytest.raises(md.LayoutError, match=r"offloads optimizer to host memory, but the cpu devices here have "
+                                             r"no 'pinned_host' memory; remove the offload"):
+        trainer_module.Trainer(get_config("t5-tiny"), md.Mesh({"data": 8}), layout, tx, schedule)

@@ -14,14 +14,15 @@ import jax
 import pytest
 
 import meshdsl as md
-from meshdsl.costmodel.hardware import PROFILES, Hardware, Link, _cache
+from meshdsl.costmodel.hardware import PROFILES, Hardware, Link
+from meshdsl.costmodel.timing import cache_fit
 
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_every_profile_has_positive_finite_numbers(name):
     hw = Hardware.profile(name)
     assert hw.name == name
-    numbers = [*hw.flops.values(), hw.hbm_bandwidth, hw.memory_bytes]
+    numbers = [*hw.flops.values(), hw.hbm_bandwidth, hw.memory_bytes, hw.host_bandwidth]
     numbers += [v for link in hw.interconnect.values() for v in (link.bandwidth, link.latency)]
     assert all(math.isfinite(v) and v > 0 for v in numbers), hw
     assert set(hw.flops) == {"bfloat16", "float32"}
@@ -109,7 +110,7 @@ def test_measure_fits_positive_finite_constants_in_seconds():
     assert time.perf_counter() - start < 20
     assert hw.name == "measured"
     assert sorted(hw.flops) == ["bfloat16", "float32"] and sorted(hw.interconnect) == ["data", "model"]
-    numbers = [*hw.flops.values(), hw.hbm_bandwidth, hw.memory_bytes]
+    numbers = [*hw.flops.values(), hw.hbm_bandwidth, hw.memory_bytes, hw.host_bandwidth]
     numbers += [v for link in hw.interconnect.values() for v in (link.bandwidth, link.latency)]
     assert all(math.isfinite(v) and v > 0 for v in numbers), hw
     assert hw.link("model", mesh) == "model" and hw.link(("data", "model"), mesh) in ("data", "model")
@@ -131,10 +132,22 @@ def test_measure_credits_the_cache_only_up_to_the_sizes_that_ran_faster_than_str
     """The cache size is the largest size up to which every measured size ran at least 1.5x the
     streaming bandwidth; its bandwidth the least of those (never over-credited)."""
     points = [(2 ** 16, 8e9), (2 ** 18, 6e9), (2 ** 20, 7e9), (2 ** 22, 1.2e9), (2 ** 24, 9e9)]
-    assert _cache(points, 1e9) == (2 ** 20, 6e9)
-    assert _cache(points, 5e9) == (2 ** 16, 8e9)
-    assert _cache(points, 6e9) == (0.0, 0.0)
-    assert _cache([(2 ** 16, 1e9)], 1e9) == (0.0, 0.0)
+    assert cache_fit(points, 1e9) == (2 ** 20, 6e9)
+    assert cache_fit(points, 5e9) == (2 ** 16, 8e9)
+    assert cache_fit(points, 6e9) == (0.0, 0.0)
+    assert cache_fit([(2 ** 16, 1e9)], 1e9) == (0.0, 0.0)
+
+
+def test_the_host_link_prices_a_move_to_host_memory_per_device_and_direction():
+    """PCIe per direction from the datasheets (the bidirectional totals halved); a profile without
+    one says how to give it."""
+    assert Hardware.profile("h100-80gb").host_bandwidth == 64e9
+    assert Hardware.profile("a100-80gb").host_seconds(32e9) == pytest.approx(1.0)
+    assert all(Hardware.profile(name).host_bandwidth > 0 for name in PROFILES)
+    bare = dataclasses.replace(Hardware.profile("cpu"), host_bandwidth=0.0)
+    with pytest.raises(md.MeshDSLError, match=r"hardware 'cpu' has no host link bandwidth; give one with "
+                                              r"dataclasses.replace\(hw, host_bandwidth=...\) or use Hardware.measure"):
+        bare.host_seconds(1.0)
 
 
 def test_measure_needs_devices_to_time():

@@ -1,13 +1,20 @@
-"""Offload as a storage layout: ``md.Layout(..., offload="optimizer")`` keeps the optimizer state
-in host memory between steps (split as its parameter is stored); each step brings it to the
-device for the update and sends the new state back. Training is unchanged to the last bit, a
-checkpoint resumes into host memory, and the run says what moves each step."""
+"""Offload: what lives in host memory, and what crosses the host link.
+
+* a storage layout: ``md.Layout(..., offload="optimizer")`` keeps the optimizer state in host
+  memory between steps (split as its parameter is stored); each step brings it to the device for
+  the update and sends the new state back. Training is unchanged to the last bit, a checkpoint
+  resumes into host memory, and the run says what moves each step;
+* activations: the remat policies ``"offload"`` and ``"offload-dots"`` keep a scan's residuals in
+  host memory, ``md.explain`` counts them there and on the host link, and under ``remat="auto"``
+  the plan offloads where the host link beats recomputing."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +22,8 @@ import meshdsl as md
 from meshdsl.models.cli.train import main
 from meshdsl.models.families.configs import get_config
 from meshdsl.models.training.optim import make_optimizer
+from meshdsl.ops import remat as remats
+from helpers import gated_mlp_grads, gated_mlp_stack
 from meshdsl.models.training import trainer as trainer_module
 
 TINY = ["--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--batch", "8", "--encoder-length", "32",
@@ -72,8 +81,12 @@ def test_the_run_names_each_transfer_and_its_bytes_per_device(runs, capsys):
     (to_device, to_host) = trainer.transfers(state)
     per_device = sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(state["opt_state"])
                      for s in leaf.addressable_shards[:1])
-    assert to_device == {"what": "optimizer state", "direction": "host to device", "bytes": per_device}
+    # priced on the host link of the platform's profile (the cpu's: a copy in DRAM), or the one given
+    seconds = per_device / md.Hardware.profile("cpu").host_bandwidth
+    assert to_device == {"what": "optimizer state", "direction": "host to device", "bytes": per_device,
+                         "seconds": pytest.approx(seconds)}
     assert to_host["direction"] == "device to host" and to_host["bytes"] == per_device
+    assert trainer.transfers(state, "h100-80gb")[0]["seconds"] == pytest.approx(per_device / 64e9)
     # stored as its parameter (d_model:data): an eighth of a replicated state's, where a factor splits
     whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state["opt_state"]))
     assert per_device < whole / 2
@@ -97,3 +110,52 @@ def test_offload_on_devices_without_host_memory_is_refused_before_compiling(monk
     with pytest.raises(md.LayoutError, match=r"offloads optimizer to host memory, but the cpu devices here have "
                                              r"no 'pinned_host' memory; remove the offload"):
         trainer_module.Trainer(get_config("t5-tiny"), md.Mesh({"data": 8}), layout, tx, schedule)
+
+
+# -- activation offload: remat policies that keep the residuals in host memory --------------------
+
+def _stack(abstract: bool = False):
+    args = gated_mlp_stack()
+    if not abstract:
+        return args
+    return [md.named(jax.ShapeDtypeStruct(a.raw.shape, jnp.bfloat16), a.dims, is_param=a.is_param) for a in args]
+
+
+@pytest.mark.parametrize("policy, base", [("offload", "none"), ("offload-dots", "dots")])
+def test_an_offloading_policy_computes_the_same_and_holds_its_residuals_on_the_host(policy, base):
+    args, mesh, layout = _stack(), md.Mesh({"data": 8}), md.Layout({"batch": "data"})
+    want = gated_mlp_grads("none")(*args)
+    got = md.lower(gated_mlp_grads(policy), mesh, layout)(*md.place(args, mesh, layout))
+    for g, w in zip(got, want):
+        w = np.asarray(w.array)
+        np.testing.assert_allclose(np.asarray(g.array), w, rtol=2e-4, atol=2e-4 * float(np.abs(w).max()))
+    offloaded, kept = (md.explain(gated_mlp_grads(p), mesh, layout, *args) for p in (policy, base))
+    host, moved = offloaded.memory["host"], offloaded.memory["transfers"]
+    assert host > 0 and kept.memory["host"] == 0
+    assert moved == {"to host": host, "to device": host}   # each residual out once and back once
+    assert offloaded.memory["peak"] < kept.memory["peak"]   # device memory: what it moved is not there
+    assert "host link" in offloaded.to_markdown()
+
+
+def _scan_policy(report) -> str:
+    (scan,) = [d for d in report.decisions() if d["op"].startswith("scan")]
+    return scan["chosen"].rsplit("remat ", 1)[1]
+
+
+def test_the_plan_offloads_activations_only_where_the_host_link_beats_recomputing():
+    """On a GPU (abstract, the h100 profile) under a budget that keeping the activations (or the
+    matmuls) does not meet: over a slow host link recomputing is faster; over a fast one the plan
+    moves the matmuls to the host instead of recomputing them; with room for all it keeps them.
+    A CPU's plan is never offered an offload (XLA:CPU keeps offloaded values in device memory)."""
+    args, layout = _stack(abstract=True), md.Layout({"batch": "data"})
+    mesh = md.Mesh.abstract({"data": 8}, platform="gpu")
+    h100 = md.Hardware.profile("h100-80gb")
+    slow, fast = (dataclasses.replace(h100, host_bandwidth=b) for b in (1e8, 1e15))
+    step, budget = gated_mlp_grads("auto"), 3.6 * 2 ** 20   # under none's 4.4 MiB and dots' 3.7
+    assert _scan_policy(md.explain(step, mesh, layout, *args, hardware=fast)) == "none"
+    recomputed = md.explain(step, mesh, layout, *args, hardware=slow, memory_budget=budget)
+    assert _scan_policy(recomputed) == "full", recomputed.decisions()
+    offloaded = md.explain(step, mesh, layout, *args, hardware=fast, memory_budget=budget)
+    assert _scan_policy(offloaded) == "offload-dots", offloaded.decisions()
+    assert offloaded.memory["peak"] <= budget and offloaded.memory["host"] > 0
+    assert "offload" in md.REMAT_AUTO_CHOICES and not any(p.startswith("offload") for p in remats.choices("cpu"))

@@ -25,20 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import time
 from collections.abc import Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from .cost import moved_bytes
 from ..names.errors import MeshDSLError, MeshError, suggest
+from .timing import Timer, cache_fit, device_memory, link_fit
 
-__all__ = ["Hardware", "Link", "PROFILES"]
+__all__ = ["Hardware", "Link", "PROFILES", "PLATFORM_PROFILES"]
 
 GB, GiB = 1e9, 2.0 ** 30
 
@@ -86,14 +81,14 @@ _GPU_KERNELS = dict(matmul_efficiency=0.75, attention_efficiency=0.5, memory_eff
 _TPU_KERNELS = dict(matmul_efficiency=0.75, attention_efficiency=0.5, memory_efficiency=0.9, kernel_launch_s=1e-6)
 
 
-def _tpu(bf16, hbm, memory, ici, dcn):
-    return dict(flops={"bfloat16": bf16, "float32": bf16}, hbm_bandwidth=hbm, memory_bytes=memory,
+def _tpu(bf16, hbm, memory, ici, dcn, host=32 * GB):
+    return dict(flops={"bfloat16": bf16, "float32": bf16}, hbm_bandwidth=hbm, memory_bytes=memory, host_bandwidth=host,
                 interconnect={"ici": Link(ici, _LATENCY["ici"]), "dcn": Link(dcn, _LATENCY["dcn"])},
                 default_link="ici", **_TPU_KERNELS)
 
 
-def _gpu(bf16, tf32, hbm, memory, nvlink, network):
-    return dict(flops={"bfloat16": bf16, "float32": tf32}, hbm_bandwidth=hbm, memory_bytes=memory,
+def _gpu(bf16, tf32, hbm, memory, nvlink, network, host):
+    return dict(flops={"bfloat16": bf16, "float32": tf32}, hbm_bandwidth=hbm, memory_bytes=memory, host_bandwidth=host,
                 interconnect={"nvlink": Link(nvlink, _LATENCY["nvlink"]),
                               "network": Link(network, _LATENCY["network"])},
                 default_link="nvlink", devices_per_host=8, cross_host_link="network", **_GPU_KERNELS)
@@ -103,7 +98,8 @@ _PROFILES = {
     # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16 per chip; HBM2 32 GiB, 1200 GB/s.
     # ICI: 6 links per chip (3D torus), 400 Gb/s = 50 GB/s per link per direction (Jouppi et al.,
     # "TPU v4", ISCA 2023) -> 2 x 50 GB/s per axis. DCN per chip is not published for v4: v5p's
-    # 50 Gb/s = 6.25 GB/s is assumed.
+    # 50 Gb/s = 6.25 GB/s is assumed. No TPU page gives a chip's host (PCIe) bandwidth: PCIe Gen4
+    # x16's 32 GB/s per direction is assumed for every TPU profile.
     "tpu-v4": _tpu(bf16=275e12, hbm=1200 * GB, memory=32 * GiB, ici=2 * 50 * GB, dcn=6.25 * GB),
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16; HBM2 16 GB, 819 GB/s; ICI 1600 Gb/s
     # per chip over 4 links (2D torus) = 50 GB/s per link per direction -> 2 x 50 GB/s per axis;
@@ -116,31 +112,38 @@ _PROFILES = {
     "tpu-v5p": _tpu(bf16=459e12, hbm=2765 * GB, memory=95 * GiB, ici=2 * 100 * GB, dcn=6.25 * GB),
     # NVIDIA A100 datasheet (SXM4 80GB): BF16 312 TFLOP/s, TF32 156 (dense; 624/312 with
     # sparsity); HBM2e 80 GB, 2039 GB/s; NVLink 600 GB/s bidirectional -> 300 GB/s per direction.
-    # DGX A100: one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU = 25 GB/s.
+    # DGX A100: one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU = 25 GB/s. Host: PCIe Gen4 64 GB/s
+    # (the datasheet's, both directions) -> 32 GB/s.
     "a100-80gb": _gpu(bf16=312e12, tf32=156e12, hbm=2039 * GB, memory=80 * GB, nvlink=300 * GB,
-                      network=25 * GB),
+                      network=25 * GB, host=32 * GB),
     # NVIDIA H100 datasheet (SXM5): BF16 1979 TFLOP/s with sparsity = 989 dense, TF32 989 with
     # sparsity = 494.5 dense; HBM3 80 GB, 3.35 TB/s; NVLink 900 GB/s bidirectional -> 450 GB/s.
-    # DGX H100: one 400 Gb/s ConnectX-7 (NDR InfiniBand) per GPU = 50 GB/s.
+    # DGX H100: one 400 Gb/s ConnectX-7 (NDR InfiniBand) per GPU = 50 GB/s. Host: PCIe Gen5
+    # 128 GB/s (the datasheet's, both directions) -> 64 GB/s.
     "h100-80gb": _gpu(bf16=989e12, tf32=494.5e12, hbm=3350 * GB, memory=80 * GB, nvlink=450 * GB,
-                      network=50 * GB),
+                      network=50 * GB, host=64 * GB),
     # NVIDIA H200 datasheet (SXM): the H100's compute (BF16 989, TF32 494.5 dense); HBM3e 141 GB,
     # 4.8 TB/s; NVLink 900 GB/s bidirectional -> 450 GB/s. DGX H200: 400 Gb/s ConnectX-7 per GPU.
+    # Host: PCIe Gen5 128 GB/s -> 64 GB/s.
     "h200": _gpu(bf16=989e12, tf32=494.5e12, hbm=4800 * GB, memory=141 * GB, nvlink=450 * GB,
-                 network=50 * GB),
+                 network=50 * GB, host=64 * GB),
     # One CPU socket as one device (an AMD EPYC 9654 as the example, from AMD's product page): 96
     # Zen 4 cores x 2.4 GHz base x 32 f32 FLOP/cycle (two 256-bit FMA pipes) = 7.37 TFLOP/s; bf16
     # taken at the f32 rate (XLA:CPU has no fast bf16 matmul to count on); 12 channels of
     # DDR5-4800 x 8 B = 460.8 GB/s; 384 GB (12 x 32 GB DIMMs, an assumption). Collectives between
     # devices of one process are memory copies: each byte read and written, half the DRAM rate.
     # Virtual devices (--xla_force_host_platform_device_count) share the socket: use measure().
+    # Host memory is the same DRAM: a move to it is a copy, at the links' rate.
     "cpu": dict(flops={"bfloat16": 7.3728e12, "float32": 7.3728e12}, hbm_bandwidth=460.8 * GB,
                 memory_bytes=384 * GB, interconnect={"host": Link(230.4 * GB, _LATENCY["host"])},
-                default_link="host"),
+                default_link="host", host_bandwidth=230.4 * GB),
 }
 
 PROFILES = tuple(_PROFILES)
 """The names :meth:`Hardware.profile` knows."""
+
+PLATFORM_PROFILES = {"cpu": "cpu", "gpu": "h100-80gb", "tpu": "tpu-v5p"}
+"""The profile a platform's devices are priced on where no hardware is given."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +169,8 @@ class Hardware:
             ``hbm_bandwidth``). :meth:`measure` fits both on a CPU, where a step's activations
             often fit the caches; the GPU and TPU profiles leave it 0.
         cache_bandwidth: the bandwidth of such a kernel, bytes/s.
+        host_bandwidth: bytes/s per device and direction between its memory and the host's
+            (pinned) memory, the link an offloaded state crosses (PCIe; 0: not known).
 
     Example:
         >>> from meshdsl.costmodel.hardware import Hardware
@@ -189,6 +194,7 @@ class Hardware:
     kernel_launch_s: float = 0.0
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         named = {"default_link": self.default_link, "cross_host_link": self.cross_host_link,
@@ -209,6 +215,14 @@ class Hardware:
             raise MeshDSLError(f"unknown hardware profile {name!r}{suggest(name, PROFILES)}; "
                                f"known profiles: {', '.join(PROFILES)}")
         return cls(name=name, **_PROFILES[name])
+
+    @classmethod
+    def of(cls, hardware, mesh) -> Hardware:
+        """``hardware`` (a :class:`Hardware` or a profile's name), else a profile of ``mesh``'s
+        platform (:data:`PLATFORM_PROFILES`: ``cpu``, ``h100-80gb`` for a GPU, ``tpu-v5p`` for a TPU)."""
+        if hardware is None:
+            return cls.profile(PLATFORM_PROFILES.get(mesh.platform, "cpu"))
+        return cls.profile(hardware) if isinstance(hardware, str) else hardware
 
     def with_links(self, **axis_links: str) -> Hardware:
         """A copy where each named mesh axis runs on the given link kind: ``with_links(data="dcn")``."""
@@ -232,6 +246,13 @@ class Hardware:
         if self.cache_bytes and touched <= self.cache_bytes:
             return nbytes / self.cache_bandwidth
         return nbytes / (self.hbm_bandwidth * self.memory_efficiency)
+
+    def host_seconds(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` per device between device and host memory, one way."""
+        if not self.host_bandwidth:
+            raise MeshDSLError(f"hardware {self.name!r} has no host link bandwidth; give one with "
+                               f"dataclasses.replace(hw, host_bandwidth=...) or use Hardware.measure")
+        return nbytes / self.host_bandwidth
 
     def matmul_peak(self, operand_dtype) -> float:
         """Peak FLOP/s of a matmul whose operands are ``operand_dtype``: 16-bit and narrower at the
@@ -281,14 +302,15 @@ class Hardware:
         axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
         if mesh.is_abstract or not axes:
             raise MeshError(f"Hardware.measure needs a mesh of devices with an axis of size > 1, got {mesh!r}")
-        timer = _Timer(mesh, seconds)
-        links = {a: _fit_link(*timer.collectives(a)) for a in axes}
+        timer = Timer(mesh, seconds)
+        links = {a: Link(*link_fit(*timer.collectives(a))) for a in axes}
         streaming = timer.elementwise()
-        cache_bytes, cache_bandwidth = _cache(timer.in_loop(), streaming)
+        cache_bytes, cache_bandwidth = cache_fit(timer.in_loop(), streaming)
         return cls(name="measured", flops={d: timer.matmul(d) for d in ("bfloat16", "float32")},
-                   hbm_bandwidth=streaming, memory_bytes=_device_memory(mesh),
+                   hbm_bandwidth=streaming, memory_bytes=device_memory(mesh),
                    interconnect=links, default_link=min(links, key=lambda a: links[a].bandwidth),
-                   axis_links={a: a for a in axes}, cache_bytes=cache_bytes, cache_bandwidth=cache_bandwidth)
+                   axis_links={a: a for a in axes}, cache_bytes=cache_bytes, cache_bandwidth=cache_bandwidth,
+                   host_bandwidth=timer.host_copy())
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
@@ -308,97 +330,3 @@ def _axis_part(axis: str, sizes: dict[str, int]) -> tuple[str, int, int]:
     if name not in sizes:
         raise MeshError(f"mesh {sizes} has no axis {name!r}{suggest(name, sizes)}")
     return (name, int(m.group(2)), int(m.group(3))) if m else (name, 1, sizes[name])
-
-
-def _cache(points, streaming: float) -> tuple[float, float]:
-    """``(cache_bytes, cache_bandwidth)`` from ``(bytes touched, bandwidth)`` of a kernel repeated
-    in a loop at growing sizes: the largest size up to which every size runs at least 1.5x the
-    streaming bandwidth, and the least bandwidth up to it (a kernel's working set that fits is
-    never credited more than the slowest such size reached); ``(0, 0)`` where none does."""
-    size, rate = 0.0, math.inf
-    for touched, bandwidth in sorted(points):
-        if bandwidth < 1.5 * streaming:
-            break
-        size, rate = touched, min(rate, bandwidth)
-    return (size, rate) if size else (0.0, 0.0)
-
-
-def _fit_link(nbytes: np.ndarray, secs: np.ndarray) -> Link:
-    """Least squares of ``secs ~ latency + nbytes / bandwidth`` in relative error (each point
-    weighted by 1 / its time, so small messages decide the latency and large ones the bandwidth).
-    Where timing noise makes a constant come out negative: latency 0, or bandwidth the best rate
-    the largest message reached."""
-    a = np.stack([np.ones_like(nbytes), nbytes], axis=1) / secs[:, None]
-    latency, slope = np.linalg.lstsq(a, np.ones_like(secs), rcond=None)[0]
-    bandwidth = 1.0 / slope if slope > 0 else float(nbytes.max() / secs.max())
-    return Link(bandwidth=float(bandwidth), latency=float(max(latency, 0.0)))
-
-
-def _device_memory(mesh) -> float:
-    """Bytes of memory per device: the runtime's limit, else (CPU) physical memory over the local devices."""
-    stats = mesh.jax_mesh.devices.flat[0].memory_stats()
-    if stats and "bytes_limit" in stats:
-        return float(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / jax.local_device_count()
-
-
-class _Timer:
-    """Times per-device work run on every device of a mesh at once (see :meth:`Hardware.measure`)."""
-
-    COLLECTIVE_ELEMENTS = (2 ** 8, 2 ** 16, 2 ** 20)   # float32 per device: 1 KiB, 256 KiB, 4 MiB
-
-    def __init__(self, mesh, seconds: float) -> None:
-        self.mesh, self.seconds = mesh.jax_mesh, seconds
-        self.spec = P(mesh.axis_names)
-        self.n = mesh.size
-
-    def run(self, body, *local_shapes_dtypes) -> float:
-        """Fastest time of ``body`` on every device over local blocks of the given shapes."""
-        args = [jnp.ones((self.n * s[0], *s[1:]), d) for s, d in local_shapes_dtypes]
-        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(self.spec,) * len(args), out_specs=self.spec))
-        jax.block_until_ready(f(*args))   # compile and warm up
-        best, spent = math.inf, 0.0
-        while spent < self.seconds or best == math.inf:
-            start = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            took = time.perf_counter() - start
-            best, spent = min(best, took), spent + took
-        return best
-
-    def grown(self, timed, size: int, limit: int) -> tuple[int, float]:
-        """``timed(size)``, doubling ``size`` (up to ``limit``) until one run takes ``seconds / 4``."""
-        took = timed(size)
-        while took < self.seconds / 4 and size < limit:
-            size *= 2
-            took = timed(size)
-        return size, took
-
-    def matmul(self, dtype: str) -> float:
-        n, took = self.grown(lambda n: self.run(jnp.dot, ((n, n), dtype), ((n, n), dtype)), 128, 8192)
-        return 2.0 * n ** 3 / took
-
-    def elementwise(self) -> float:
-        size, took = self.grown(lambda k: self.run(lambda x: x * 2 + 1, ((k,), jnp.float32)), 2 ** 20, 2 ** 26)
-        return 2.0 * 4 * size / took   # read and write 4-byte elements
-
-    CACHE_ELEMENTS = (2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20)   # float32 per device: 64 KiB .. 4 MiB
-    LOOP = 64
-
-    def in_loop(self) -> list:
-        """``(bytes touched, bandwidth)`` of ``x * a + 1`` repeated in a loop inside one program
-        (no dispatch between runs) at each of :data:`CACHE_ELEMENTS` per device."""
-        def body(x):
-            return jax.lax.fori_loop(0, self.LOOP, lambda i, v: v * 0.5 + 1.0, x)
-        return [(2.0 * 4 * k, 2.0 * 4 * k * self.LOOP / self.run(body, ((k,), jnp.float32)))
-                for k in self.CACHE_ELEMENTS]
-
-    def collectives(self, axis: str) -> tuple[np.ndarray, np.ndarray]:
-        """Bytes sent per device and seconds, for an all-reduce and an all-gather over ``axis``."""
-        group = self.mesh.shape[axis]
-        nbytes, secs = [], []
-        for k in self.COLLECTIVE_ELEMENTS:
-            for kind, body, result in (("all-reduce", lambda x: jax.lax.psum(x, axis), k),
-                                       ("all-gather", lambda x: jax.lax.all_gather(x, axis, tiled=True), k * group)):
-                nbytes.append(moved_bytes(kind, 4 * k, 4 * result, group))
-                secs.append(self.run(body, ((k,), jnp.float32)))
-        return np.array(nbytes), np.array(secs)

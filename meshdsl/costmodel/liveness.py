@@ -38,7 +38,9 @@ from collections import Counter
 from jax.extend import core as jcore
 
 from ..platform import jaxcompat
-from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, FUSIBLE, materialized, nbytes, sub_jaxprs
+from ..platform.jaxcompat import in_host_memory, scan_parts
+from .jaxpr_stats import ALIASES as _ALIASES, CALLS as _CALLS, FUSIBLE, materialized, sub_jaxprs
+from .jaxpr_stats import nbytes as _bytes
 
 __all__ = ["memory", "at_peak", "Buffer"]
 
@@ -65,10 +67,16 @@ class Buffer:
     shape: tuple | None = None
 
 
+def nbytes(aval) -> int:
+    """Device memory bytes of a value: none for one in host memory."""
+    return 0 if in_host_memory(aval) else _bytes(aval)
+
+
 def memory(jaxpr) -> dict:
     """Per-device bytes of one run of ``jaxpr``: ``arguments``, ``outputs``, ``temporaries`` (the
     peak of the buffers neither, as ``memory_analysis`` splits them), ``peak`` (their sum), and
-    ``breakdown``: the temporaries live at the peak by what made them."""
+    ``breakdown``: the temporaries live at the peak by what made them; all in device memory.
+    ``host``: what it holds in host memory (values an offloading remat policy moved there)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     args = sum(nbytes(v.aval) for v in jaxpr.invars)
     outs = sum(nbytes(v.aval) for v in jaxpr.outvars if isinstance(v, jcore.Var))
@@ -77,7 +85,42 @@ def memory(jaxpr) -> dict:
     for b in live:
         breakdown[b.kind] = breakdown.get(b.kind, 0) + b.size
     return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + outs + temps,
-            "breakdown": dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))}
+            "breakdown": dict(sorted(breakdown.items(), key=lambda kv: -kv[1])), "host": _host_held(jaxpr)}
+
+
+def host_transfers(jaxpr) -> dict:
+    """Bytes per device one run of ``jaxpr`` moves between device and host memory, ``{"to host":
+    .., "to device": ..}`` (a loop's moves as often as it runs): what an offloading remat policy
+    sends to the host in the forward pass and brings back for the backward."""
+    out = {"to host": 0.0, "to device": 0.0}
+    _transfers(getattr(jaxpr, "jaxpr", jaxpr), 1, out)
+    return out
+
+
+def _transfers(jaxpr, times: int, out: dict) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for a, b in zip(eqn.invars, eqn.outvars):
+                if in_host_memory(a.aval) != in_host_memory(b.aval):
+                    out["to device" if in_host_memory(a.aval) else "to host"] += times * _bytes(b.aval)
+        trips = scan_parts(eqn).length if eqn.primitive.name == "scan" else 1
+        for sub in sub_jaxprs(eqn):
+            _transfers(sub, times * trips, out)
+
+
+def _host_held(jaxpr) -> int:
+    """Bytes of the values ``jaxpr`` (and the calls in it) holds in host memory, each counted
+    once: all live at once between the forward pass that offloads them and the backward that
+    brings them back."""
+    seen, total = set(), 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            if isinstance(v, jcore.Var) and in_host_memory(v.aval) and v not in seen:
+                seen.add(v)
+                total += _bytes(v.aval)
+        for sub in sub_jaxprs(eqn) if eqn.primitive.name in _CALLS else ():
+            total += _host_held(getattr(sub, "jaxpr", sub))
+    return total
 
 
 def at_peak(jaxpr) -> list:

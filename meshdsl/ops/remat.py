@@ -7,9 +7,13 @@ an attention's scores and kernel are recomputed), ``"einsums"`` every einsum res
 ``"collectives"`` what collectives produced (recomputing never communicates again),
 ``"sequence-parallel"`` all but gathered values (Megatron: the backward pass gathers the kept shard
 again), or a comma-separated list of value names to keep (``"einsum,all-reduce"``): the rewriter
-names einsum results ``"einsum"`` and collective results by kind.
+names einsum results ``"einsum"`` and collective results by kind. Two policies keep in host memory
+instead (activation offload): ``"offload"`` moves everything autodiff keeps to the host in the
+forward pass and back for the backward pass (no recompute; the host link's time), and
+``"offload-dots"`` moves ``"dots"``' matmuls there and recomputes the rest.
 
-``"auto"`` leaves the choice to the planner: it prices :data:`CHOICES` (none, dots, full) per loop,
+``"auto"`` leaves the choice to the planner: it prices :data:`CHOICES` (none, dots, full, and
+offload on a GPU or TPU: :func:`choices`) per loop,
 each with the memory its steps keep and the time of what it recomputes, and takes the fastest that
 fits the memory budget, in the same solve as the placements (:mod:`meshdsl.planner.remat`).
 """
@@ -20,10 +24,12 @@ import contextlib
 import contextvars
 
 import jax
+from jax.ad_checkpoint import Offloadable
 
 from ..names.errors import MeshDSLError
+from ..platform.jaxcompat import HOST_MEMORY
 
-__all__ = ["NAMES", "POLICIES", "CHOICES", "AUTO", "policy", "checked", "wrap", "auto_as", "auto_taken_as"]
+__all__ = ["NAMES", "POLICIES", "OFFLOADS", "CHOICES", "OFFLOADING", "choices", "AUTO", "policy", "checked", "wrap", "auto_as", "auto_taken_as"]
 
 # Names the rewriter gives to values (meshdsl.rewrite.collectives, the einsum rule): policies keep or
 # recompute them by name.
@@ -42,10 +48,22 @@ POLICIES = {
     # (memory of one shard, bytes of one more all-gather)
     "sequence-parallel": jax.checkpoint_policies.save_only_these_names(
         "einsum", *(n for n in _COLLECTIVES if n != "all-gather")),
+    # activation offload: what autodiff keeps, or dots' matmuls, in host memory until the backward
+    "offload": lambda *_, **__: Offloadable(src="device", dst=HOST_MEMORY),
+    "offload-dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", HOST_MEMORY),
 }
+OFFLOADS = {"offload": "none", "offload-dots": "dots"}   # each offload policy -> the policy whose residuals it moves
 
 AUTO = "auto"
-CHOICES = ("none", "dots", "full")   # what the planner weighs for remat="auto", its default first
+CHOICES = ("none", "dots", "full", "offload", "offload-dots")   # what the planner weighs for remat="auto", its default first
+OFFLOADING = ("gpu", "tpu")   # platforms whose compiler places offloaded values in host memory
+
+
+def choices(platform: str) -> tuple:
+    """What the planner weighs for ``remat="auto"`` on ``platform``'s devices: :data:`CHOICES`,
+    without ``"offload"`` where the compiler keeps offloaded values in device memory anyway
+    (XLA:CPU drops the host placement)."""
+    return CHOICES if platform in OFFLOADING else tuple(c for c in CHOICES if c not in OFFLOADS)
 
 
 def checked(name: str) -> str:

@@ -44,15 +44,9 @@ class Plan:
 
 
 OBJECTIVES = ("time", "bytes")
-_PLATFORM_PROFILES = {"cpu": "cpu", "gpu": "h100-80gb", "tpu": "tpu-v5p"}
-
-
 def hardware_of(hardware, mesh) -> Hardware:
-    """The hardware a plan is priced on: ``hardware`` (a :class:`Hardware` or a profile's name),
-    else a profile of the mesh's platform (``cpu``, ``h100-80gb`` for a GPU, ``tpu-v5p`` for a TPU)."""
-    if hardware is None:
-        return Hardware.profile(_PLATFORM_PROFILES.get(mesh.platform, "cpu"))
-    return Hardware.profile(hardware) if isinstance(hardware, str) else hardware
+    """The hardware a plan is priced on (:meth:`Hardware.of`)."""
+    return Hardware.of(hardware, mesh)
 
 
 def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) -> float:
@@ -61,12 +55,21 @@ def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) 
     (``found.work``: an einsum's blocks, an attention's kernel, as often as they run), each pass
     the larger of its FLOPs at the dtype's peak and its HBM bytes at the memory's bandwidth, the
     backward's where the op is differentiated (``grad``). A loop's body ops are priced apart: a loop
-    pays only what its remat policy recomputes (``found.again``)."""
+    pays only what its remat policy recomputes (``found.again``) and what it offloads, to the host
+    in the forward pass and back in the backward over the host link (``found.host``), each way
+    beyond the compute of its pass (``found.beside``), which the transfer overlaps."""
     def seconds(flops, nbytes):
         return max(flops / hw.matmul_peak(dtype) / hw.matmul_efficiency,
                    nbytes / hw.hbm_bandwidth / hw.memory_efficiency)
-    if op.inner:
-        return seconds(*found.again) * rate if found.again and grad else 0.0
+    if op.inner:   # what its remat policy recomputes, and what it moves to host memory and back
+        if not grad:
+            return 0.0
+        offloaded = 0.0
+        if found.host and hw.host_bandwidth:   # each way overlapping its pass's compute
+            move = found.host / hw.host_bandwidth
+            fwd, bwd = (seconds(*found.beside[:2]), seconds(*found.beside[2:])) if found.beside else (0.0, 0.0)
+            offloaded = max(0.0, move - fwd) + max(0.0, move - bwd)
+        return ((seconds(*found.again) if found.again else 0.0) + offloaded) * rate
     if not found.work:
         return 0.0
     forward_flops, forward_bytes, backward_flops, backward_bytes = found.work

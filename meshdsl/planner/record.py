@@ -221,6 +221,8 @@ class Found:
     gathers: tuple = ()       # (kept, moved, mesh axes, executions, again) of each parameter it
     #                           gathered inside a loop (Recorder.param_gathered)
     regathered: int = 0       # a loop's: parameters its backward gathers again by the plan's choice
+    host: float = 0.0         # a loop's: bytes per device its remat policy moves to host memory and back
+    beside: tuple = ()        # a loop's: its body's work (as ``work``), which those moves overlap
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):

@@ -10,7 +10,10 @@ its body ran (each value at its per-device size where the rule put it, as often 
   and the carry entering each step;
 * ``"dots"``: the results of the step's einsums without batch dims (no dim in both operands and
   the result: a layer's projections) and the carry entering each step;
-* ``"full"``: the carry entering each step.
+* ``"full"``: the carry entering each step;
+* ``"offload"`` / ``"offload-dots"``: the carry on the device, and ``"none"``'s / ``"dots"``'
+  residuals in host memory: moved there in the forward pass and back in the backward (``host``
+  bytes each way), each way priced beyond the compute of its pass (``beside``), which it overlaps.
 
 What a policy recomputes runs again in the backward pass: ``"full"`` the step's forward compute,
 ``"dots"`` all of it but those einsums; both run the step's forward collectives again (what they
@@ -32,7 +35,7 @@ from ..platform.jaxcompat import differentiated
 
 __all__ = ["value_bytes", "strategies", "ACCOUNTED"]
 
-ACCOUNTED = remats.CHOICES   # the policies whose residuals the planner counts
+ACCOUNTED = ("none", "dots", "full", *remats.OFFLOADS)   # the policies whose residuals the planner counts
 
 
 def value_bytes(ctx, recording, v, pl) -> float:
@@ -69,6 +72,7 @@ def _residuals(ctx, recording, body, carry_bytes: float) -> dict:
 def _again(recording, body, policy: str):
     """``(forward FLOPs, HBM bytes, collectives, runs)`` the backward pass runs again under
     ``policy``: the recomputed ops' forward contractions, and the step's forward collectives."""
+    policy = {"offload": "none", "offload-dots": "dots"}.get(policy, policy)   # offloaded: not recomputed
     if policy == "none":
         return (), (), ()
     recomputed = [op for op in body if policy == "full" or not _batchless_einsum(recording, op)]
@@ -114,7 +118,12 @@ def strategies(ctx, recording, rule, body, operands, found: list, xs) -> list:
     kept = _residuals(ctx, recording, body, carry_bytes)
     gathers = _gathers(body)
     kept["none"] += sum(g[0] for _, g in gathers if not g[4])
-    policies = remats.CHOICES if name == remats.AUTO else (name,)
+    # an offloading policy keeps its base policy's residuals in host memory: the carry on the device
+    host = {p: kept[base] - carry_bytes for p, base in remats.OFFLOADS.items()}
+    kept.update({p: carry_bytes for p in remats.OFFLOADS})
+    works = [op.strategies[0].work for op in body if op.strategies[0].work]
+    beside = tuple(map(sum, zip(*works))) if works else ()   # the body's compute, which a transfer overlaps
+    policies = remats.choices(ctx.mesh.platform) if name == remats.AUTO else (name,)
     point = 1 if name == remats.AUTO else 0   # the regather decision point follows remat's
     choosing = ctx.params.name == "auto"
     out = []
@@ -126,7 +135,8 @@ def strategies(ctx, recording, rule, body, operands, found: list, xs) -> list:
             options = tuple(sorted({**dict(f.options), 0: i}.items())) if name == remats.AUTO and i else f.options
             g = dataclasses.replace(
                 f, options=options, held=(kept[policy], working), again=again, forward=f.forward + moved,
-                collectives=f.collectives + collectives, runs=f.runs + runs, remat=policy)
+                collectives=f.collectives + collectives, runs=f.runs + runs, remat=policy, host=host.get(policy, 0.0),
+                beside=beside if policy in host else ())
             out.append(_gathered_again(g, [e for e in gathers if e[1][4]]))
             if policy == "none" and choosing:
                 out += _regather_chain(g, gathers, point)

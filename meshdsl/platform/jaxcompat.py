@@ -32,7 +32,7 @@ from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
            "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims",
-           "HOST_MEMORY", "host_memory_kind", "to_memory"]
+           "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
@@ -242,3 +242,9 @@ def to_memory(tree, where: str):
     its split (a host <-> device transfer XLA schedules; no collective)."""
     space = {"device": jax.memory.Space.Device, "host": jax.memory.Space.Host}[where]
     return jax.device_put(tree, space)
+
+
+def in_host_memory(aval) -> bool:
+    """Is a traced value of abstract value ``aval`` in host memory (``f32<host>[..]``: moved there
+    by ``device_put``, an offloading remat policy)?"""
+    return str(getattr(aval, "memory_space", "")).endswith("Host")

@@ -118,6 +118,11 @@ class Report:
                  f"per device · memory {fmt_bytes(self.memory['peak'])} per device (arguments "
                  f"{fmt_bytes(self.memory['arguments'])}, outputs {fmt_bytes(self.memory.get('outputs', 0))}, "
                  f"temporaries {fmt_bytes(self.memory['temporaries'])}){compiled_note(self)}", ""]
+        moved = self.memory.get("transfers", {})
+        if any(moved.values()):
+            lines += [f"host memory {fmt_bytes(self.memory.get('host', 0))} per device; host link "
+                      f"{fmt_bytes(moved['to host'])} to the host and {fmt_bytes(moved['to device'])} back "
+                      f"per device (an offloading remat policy)", ""]
         if self.pipeline:
             p = self.pipeline
             sched = p["schedule"] + (f", {p['repeats']} repeats" if "repeats" in p else "")
@@ -184,6 +189,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
             note = " (runs again in the backward pass)" if runs[r.tag] > r.count else " (hoisted out of the loop)"
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     memory = liveness.memory(body)
+    memory["transfers"] = liveness.host_transfers(body)
     memory["kinds"] = _kinds(args, prog, jaxpr_stats.inner_body(closed), body, memory)
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,

@@ -166,9 +166,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--remat", type=_remat, default="none",
       help="what each layer keeps for the backward pass (the rest is recomputed): none (keep all), full "
            "(keep nothing), dots, einsums, collectives (never communicate again), sequence-parallel (gather "
-           "the sequence shard again), or value names to keep: einsum,all-reduce,all-gather,...; auto: the "
-           "planner chooses none, dots or full per layer stack, the fastest within --memory-budget (with "
-           "--layout auto, the search chooses it with the layout)")
+           "the sequence shard again), offload (keep all in host memory), offload-dots (the matmuls in host "
+           "memory), or value names to keep: einsum,all-reduce,all-gather,...; auto: the planner chooses "
+           "none, dots or full (on a GPU/TPU also offload, offload-dots) per layer stack, the fastest within "
+           "--memory-budget (with --layout auto, the search chooses it with the layout)")
     a("--dtype", default="float32", choices=("float32", "bfloat16"),
       help="compute dtype: bfloat16 casts the parameters at use; gradients, parameters and optimizer state "
            "stay in --param-dtype")

@@ -89,5 +89,5 @@ def hlo_text(compiled) -> str:
 
 def transfers_text(transfers) -> list[str]:
     """One line per host <-> device transfer of a step (:meth:`Trainer.transfers`)."""
-    return [f"offload    {t['what']} {t['direction']}: {fmt_bytes(t['bytes'])} per device each step"
-            for t in transfers]
+    return [f"offload    {t['what']} {t['direction']}: {fmt_bytes(t['bytes'])} per device each step "
+            f"(~{t['seconds'] * 1e3:.2f} ms on the host link)" for t in transfers]

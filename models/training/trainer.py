@@ -231,16 +231,19 @@ class Trainer:
                     totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64) * n
         return {k: v / max(tokens, 1.0) for k, v in totals.items()} | {"tokens": tokens}
 
-    def transfers(self, state) -> list[dict]:
-        """The host <-> device transfers of one step, per device: ``{"what", "direction", "bytes"}``
-        (an offloaded optimizer state comes to the device and goes back: its bytes each way)."""
+    def transfers(self, state, hardware=None) -> list[dict]:
+        """The host <-> device transfers of one step, per device: ``{"what", "direction", "bytes",
+        "seconds"}`` (an offloaded optimizer state comes to the device and goes back: its bytes
+        each way), the seconds on ``hardware``'s host link (a :class:`md.Hardware` or a profile's
+        name; default: the profile of the mesh's platform)."""
         if "optimizer" not in self.layout.offload:
             return []
         shardings = jax.tree_util.tree_leaves(self.state_shardings(state)["opt_state"])
         arrays = jax.tree_util.tree_leaves(state["opt_state"])
         per_device = sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
                          for a, s in zip(arrays, shardings))
-        return [{"what": "optimizer state", "direction": direction, "bytes": float(per_device)}
+        seconds = md.Hardware.of(hardware, self.mesh).host_seconds(per_device)
+        return [{"what": "optimizer state", "direction": direction, "bytes": float(per_device), "seconds": seconds}
                 for direction in ("host to device", "device to host")]
 
     def explain(self, state, batches) -> md.Report:

@@ -4,8 +4,8 @@ For each layout the training CLI runs ``--steps`` steps (AdamW, so the state is 
 parameters) with the optimizer state on the device and with ``--offload optimizer``, twice each,
 alternating, and the table gives the median step time of the steps after the first two, the
 bytes per device that cross the host link each way per step, and the time those bytes take at
-the host link's bandwidth (the analytic minimum an offload adds, measured on this machine by
-``Hardware.measure``), next to the time the offload added.
+the host link's bandwidth (what the time model adds for the offload, the link measured on this
+machine by ``Hardware.measure``), next to the time the offload added.
 
 On CPU the "host" is the same DRAM: a transfer is a copy, and XLA's ``memory_analysis`` counts
 host buffers with the device's (its host sizes read 0), so the device memory an offload frees
@@ -52,19 +52,19 @@ def run(quick: bool = False, steps: int = 12) -> str:
                     if where == "host":
                         moved = r["trainer"].transfers(r["state"])[0]["bytes"]
             base, off = statistics.median(times["device"]), statistics.median(times["host"])
-            floor = 2 * moved / host
+            predicted = 2 * moved / host
             for where, t in (("device", base), ("host", off)):
                 rows.append({"layout": name, "optimizer state": where, "step_s": t, "vs_device": t / base,
                              "moved_each_way": moved if where == "host" else 0.0,
-                             "added_s": t - base, "minimum_added_s": floor if where == "host" else 0.0})
+                             "added_s": t - base, "predicted_added_s": predicted if where == "host" else 0.0})
                 print(f"{name:30s} {where:6s} {t * 1e3:8.1f} ms", flush=True)
     columns = [("layout", lambda r: r["layout"]), ("optimizer state", lambda r: r["optimizer state"]),
                ("step ms (median)", lambda r: f"{r['step_s'] * 1e3:.1f}"),
                ("vs on device", lambda r: f"{r['vs_device']:.3f}"),
                ("host link each way / device", lambda r: fmt_bytes(r["moved_each_way"]) if r["moved_each_way"] else "-"),
                ("added ms", lambda r: f"{r['added_s'] * 1e3:.2f}" if r["moved_each_way"] else "-"),
-               ("minimum added ms (bytes / host link)",
-                lambda r: f"{r['minimum_added_s'] * 1e3:.2f}" if r["moved_each_way"] else "-")]
+               ("predicted added ms (bytes both ways / host link)",
+                lambda r: f"{r['predicted_added_s'] * 1e3:.2f}" if r["moved_each_way"] else "-")]
     return write("offload", rows, columns, "Offload: optimizer state on the device or in host memory",
                  notes=f"T5 ({'d_model 128' if quick else 'd_model 256'}), AdamW, batch 16 x 64/16, data:8, float32; "
                        f"median step time of steps 3-{steps} over two runs each, alternating; host link measured "

@@ -159,3 +159,35 @@ def test_the_plan_offloads_activations_only_where_the_host_link_beats_recomputin
     assert _scan_policy(offloaded) == "offload-dots", offloaded.decisions()
     assert offloaded.memory["peak"] <= budget and offloaded.memory["host"] > 0
     assert "offload" in md.REMAT_AUTO_CHOICES and not any(p.startswith("offload") for p in remats.choices("cpu"))
+
+
+# -- chosen: md.search weighs the optimizer state, and offloads it where only that fits ------------
+
+def _search(budget, **kw):
+    args = [md.named(jax.ShapeDtypeStruct(a.raw.shape, a.raw.dtype), a.dims, is_param=a.is_param)
+            for a in gated_mlp_stack()]
+    return md.search(gated_mlp_grads("none"), 8, *args, memory_budget=budget, hardware="h100-80gb", top=3,
+                     dims=["batch"], **kw)
+
+
+def test_a_search_counts_each_layouts_optimizer_state_and_offloads_it_only_where_nothing_else_fits():
+    """AdamW's state (twice the parameters, 4 MiB per device here, replicated) on top of a step
+    of 8.8 MiB: with 16 MiB the best layout keeps it on the device; with 11 MiB none does, and
+    with ``offload=True`` the best keeps it in host memory, paying its trip each step."""
+    roomy = _search("16MiB", optimizer_state=2.0, offload=True)
+    assert str(roomy.best.layout) == "batch:data" and roomy.best.host_s == 0
+    assert roomy.best.memory["optimizer"] == 4 * 2 ** 20
+    assert roomy.best.memory["peak"] == _search("16MiB").best.memory["peak"] + 4 * 2 ** 20
+    assert not _search("11MiB", optimizer_state=2.0).candidates   # on the device, nothing fits
+    tight = _search("11MiB", optimizer_state=2.0, offload=True)
+    best = tight.best
+    assert str(best.layout) == "batch:data | offload optimizer", [c.why for c in tight.rejected]
+    assert best.memory["peak"] * 1.1 <= 11 * 2 ** 20 and best.memory["host"] == 4 * 2 ** 20
+    assert best.host_s == pytest.approx(2 * 4 * 2 ** 20 / 64e9)   # to the device and back, on PCIe Gen5
+    assert "optimizer state to the device and back" in best.why
+
+
+def test_offload_auto_without_a_layout_search_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([*TINY, "--out", str(tmp_path / "x"), "--steps", "1", "--offload", "auto"])
+    assert "--offload auto is the layout search's choice: pass --layout auto" in capsys.readouterr().err

@@ -43,6 +43,7 @@ class Candidate:
     memory: dict = dataclasses.field(default_factory=dict)
     why: str = ""
     report: Report | None = dataclasses.field(default=None, repr=False)
+    host_s: float = 0.0   # of ``time``: the optimizer state's trips over the host link, where offloaded
 
     @property
     def key(self) -> tuple:
@@ -60,9 +61,10 @@ class Candidate:
 class Costing:
     """The candidates costed so far: ranked, rejected (each with its why), how many were traced."""
 
-    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, ()), screen=True):
+    def __init__(self, args, budget, hw, dtype, overlap, margin, variants=({}, ()), screen=True, state=(0.0, False)):
         self.args, self.budget, self.hw, self.dtype, self.overlap, self.margin = args, budget, hw, dtype, overlap, margin
         self.screen = screen
+        self.state, self.offload = state   # optimizer state per parameter byte; may it live on the host
         self.counts, self.schedules = variants   # what to try again: a pipeline's microbatches and schedules
         self.ranked, self.rejected, self.costed, self.retimed, self.bounded = [], [], 0, 0, 0
         self.traced: dict = {}   # the shape of a layout's per-device program -> (axis names, report or error)
@@ -97,8 +99,12 @@ class Costing:
         """Cost ``cand`` (ranked or rejected); its report, or None when it was not traced."""
         try:
             floor = held.per_device(cand.mesh, cand.layout)
+            state = self.state * held.param_bytes(cand.mesh, cand.layout)
         except LayoutError as e:
             return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
+        if state and not self.offload:   # held on the device through the step: the plan has the rest
+            floor += state
+            cand.lower_kwargs = {**cand.lower_kwargs, "memory_budget": cand.lower_kwargs["memory_budget"] - state}
         if floor * (1 + self.margin) > self.budget:
             return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
                                      f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
@@ -129,12 +135,31 @@ class Costing:
         else:
             self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
+        if state:
+            self._with_state(cand, state)
         if cand.memory["peak"] * (1 + self.margin) > self.budget:
             self.reject(cand, f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
                               f"+ {self.margin:.0%} > {fmt_bytes(self.budget)}")
         else:
             self.ranked.append(cand)
         return report
+
+
+    def _with_state(self, cand, state: float) -> None:
+        """``cand`` holding its optimizer state (``state`` bytes per device): on the device through
+        the step, or, where that is over the budget and ``offload`` allows, in host memory
+        (``md.Layout(..., offload="optimizer")``), paying its trip to the device and back."""
+        cand.memory["optimizer"] = state
+        resident = cand.memory["peak"] + state
+        if not self.offload or resident * (1 + self.margin) <= self.budget:
+            cand.memory["peak"] = resident
+            return
+        layout = cand.layout
+        cand.layout = Layout(layout.rules, params=layout.param_rules, microbatches=layout.microbatches or None,
+                             offload="optimizer")
+        cand.memory["host"] = cand.memory.get("host", 0) + state
+        cand.host_s = 2 * self.hw.host_seconds(state)
+        cand.time += cand.host_s
 
 
 def _refused(e: MeshDSLError) -> str:

@@ -83,16 +83,12 @@ class Held:
 
     def per_device(self, mesh, layout) -> int:
         """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
-        total = 0
-        for leaf in self.leaves:
-            if is_named(leaf):
-                axes = effective(layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
-                                                    what=f"{'parameter' if leaf.is_param else 'value'} [{leaf.dims}]"), mesh)
-                split = math.prod(mesh.axis_size(a) for ax in axes for a in ax)
-                total += nbytes(leaf.raw) // split
-            elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                total += nbytes(leaf)
-        return total
+        return sum(_placed_bytes(leaf, mesh, layout) for leaf in self.leaves)
+
+    def param_bytes(self, mesh, layout) -> int:
+        """Bytes per device of the parameters among the arguments, as the layout stores them."""
+        n = len(jax.tree_util.tree_leaves(self.args, is_leaf=is_named))
+        return sum(_placed_bytes(leaf, mesh, layout) for leaf in self.leaves[:n] if is_named(leaf) and leaf.is_param)
 
     def screen(self, mesh, layout, floor: int, microbatches=None) -> int:
         """The screen's estimate of the layout's peak per device (``floor``: its arguments and
@@ -169,6 +165,15 @@ class Held:
             except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
                 self._temporaries = []
         return self._temporaries
+
+
+def _placed_bytes(leaf, mesh, layout) -> int:
+    """Bytes per device of an argument or output ``leaf`` placed by ``layout`` (parameters as stored)."""
+    if is_named(leaf):
+        axes = effective(layout.tensor_axes(leaf.dims, mesh, storage=leaf.is_param,
+                                            what=f"{'parameter' if leaf.is_param else 'value'} [{leaf.dims}]"), mesh)
+        return nbytes(leaf.raw) // math.prod(mesh.axis_size(a) for ax in axes for a in ax)
+    return nbytes(leaf) if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else 0
 
 
 def _related(renamed, reshaped) -> dict:

@@ -30,6 +30,13 @@ unsharded program's contractions split as the layout splits their dims), and the
 where that floor is over the step time of the ``top``-th layout ranked so far: none left could
 rank (``bound=False`` costs them all).
 
+With ``optimizer_state=`` (bytes per parameter byte) each layout also holds its parameters'
+optimizer state, split as they are stored, on the device through the step: its plan is solved
+for the budget less it. With ``offload=True`` a layout whose state does not fit on the device
+keeps it in host memory instead (``md.Layout(..., offload="optimizer")``, its plan solved for the
+whole budget) and pays its trip to the device and back each step at
+:attr:`~meshdsl.costmodel.hardware.Hardware.host_bandwidth`; where all fits it stays on the device.
+
 Each layout is planned under the memory budget (less the margin): the solver weighs each op's
 strategies by the step's time holding at most that, so a context-parallel layout (an
 attention's positions split) whose keys gathered would not fit takes the ring, which holds one
@@ -126,7 +133,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
            zero: bool = False, choices: Mapping[str, Sequence] | None = None, microbatches: Sequence[int] = (),
            microbatch_dim: str = "batch", schedules: Sequence[str] = ("gpipe",),
            dtype: str | None = None, overlap: float = 0.0, memory_margin: float = 0.1, mesh_axes: int = 2, screen: bool = True,
-           bound: bool = True, **options: Any) -> SearchResult:
+           bound: bool = True, optimizer_state: float = 0.0, offload: bool = False, **options: Any) -> SearchResult:
     """Rank layouts of ``fn(*args)`` on a mesh (an :class:`~meshdsl.Mesh`) or a device count.
 
     Args:
@@ -161,6 +168,9 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             attention kernels take at least: :meth:`meshdsl.search.floor.Held.compute_seconds`) and
             stop where the floor is over the step time of the ``top``-th ranked: no layout left
             could rank (each is rejected, saying so); ``False`` costs every layout.
+        optimizer_state: the optimizer state's bytes per parameter byte (AdamW: 2), held by each
+            layout on the device as its parameters are stored (see the module doc).
+        offload: a layout whose state does not fit on the device keeps it in host memory.
         options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
             returned in each candidate's ``lower_kwargs``.
     """
@@ -173,7 +183,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
     meshes = space.meshes(mesh_or_device_count, mesh_axes)
     dim_sets = set().union(*(h.dim_sets for h in held.values()))
     counts = {microbatch_dim: [m for m in microbatches if sizes.get(microbatch_dim, 0) % m == 0]}
-    run = Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules), screen)
+    run = Costing(args, budget, hw, dtype, overlap, memory_margin, (counts, schedules), screen, (optimizer_state, offload))
     with gcpause.paused():   # each traced layout's garbage collected after it (_Costing.cost)
         scanned = set().union(*(h.scanned for h in held.values()))
         _cost_all(run, hw, meshes, (sizes, units, scanned), params, zero, dim_sets, programs, held, options, top, bound)
@@ -237,7 +247,9 @@ def _ranked(candidates) -> list:
 def _why(i, c, best) -> str:
     t = c.step_time
     text = (f"{fmt_s(t.compute_s)} compute + {fmt_s(t.communication_s)} communication "
-            f"({fmt_bytes(c.total_bytes)}), peak {fmt_bytes(c.memory['peak'])}")
+            f"({fmt_bytes(c.total_bytes)})" + (f" + {fmt_s(c.host_s)} optimizer state to the device and back "
+                                              f"({fmt_bytes(c.memory['optimizer'])} in host memory)" if c.host_s else "")
+            + f", peak {fmt_bytes(c.memory['peak'])}")
     if i == 0:
         return "fastest predicted: " + text
     return f"{c.time / best.time:.2f}x the best's time: " + text if best.time else text

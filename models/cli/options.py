@@ -126,9 +126,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
       help="--layout auto: the time model's device, a profile (h100-80gb, tpu-v5p, ...) or measure (this "
            "machine's speeds, fitted in a few seconds)")
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
-    a("--offload", default=None, choices=md.OFFLOAD,
+    a("--offload", default=None, choices=(*md.OFFLOAD, "auto"),
       help="keep in host memory between steps: optimizer (the optimizer state, split as its parameter is "
-           "stored; brought to the device for the update and sent back each step)")
+           "stored; brought to the device for the update and sent back each step); auto (with --layout auto): "
+           "the search keeps each layout's optimizer state on the device where it fits --memory-budget, else "
+           "in host memory, paying its trip over the host link")
     a("--microbatches", type=POSITIVE, default=None,
       help="a layout that splits 'layers' (e.g. layers:pipe) runs the stacks as a pipeline of this many "
            "microbatches along batch (--schedule)")

@@ -160,9 +160,13 @@ def _run(args) -> dict:
         raise UsageError(f"--override: {e}; the model config's keys are "
                          f"{', '.join(sorted(get_config(args.model).__dict__))}") from e
     enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
+    if args.offload == "auto" and args.layout != "auto":
+        raise UsageError("--offload auto is the layout search's choice: pass --layout auto (and --memory-budget), "
+                         f"or name what to offload: --offload {' or '.join(md.OFFLOAD)}")
     if args.layout == "auto":
         from meshdsl.models.training import autolayout
-        autolayout.choose_for_run(args, config, enc_len, dec_len, say)
+        autolayout.choose_for_run(args, config, enc_len, dec_len, say,
+                                  tx=make_optimizer(args.optimizer, family=family_of(config))[0])
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches or args.offload:

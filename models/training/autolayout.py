@@ -16,6 +16,7 @@ mesh and layout (``run.json``), so ``--resume`` continues with the same choice
 from __future__ import annotations
 
 import io
+import math
 
 import jax
 import numpy as np
@@ -56,8 +57,10 @@ def abstract_batch(batch: int, encoder_length: int, decoder_length: int) -> dict
 
 
 def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length: int, remat: str,
-           hardware: str, memory_budget: str | None, say=print):
-    """``(mesh, layout, lower_kwargs, remat, result)`` of the best layout ``md.search`` finds."""
+           hardware: str, memory_budget: str | None, say=print, tx=None, offload: bool = False):
+    """``(mesh, layout, lower_kwargs, remat, result)`` of the best layout ``md.search`` finds; with
+    ``tx`` (an optax transformation) each layout holds its state too, and with ``offload`` may
+    keep it in host memory where it does not fit on the device."""
     model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
     args = (model, abstract_batch(batch, encoder_length, decoder_length))
     target = jax.device_count() if mesh == DEFAULT_MESH else md.Mesh.parse(mesh)
@@ -69,10 +72,20 @@ def choose(config, *, mesh: str, batch: int, encoder_length: int, decoder_length
     dims = [d for d in _DIMS if any(d in leaf.names for leaf in jax.tree_util.tree_leaves(
         args, is_leaf=lambda x: isinstance(x, md.NamedArray)) if isinstance(leaf, md.NamedArray))]
     result = md.search(step_of(remat, objective(config)), target, *args, memory_budget=memory_budget, hardware=hw, top=5,
-                       dims=dims, zero=True)
+                       dims=dims, zero=True, optimizer_state=0.0 if tx is None else state_per_param_byte(tx, model),
+                       offload=offload)
     _print(result, say)
     best = result.best
     return best.mesh, best.layout, best.lower_kwargs, planned_remat(best.report) if remat == "auto" else remat, result
+
+
+def state_per_param_byte(tx, model) -> float:
+    """Bytes of ``tx``'s state per byte of ``model``'s parameters (AdamW: 2; Adafactor's factored
+    moments: less)."""
+    params = nnx.state(model, nnx.Param)
+    size = lambda tree: sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize   # noqa: E731
+                            for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape"))
+    return size(jax.eval_shape(tx.init, params)) / max(size(params), 1)
 
 
 def planned_remat(report) -> str:
@@ -82,23 +95,27 @@ def planned_remat(report) -> str:
     return max(taken, key=REMAT_CHOICES.index, default="none")
 
 
-def choose_for_run(args, config, enc_len: int, dec_len: int, say) -> None:
-    """``--layout auto``: the mesh, layout and param_gather md.search ranks first, written into
-    ``args`` (so run.json records the choice and --resume keeps it)."""
+def choose_for_run(args, config, enc_len: int, dec_len: int, say, tx=None) -> None:
+    """``--layout auto``: the mesh, layout and param_gather md.search ranks first (each layout
+    holding ``tx``'s state, in host memory where ``--offload auto`` lets it and only that fits),
+    written into ``args`` (so run.json records the choice and --resume keeps it)."""
     if args.params_layout:
         raise UsageError("--layout auto chooses the parameters' storage too: drop --params-layout")
     try:
         mesh, layout, kwargs, args.remat, _ = choose(
             config, mesh=args.mesh, batch=args.batch // args.accum, encoder_length=enc_len, decoder_length=dec_len,
-            remat=args.remat, hardware=args.hardware, memory_budget=args.memory_budget, say=say)
+            remat=args.remat, hardware=args.hardware, memory_budget=args.memory_budget, say=say, tx=tx,
+            offload=args.offload == "auto")
     except (md.MeshDSLError, ValueError) as e:
         raise UsageError(f"--layout auto: {str(e).splitlines()[0]}") from e
     args.mesh = ",".join(f"{axis}:{size}" for axis, size in mesh.shape.items())
     args.layout = rules_text(layout.rules)
     args.params_layout = rules_text(layout.param_rules) or None
     args.param_gather = kwargs.get("param_gather", args.param_gather)
+    args.offload = ",".join(sorted(layout.offload)) or None
     say(f"layout     auto: mesh {args.mesh}, layout {args.layout}"
-        + (f", parameters stored {args.params_layout}" if args.params_layout else "") + f", remat {args.remat}")
+        + (f", parameters stored {args.params_layout}" if args.params_layout else "") + f", remat {args.remat}"
+        + (f", {args.offload} state in host memory" if args.offload else ""))
 
 
 def rules_text(rules) -> str:

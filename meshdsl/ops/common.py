@@ -125,7 +125,8 @@ def rows_gathered(ctx, x: NamedArray, axes, name: str, lo: int, hi: int, vary, k
     by ``axes``), where ``x`` holds ``name`` split and one collective of only those rows moves
     fewer bytes than gathering the dim: each device's part of them (padded to the widest part)
     all-gathered, or - where few devices hold them - the rows zero-filled elsewhere and summed
-    (an all-reduce of ``hi - lo`` rows), whichever moves fewer. A shift or slice whose result holds
+    (an all-reduce of ``hi - lo`` rows). Which of those, or the whole gather, is a decision point
+    the planner takes by the step's time (the rule's own: fewest bytes). A shift or slice whose result holds
     the dim whole needs only the rows it keeps (a shift by ``-28`` of 32 rows on 2 devices: 4 rows,
     not 16). None where neither moves fewer bytes than the gather, where ``x`` holds a pending
     sum, or where a copy of ``x`` holding the dim whole is made anyway."""
@@ -138,13 +139,19 @@ def rows_gathered(ctx, x: NamedArray, axes, name: str, lo: int, hi: int, vary, k
     ends = [max(min(hi, (d + 1) * block), s) for d, s in enumerate(starts)]
     width = max(e - s for s, e in zip(starts, ends))
     summed = 2 * (hi - lo) / n   # an all-reduce's rows per device, against (n - 1) per row gathered
-    if min(width, summed) >= block or ctx.relaid(x, tuple(axes[d] for d in x.names)):
+    # the ways that move fewer rows than the gather, fewest first, then the gather: a decision
+    # point the planner decides by the step's time (its default, fewest bytes, where none does)
+    ways = [way for rows, _, way in sorted([(summed, 1, "sum"), (width, 0, "window")]) if rows < block] + ["whole"]
+    if len(ways) == 1 or ctx.relaid(x, tuple(axes[d] for d in x.names)):
+        return None
+    way = ways[ctx.option(len(ways))]
+    if way == "whole":
         return None
     pos = x.names.index(name)
     local = ctx.local(x, {**axes, name: split}, frozenset(vary) | set(split), keep_pending=keep)
     tensor = f"[{x.dims}] rows {lo}..{hi} of {name}"
     me = C.axis_index(split)
-    if summed < width:
+    if way == "sum":
         rows = np.arange(lo, hi)
         owner = rows // block
         mine = jnp.asarray(owner[None, :] == np.arange(n)[:, None])[me]

@@ -307,3 +307,15 @@ def test_explain_counts_a_computation_the_program_repeats():
     for f in (fn, grads):
         e, h = _explain_vs_hlo(f, mesh, layout, x)
         assert e == h and e
+
+
+def test_explain_sees_a_value_combined_with_itself_as_the_value():
+    """``maximum(x, x)`` is ``x`` to XLA's simplifier: gathering it and gathering ``x`` (renamed, for
+    an attention's keys) is one gather once XLA has merged them, and explain counts one."""
+    x = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32), "d c"))
+
+    def fn(x):
+        k = md.rename(x, {"d": "kv_d"})
+        return md.attention(md.maximum(x, x), k, k, over="kv_d", length="d", features="c", scale=0.5)
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 8}), md.Layout({"c": "x"}), x, objective="bytes")
+    assert e == h and e == {"all-gather": 7 * 8 * 4}

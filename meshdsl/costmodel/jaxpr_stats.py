@@ -217,12 +217,15 @@ def _canonical(eqn, keys, params):
     return eqn.primitive, tuple(keys), tuple(sorted(params.items()))
 
 
+_IDEMPOTENT = frozenset(("max", "min", "and", "or"))   # op(x, x) is x to XLA's simplifier
+
+
 def cse(jaxpr):
     """``jaxpr`` with each pure equation that repeats an earlier one (same primitive, parameters and
     inputs) replaced by the earlier one's results: a program that computes one value twice (two
     identical einsums and their all-reduces) runs it once once XLA has merged them. A select
     between one value and itself is that value (XLA's simplifier: the predicate, and whatever
-    only it needed, is dropped)."""
+    only it needed, is dropped); so is ``max``, ``min``, ``and`` or ``or`` of a value and itself."""
     return _cse(jaxpr)[0]
 
 
@@ -260,6 +263,10 @@ def _cse(jaxpr):
                 not isinstance(cases[0], jcore.Literal):
             subst[eqn.outvars[0]] = subst.get(cases[0], cases[0])  # where(p, x, x) is x: p unused
             selects = True
+            continue
+        if eqn.primitive.name in _IDEMPOTENT and len({key_of(v) for v in eqn.invars}) == 1 and \
+                not isinstance(eqn.invars[0], jcore.Literal):
+            subst[eqn.outvars[0]] = subst.get(eqn.invars[0], eqn.invars[0])   # max(x, x) is x
             continue
         key = _canonical(eqn, [key_of(v) for v in eqn.invars],
                          {k: param_key(v) for k, v in eqn.params.items()})

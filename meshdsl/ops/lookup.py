@@ -68,9 +68,15 @@ def _lookup(ctx, table, ids, name, renamed) -> NamedArray:
     out = Shape((*ids.dims, *rest))
     space = Shape((*out, table.dims[name]))
     cost = _cost(ctx, table, ids, name, out, renamed)
-    target = _cheaper_lookup(ctx, table, ids, name, ctx.plan(space, [table, ids]), cost)
-    part = _gathered_part(ctx, table, ids, name) if cost is not None else None
-    if part is not None and cost(part[0], part[1]) < cost(target):
+    plans, part = [ctx.plan(space, [table, ids])], None
+    if cost is not None:   # fewest bytes first (the rule's own choice), the layout's first of equals
+        plans = _lookup_plans(ctx, table, ids, name, plans[0])
+        part = _gathered_part(ctx, table, ids, name)
+        plans = [p for _, _, p in sorted([(cost(p), k, p) for k, p in enumerate(plans)] +
+                                         ([(cost(part[0], part[1]), len(plans), part)] if part is not None else []),
+                                         key=lambda t: t[:2])]
+    target = plans[ctx.option(len(plans))] if len(plans) > 1 else plans[0]   # the planner's, by time
+    if target is part:
         return _lookup_part(ctx, table, ids, name, out, *part)
     out_axes = [target[d.name] for d in out]
     # A table stored split on a row dim may stay there (param_gather="auto"): look up there, move the rows.
@@ -176,16 +182,15 @@ def _cost(ctx, table, ids, name, out, renamed):
     return cost
 
 
-def _cheaper_lookup(ctx, table, ids, name, target, cost):
-    """The cheapest of three plans by ``cost``: ``target``; the ids keep their splits and the
+def _lookup_plans(ctx, table, ids, name, target) -> list:
+    """The plans a lookup may take (with the gathered part of :func:`_gathered_part`, one decision
+    point the planner takes by the step's time; the rule's own: fewest bytes): ``target``; the ids keep their splits and the
     table's dim gives those mesh axes up (gathered: ``take(table[b:x], ids[b:x])`` gathers the
     table once rather than gathering the ids and reduce-scattering the rows); or the table stays
     where it is and the ids give its axes up (``take(table[e:x], ids[c:x])`` with few ids: the ids
     are gathered, each device looks up the rows it holds, and the rows are reduce-scattered onto
     ``c``; a table split on another dim looks up its columns of every row, and the rows move by
     all-to-all)."""
-    if cost is None:
-        return target
     held = {d.name: a for d, a in zip(ids.dims, ctx.placement(ids).axes)}
     alt = {**target, **held}
     taken = {a for axes in held.values() for a in axes}
@@ -196,8 +201,7 @@ def _cheaper_lookup(ctx, table, ids, name, target, cost):
         tab = {}
     used = {a for axes in tab.values() for a in axes}
     stay = {n: tab[n] if n in tab else _before(axes, used) for n, axes in target.items()} if tab else target
-    options = [o for o in (alt, stay) if o != target and _distinct(o)]
-    return min([target, *options], key=cost)
+    return [target, *(o for o in (alt, stay) if o != target and _distinct(o))]
 
 
 def _before(axes, taken):

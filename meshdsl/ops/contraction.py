@@ -52,8 +52,9 @@ def _where_held(ctx, dims, xs, contracted, out_names, out_dims, target, itemsize
     contracted dim leaves the (small) result pending (``einsum(v[a:y], w[a], out="")``: a scalar
     all-reduce, not a gather of ``v``); a kept dim leaves the result split there, charged for its
     move to the layout's placement only where it is sure to move (returned: the previous trace
-    tells, as for a reshape). Rule 2 of :mod:`meshdsl.rewrite.placement` for einsums, by bytes; a
-    parameter stored split is left to the ``param_gather`` policy."""
+    tells, as for a reshape). Rule 2 of :mod:`meshdsl.rewrite.placement` for einsums, by bytes, as
+    the rule's own choice: each plan is a candidate the planner weighs by time; a parameter stored
+    split is left to the ``param_gather`` policy."""
     if not ctx.explicit or len(xs) < 2:
         return target
     canonical = {d.name: ctx.layout_axes(d.name) for d in dims}
@@ -79,9 +80,9 @@ def _where_held(ctx, dims, xs, contracted, out_names, out_dims, target, itemsize
         return _contract_bytes(ctx, xs, out_names, out_dims, plan, itemsize, pending_of(plan), later)
     hopeful = min(options, key=lambda o: cost(o, False))
     sure = min(options, key=lambda o: cost(o, True))
-    if hopeful is sure or not ctx.result_relaid(xs, wanted):
-        return hopeful
-    return sure
+    own = hopeful if hopeful is sure or not ctx.result_relaid(xs, wanted) else sure
+    # every plan is a candidate of a decision point the planner takes by the step's time
+    return ([own] + [o for o in options if o is not own])[ctx.option(len(options))]
 
 
 def _whole_own_dims(ctx, xs, contracted, target):
@@ -129,7 +130,9 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
         first, backward = _sum_first_bytes(ctx, xs, solo, contracted, out_dims, out_names, target, itemsize, linear)
         if first <= now + backward and first < least:
             best, least = solo, first
-    return best
+    # summing first (each way) or not is a decision point the planner takes by the step's time
+    ranked = [best] + [o for o in (None, *options) if o is not best]
+    return ranked[ctx.option(len(ranked))]
 
 
 def _contract_bytes(ctx, xs, out_names, out_dims, target, itemsize, pending, later=None):

@@ -154,7 +154,8 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     now, none later: ``[d, b:x] -> [m:x]`` is an all-to-all of d and b, not a gather of b) or
     those of a later dim of the group, moved onto the first (``[a, b:x] -> [m]``: m split over x
     where it is made; it moves later only if it must); axes that fit none may move to a whole kept
-    dim (:func:`_parked`). The cheapest by bytes, counting the result's move to the layout's."""
+    dim (:func:`_parked`). The rule's own choice is the cheapest by bytes, counting the result's
+    move to the layout's; the others are candidates the planner weighs by time."""
     def plan(layout_first, spread=False, current=current, to_first=False):
         return _plan(ctx, groups, current, layout_first, spread, to_first)
 
@@ -207,8 +208,16 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     # a split the layout does not want is then sure to move. Betting it stays split off the
     # layout (only summed into a loss) is a decision point of the planner: it may yet move.
     if hopeful is sure or not ctx.result_relaid([x], wanted):
-        return hoping(with_parked(safe)) if hopeful is bet and ctx.option(2) else hopeful
-    return sure
+        own = hoping(with_parked(safe)) if hopeful is bet and ctx.option(2) else hopeful
+    else:
+        own = sure
+    # the rule's own choice, and each other placement that divides the dims: a decision point
+    # the planner takes by the step's time
+    ranked = [own]
+    for o in options:
+        if o not in ranked and cost(o, True) < math.inf:
+            ranked.append(o)
+    return ranked[ctx.option(len(ranked))] if len(ranked) > 1 else own
 
 
 def _plan(ctx, groups, current, layout_first, spread, to_first=False):

@@ -155,7 +155,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     those of a later dim of the group, moved onto the first (``[a, b:x] -> [m]``: m split over x
     where it is made; it moves later only if it must); axes that fit none may move to a whole kept
     dim (:func:`_parked`). The rule's own choice is the cheapest by bytes, counting the result's
-    move to the layout's; the others are candidates the planner weighs by time."""
+    move to the layout's; the others are candidates (:func:`_candidates`)."""
     def plan(layout_first, spread=False, current=current, to_first=False):
         return _plan(ctx, groups, current, layout_first, spread, to_first)
 
@@ -198,26 +198,26 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     safe = [o for o in (plan(False), plan(True), plan(False, spread=True), _into_layout(ctx, groups, current)) if o]
     bet = plan(False, to_first=True)   # see _plan
     options = with_parked(safe + ([bet] if bet is not None and bet not in safe else []))
-    # Ties: hoping, the option that leaves less to move if the result does move (one reading a
-    # copy of x made anyway); sure, the one that moves x now: other ops reading x share that copy
-    # (a dynamic_slice of x before the reshape reads it, not a masked sum of its own).
+    # Ties: hoping, the option leaving less to move if the result moves (reading a copy of x made
+    # anyway); sure, the one moving x now: other ops reading x share that copy.
     hoping = lambda options: min(options, key=lambda o: (cost(o, False), cost(o, True)))  # noqa: E731
     hopeful = hoping(options)
     sure = min(options, key=lambda o: (cost(o, True), all(o[0][n] == current[n] for n in x.names)))
-    # The result is relaid to the layout's placement later (returned), the previous trace says:
-    # a split the layout does not want is then sure to move. Betting it stays split off the
-    # layout (only summed into a loss) is a decision point of the planner: it may yet move.
-    if hopeful is sure or not ctx.result_relaid([x], wanted):
-        own = hoping(with_parked(safe)) if hopeful is bet and ctx.option(2) else hopeful
-    else:
-        own = sure
-    # the rule's own choice, and each other placement that divides the dims: a decision point
-    # the planner takes by the step's time
+    # Relaid later (returned)? A split the layout does not want then moves; betting it stays is a decision point.
+    own = sure if hopeful is not sure and ctx.result_relaid([x], wanted) else \
+        hoping(with_parked(safe)) if hopeful is bet and ctx.option(2) else hopeful
+    ranked = _candidates(own, options, cost)
+    return ranked[ctx.option(len(ranked))] if len(ranked) > 1 else own
+
+
+def _candidates(own, options, cost) -> list:
+    """``own`` (the rule's choice), then each other of ``options`` that divides the dims: the
+    candidates of a decision point the planner takes by the step's time."""
     ranked = [own]
     for o in options:
         if o not in ranked and cost(o, True) < math.inf:
             ranked.append(o)
-    return ranked[ctx.option(len(ranked))] if len(ranked) > 1 else own
+    return ranked
 
 
 def _plan(ctx, groups, current, layout_first, spread, to_first=False):

@@ -31,7 +31,7 @@ from ..names.named import NamedArray, is_named
 from ..ops.attention import STRATEGIES as ATTENTION
 from ..ops.pipeline import SCHEDULES
 from ..rewrite.param_gather import POLICIES
-from ..planner.plan import OBJECTIVES, hardware_of
+from ..planner.plan import OBJECTIVES
 from .program import Program
 from ..names.units import parse_bytes
 
@@ -106,7 +106,7 @@ class LoweredFunction:
         layout.check_mesh(mesh)
         self.fn, self.mesh, self.layout = fn, mesh, layout
         self.attention, self.unused_rules = attention, unused_rules
-        self.objective, self.hardware = objective, hardware_of(hardware, mesh)
+        self.objective, self.hardware = objective, Hardware.of(hardware, mesh)
         self.backend, self.param_gather, self.schedule, self.repeats = backend, param_gather, schedule, repeats
         self.planner = bool(planner)
         self._programs: dict = {}  # input signature -> Program

@@ -120,6 +120,12 @@ def align(local, from_dims, to_dims):
     return local
 
 
+def decided(ctx, candidates: list):
+    """The candidate of ``candidates`` (the rule's own choice first) that a decision point of the
+    rule takes: the planner's, by the step's time; the first outside a planned lowering."""
+    return candidates[ctx.option(len(candidates))] if len(candidates) > 1 else candidates[0]
+
+
 def rows_gathered(ctx, x: NamedArray, axes, name: str, lo: int, hi: int, vary, keep):
     """The local array of ``x`` holding rows ``lo .. hi`` of ``name`` whole (its other dims placed
     by ``axes``), where ``x`` holds ``name`` split and one collective of only those rows moves
@@ -144,7 +150,7 @@ def rows_gathered(ctx, x: NamedArray, axes, name: str, lo: int, hi: int, vary, k
     ways = [way for rows, _, way in sorted([(summed, 1, "sum"), (width, 0, "window")]) if rows < block] + ["whole"]
     if len(ways) == 1 or ctx.relaid(x, tuple(axes[d] for d in x.names)):
         return None
-    way = ways[ctx.option(len(ways))]
+    way = decided(ctx, ways)
     if way == "whole":
         return None
     pos = x.names.index(name)

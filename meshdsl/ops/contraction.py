@@ -31,7 +31,7 @@ from ..names.dims import Shape
 from ..platform.jaxcompat import differentiated
 from ..rewrite.placement import propose, settle
 from ..rewrite.relayout import relayout_bytes
-from .common import union_dims
+from .common import decided, union_dims
 
 __all__ = ["choose", "linear_pending"]
 
@@ -81,8 +81,7 @@ def _where_held(ctx, dims, xs, contracted, out_names, out_dims, target, itemsize
     hopeful = min(options, key=lambda o: cost(o, False))
     sure = min(options, key=lambda o: cost(o, True))
     own = hopeful if hopeful is sure or not ctx.result_relaid(xs, wanted) else sure
-    # every plan is a candidate of a decision point the planner takes by the step's time
-    return ([own] + [o for o in options if o is not own])[ctx.option(len(options))]
+    return decided(ctx, [own] + [o for o in options if o is not own])   # every plan a candidate
 
 
 def _whole_own_dims(ctx, xs, contracted, target):
@@ -130,9 +129,7 @@ def _sum_first(ctx, xs, contracted, out_names, out_dims, target, itemsize, pendi
         first, backward = _sum_first_bytes(ctx, xs, solo, contracted, out_dims, out_names, target, itemsize, linear)
         if first <= now + backward and first < least:
             best, least = solo, first
-    # summing first (each way) or not is a decision point the planner takes by the step's time
-    ranked = [best] + [o for o in (None, *options) if o is not best]
-    return ranked[ctx.option(len(ranked))]
+    return decided(ctx, [best] + [o for o in (None, *options) if o is not best])   # or not, or the other way
 
 
 def _contract_bytes(ctx, xs, out_names, out_dims, target, itemsize, pending, later=None):

@@ -27,7 +27,7 @@ from ..names.dims import Dim, Shape
 from ..names.errors import LayoutError, ShapeError
 from ..names.named import NamedArray
 from ..rewrite.relayout import relayout_bytes
-from .common import align, as_named, block_offset, one_dim, where_
+from .common import align, as_named, block_offset, decided, one_dim, where_
 from .registry import op
 from .restructure import rename
 
@@ -75,7 +75,7 @@ def _lookup(ctx, table, ids, name, renamed) -> NamedArray:
         plans = [p for _, _, p in sorted([(cost(p), k, p) for k, p in enumerate(plans)] +
                                          ([(cost(part[0], part[1]), len(plans), part)] if part is not None else []),
                                          key=lambda t: t[:2])]
-    target = plans[ctx.option(len(plans))] if len(plans) > 1 else plans[0]   # the planner's, by time
+    target = decided(ctx, plans)
     if target is part:
         return _lookup_part(ctx, table, ids, name, out, *part)
     out_axes = [target[d.name] for d in out]

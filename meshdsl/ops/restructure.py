@@ -26,7 +26,7 @@ from ..names.dims import Dim, Shape, parse_dims
 from ..names.errors import ShapeError, suggest
 from ..names.named import NamedArray
 from ..rewrite.relayout import relayout_bytes
-from .common import align, as_named, names_in, where_
+from .common import align, as_named, decided, names_in, where_
 from .registry import op
 
 __all__ = ["rename", "transpose", "reshape"]
@@ -206,8 +206,7 @@ def _reshape_plan(ctx, x, new, groups, current, pending):
     # Relaid later (returned)? A split the layout does not want then moves; betting it stays is a decision point.
     own = sure if hopeful is not sure and ctx.result_relaid([x], wanted) else \
         hoping(with_parked(safe)) if hopeful is bet and ctx.option(2) else hopeful
-    ranked = _candidates(own, options, cost)
-    return ranked[ctx.option(len(ranked))] if len(ranked) > 1 else own
+    return decided(ctx, _candidates(own, options, cost))
 
 
 def _candidates(own, options, cost) -> list:

@@ -25,6 +25,7 @@ from ..rewrite.contexts import active
 from ..names.errors import LayoutError, ShapeError, user_line
 from ..names.named import is_named as _is_named
 from . import loop, pipeline, pipeline_1f1b, remat as remats
+from .common import decided
 
 __all__ = ["scan"]
 
@@ -72,7 +73,7 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
         policy = remat
         if remat == remats.AUTO:   # the planner's decision point (its first), its default keeping all
             policy = remats.auto_taken_as() or (
-                _planned(ctx, remats.choices(ctx.mesh.platform)) if ctx.explicit else "none")
+                decided(ctx, list(remats.choices(ctx.mesh.platform))) if ctx.explicit else "none")
         below = -1
         if ctx.explicit and ctx.planner is not None and ctx.params.name == "auto":
             # the planner's decision point (after remat's): its body ops up to which the backward
@@ -90,8 +91,3 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
     with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
         carry, ys = ctx.apply("scan", run, (c_leaves, x_leaves), {})
     return (carry if head is None else pipeline_1f1b.head_value(head, carry, where)), ys
-
-
-def _planned(ctx, choices: tuple) -> str:
-    """The remat policy of ``choices`` the planner's decision point takes (its first)."""
-    return choices[ctx.option(len(choices))]

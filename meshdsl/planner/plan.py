@@ -23,7 +23,7 @@ from .graph import Graph, Node, SharedCopy, Strategy
 from .remat import value_bytes
 from .solve import Solution, solve
 
-__all__ = ["build", "choose", "decisions", "Plan", "OBJECTIVES", "hardware_of"]
+__all__ = ["build", "choose", "decisions", "Plan", "OBJECTIVES"]
 
 
 
@@ -44,11 +44,6 @@ class Plan:
 
 
 OBJECTIVES = ("time", "bytes")
-def hardware_of(hardware, mesh) -> Hardware:
-    """The hardware a plan is priced on (:meth:`Hardware.of`)."""
-    return Hardware.of(hardware, mesh)
-
-
 def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) -> float:
     """The op's compute per device under strategy ``found``, as the bytes the slowest link moves
     in that time (``rate``: its bandwidth): the local contractions its rule emitted there
@@ -115,7 +110,7 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
     ``"time"`` objective each strategy also pays its compute (:func:`_compute_cost`), and its own
     collectives and each relay their seconds on the links of their axes (:class:`_Prices`), in
     bytes of the mesh's slowest link, so that the plan minimises the step's time, not its bytes."""
-    hw = hardware_of(hardware, ctx.mesh)
+    hw = Hardware.of(hardware, ctx.mesh)
     prices = _Prices(ctx, hw, objective)
     rate = prices.rate
     timed = (lambda v, src, dst: _relay_bytes(ctx, recording.values[v], src, dst, prices.step)) if rate else None

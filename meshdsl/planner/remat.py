@@ -72,7 +72,7 @@ def _residuals(ctx, recording, body, carry_bytes: float) -> dict:
 def _again(recording, body, policy: str):
     """``(forward FLOPs, HBM bytes, collectives, runs)`` the backward pass runs again under
     ``policy``: the recomputed ops' forward contractions, and the step's forward collectives."""
-    policy = {"offload": "none", "offload-dots": "dots"}.get(policy, policy)   # offloaded: not recomputed
+    policy = remats.OFFLOADS.get(policy, policy)   # offloaded: recomputed as its base policy
     if policy == "none":
         return (), (), ()
     recomputed = [op for op in body if policy == "full" or not _batchless_einsum(recording, op)]

@@ -9,6 +9,7 @@ dim to its parameters, run with :func:`scan_layers`. Dropout is functional: laye
 
 from .attention import MASK_VALUE, Attention
 from .dense import Dense
+from .dropless import DroplessMoE
 from .dropout import Dropout, dropout
 from .embedding import Embedding
 from .feedforward import ACTIVATIONS, FeedForward
@@ -21,7 +22,7 @@ from .router import Router, Routing, expert_capacity, route
 from .stack import REMAT_POLICIES, layer_at, remat_policy, scan_layers, with_remat
 
 __all__ = [
-    "ACTIVATIONS", "Attention", "Dense", "Dropout", "Embedding", "FeedForward", "GroupedQueryAttention",
+    "ACTIVATIONS", "Attention", "Dense", "DroplessMoE", "Dropout", "Embedding", "FeedForward", "GroupedQueryAttention",
     "MASK_VALUE", "MoE", "REMAT_POLICIES", "RMSNorm", "RelativePositionBias", "Router", "Routing", "apply_rotary",
     "dropout", "expert_capacity", "layer_at", "relative_position_bucket", "remat_policy", "rotary_angles", "route",
     "scan_layers", "with_remat",

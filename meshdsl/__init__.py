@@ -19,10 +19,10 @@ from .names.mesh import Mesh
 from .names.named import NamedArray, named, param
 from .search.search import Candidate, SearchResult, search
 from .ops import (
-    abs, add, arange, argmax, attention, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, erf, exp, expm1,
+    abs, add, arange, argmax, attention, astype, clip, concat, cos, cumsum, divide, dynamic_slice, dynamic_update_slice, einsum, equal, expert_ffn, erf, exp, expm1,
     floor, full, gelu, greater, greater_equal, isfinite, less, less_equal, local_map, log, log1p, logical_and,
     logical_not, logical_or, logsumexp, max, maximum, mean, min, minimum, multiply, negative, not_equal,
-    one_hot, ones, pad, power, relu, rename, reshape, round, rsqrt, scan, shift, sigmoid, sign, silu, sin,
+    one_hot, ones, pad, power, ragged_dot, relu, rename, reshape, round, rsqrt, scan, shift, sigmoid, sign, silu, sin,
     slice, softmax, softplus, sqrt, square, stop_gradient, subtract, sum, take, tanh, top_k, transpose,
     where, zeros,
 )
@@ -49,7 +49,7 @@ __all__ = [
     "logical_and", "logical_or", "logical_not", "where",
     "sum", "mean", "max", "min", "softmax", "logsumexp", "argmax", "top_k", "cumsum",
     "rename", "transpose", "reshape", "concat", "slice", "pad", "shift", "one_hot", "take",
-    "attention", "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
+    "attention", "expert_ffn", "ragged_dot", "full", "zeros", "ones", "arange", "scan", "local_map", "dynamic_slice", "dynamic_update_slice", "random",
     "remat_policy", "REMAT_POLICIES", "REMAT_NAMES", "REMAT_AUTO_CHOICES",
     # notebook views
     "register_treescope", "report_html", "reports_table", "device_blocks", "plot_placement", "plot_reports",

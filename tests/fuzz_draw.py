@@ -247,6 +247,18 @@ def _step(draw, rng, op, floats, values, new_input):
         if set(ids_names) & set(rest) or _elems(ids_names + rest) > MAX_ELEMS:
             return None
         return {"dim": dim}, [i, ids], ids_names + rest
+    if op == "experts":   # each row's top-2 positions along its last dim pick experts of as many
+        i = pick()
+        names = list(values[i].names)
+        if len(names) < 2:
+            return None
+        pool = [n for n in BASE if n not in names]
+        experts = [n for n in pool if size_of(n) == size_of(names[-1])]
+        if not experts or len(pool) < 2:
+            return None
+        e = draw(st.sampled_from(experts))
+        hidden = draw(st.sampled_from([n for n in pool if n != e]))
+        return {"experts": e, "hidden": hidden, "gated": draw(st.booleans())}, [i], names
     if op == "top_k":
         i = pick()
         if not values[i].names:

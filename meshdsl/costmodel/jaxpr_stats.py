@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 from jax.extend import core as jcore
 
-from ..platform.jaxcompat import called_jaxpr, dce, dot_dims, scan_parts
+from ..platform.jaxcompat import MATMULS, called_jaxpr, dce, dot_dims, scan_parts
 
 __all__ = ["ALIASES", "CALLS", "FUSIBLE", "bytes_accessed", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
@@ -54,7 +54,7 @@ def matmul_flops(jaxpr) -> float:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name in MATMULS:
             (lc, _), _ = dot_dims(eqn)
             lhs = eqn.invars[0].aval.shape
             out = eqn.outvars[0].aval.shape

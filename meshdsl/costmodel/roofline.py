@@ -40,7 +40,7 @@ from collections import Counter
 import numpy as np
 from jax.extend import core as jcore
 
-from ..platform.jaxcompat import dot_dims, scan_parts
+from ..platform.jaxcompat import MATMULS, dot_dims, scan_parts
 from .jaxpr_stats import ALIASES, FUSIBLE, nbytes, sub_jaxprs
 
 __all__ = ["Kernel", "kernels", "KERNEL_SCOPE", "kernel_runs", "program_kernels"]
@@ -135,7 +135,7 @@ def _scope_runs(jaxpr, multiplier: int, runs: Counter) -> None:
 
 def _computes(eqn) -> bool:
     name = eqn.primitive.name
-    return name == "dot_general" or next(sub_jaxprs(eqn), None) is not None or \
+    return name in MATMULS or next(sub_jaxprs(eqn), None) is not None or \
         name not in _FUSES | _REDUCES | _COLLECTIVES | _FREE | _READS_PART | _WRITES_PART | {"optimization_barrier"}
 
 
@@ -221,7 +221,7 @@ def _kernel(eqn, fusion: _Fusion):
     name = eqn.primitive.name
     if name in _COLLECTIVES or name in _FREE:
         return None
-    if name == "dot_general":
+    if name in MATMULS:
         (lc, _), _ = dot_dims(eqn)
         lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
         moved = sum(nbytes(v.aval) for v in eqn.invars) + nbytes(eqn.outvars[0].aval)

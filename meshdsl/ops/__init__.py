@@ -10,6 +10,7 @@ from .attention import attention
 from .creation import arange, bernoulli, full, normal, ones, uniform, zeros
 from .dynamic import dynamic_slice, dynamic_update_slice
 from .einsum import einsum
+from .experts import expert_ffn, ragged_dot
 from .elementwise import (
     abs, add, astype, clip, cos, divide, equal, erf, exp, expm1, floor, gelu, greater, greater_equal,
     isfinite, less, less_equal, log, log1p, logical_and, logical_not, logical_or, maximum, minimum,

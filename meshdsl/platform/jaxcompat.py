@@ -31,7 +31,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims",
+           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS",
            "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
@@ -222,8 +222,15 @@ def called_jaxpr(eqn):
     return None
 
 
+#: the matmul primitives (a grouped matmul, ``ragged_dot_general``, multiplies each row by its group's matrix)
+MATMULS = frozenset(("dot_general", "ragged_dot_general"))
+
+
 def dot_dims(eqn) -> tuple:
-    """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` of a ``dot_general``."""
+    """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` of a ``dot_general`` (or of a
+    ``ragged_dot_general``'s matmul: each row against its group's matrix)."""
+    if eqn.primitive.name == "ragged_dot_general":
+        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
     return eqn.params["dimension_numbers"]
 
 

@@ -1,0 +1,225 @@
+"""``md.expert_ffn`` and ``md.ragged_dot``: token-choice experts as grouped matmuls, dropless.
+
+    out[tokens, choice, d_out] = FFN_{index[tokens, choice]}(x[tokens, d_model])
+
+Each token's ``choice`` picks an expert (``index``, integers in ``0 .. experts-1``); the expert's
+feed-forward runs on it: one kernel ``w[experts, d_model, d_out]`` (:func:`ragged_dot`, a gathered-
+weight matmul), two (``w_out · act(x · w_in)``) or three (gated: ``w_out · (act(x · w_gate) *
+(x · w_up))``, SwiGLU with ``activation="silu"``). No capacity, no token dropped: the result is
+the unsharded program's under every layout. The caller weighs and sums the choices (``md.einsum``
+with the gates over ``choice``).
+
+Locally the assignments (token, choice) are sorted by expert and the experts run as grouped
+matmuls over the sorted rows (``jax.lax.ragged_dot``: a grouped GEMM where the backend has one;
+XLA:CPU expands it into one masked matmul per group), then unsorted. Where it computes, per the
+op's placement (its strategies):
+
+* ``experts`` whole: ``local`` - every device runs its tokens through all experts;
+* ``experts`` split on axes ``A`` and the tokens split on ``A`` too (expert parallelism,
+  ``batch: data, experts: data``): ``exchange`` - each device sorts its assignments by the device
+  holding their expert and sends them in **one all-to-all** of a static buffer (plus one of the
+  ``[devices, local experts]`` counts), the owners run their experts, and **one all-to-all**
+  brings the results back (the backward pass mirrors the two). The buffer holds, per destination,
+  ``tokens * min(choices, local experts)`` rows: the most a device's tokens can send to one device
+  (a token picks an expert once), so nothing is ever dropped whatever the routing;
+* ``experts`` split on ``A``, the tokens whole there: ``partial`` - each device runs the
+  assignments to its own experts, the rest give zeros, and the result is a pending sum over ``A``;
+* the hidden dim (``d_ff``) split on ``B`` (Megatron inside each expert): local slices of the
+  kernels, the output a pending sum over ``B`` (one all-reduce where it is used);
+* ``d_model`` is gathered where the layout splits it (the kernels contract it whole).
+
+Strategies compose: ``experts: data, d_ff: model`` exchanges over ``data`` and leaves a pending
+sum over ``model``. ZeRO-3 storage of the kernels is the layout's business (gathered on use).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..names.dims import Shape
+from ..names.errors import ShapeError, suggest
+from ..rewrite import collectives as C
+from .common import as_named, decided, union_dims, where_
+from .registry import op
+
+__all__ = ["expert_ffn", "ragged_dot", "ACTIVATIONS", "exchange_rows"]
+
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
+               "gelu_new": lambda v: jax.nn.gelu(v, approximate=True), "silu": jax.nn.silu,
+               "swish": jax.nn.silu, "identity": lambda v: v}
+
+
+@op("expert_ffn")
+def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str | None = None,
+               activation: str = "silu", distinct: bool = False):
+    """Each token's chosen experts' feed-forward: ``x`` ``[*tokens, d_model]``, ``index`` integer
+    ``[*tokens, choice]``, ``kernels`` one, two or three ``[experts, d_in, d_out]`` chained as the
+    module docstring says (three: gated). ``activation``: ``relu``, ``gelu``, ``gelu_new``,
+    ``silu``/``swish`` or ``identity``. ``distinct``: each token's choices are different experts
+    (a top-k's are), which bounds what one device can send another by ``min(choices, local
+    experts)`` rows per token (else ``choices``). An expert number outside ``0 .. experts-1``
+    gives zeros. Returns ``[*tokens, choice, d_out]``."""
+    x, index = as_named(ctx, x, "x"), as_named(ctx, index, "index")
+    kernels = [as_named(ctx, w, f"kernel {i + 1}") for i, w in enumerate(kernels)]
+    spec = _spec(ctx, x, index, kernels, experts, choice, activation)
+    dims = union_dims(ctx, [x, index, *kernels])
+    axes, strategy = _placed(ctx, spec, dims, x, index, kernels)
+    ep = axes[experts]
+    hidden = axes[spec.hidden] if len(kernels) > 1 else ()
+    vary = ctx.vary(axes.values(), [x, index, *kernels])
+    xl = ctx.local(x, axes, vary)
+    il = ctx.local(index, axes, vary)
+    wl = [ctx.local(w, axes, vary) for w in kernels]
+    token_shape = [xl.shape[x.names.index(n)] for n in spec.tokens]
+    rows = jnp.transpose(xl, [x.names.index(n) for n in (*spec.tokens, spec.d_in)]).reshape(-1, xl.shape[x.names.index(spec.d_in)])
+    chosen = jnp.transpose(il, [index.names.index(n) for n in (*spec.tokens, spec.choice)]).reshape(-1).astype(jnp.int32)
+    k = index.dims[spec.choice].size
+    run = _chain(wl, ACTIVATIONS[spec.activation])
+    if strategy == "exchange":
+        per_token = min(k, dims[experts].size // ctx.axes_size(ep)) if distinct else k
+        out = exchange_rows(ctx, rows, chosen, per_token, k, dims[experts].size, ep, run, spec)
+    else:
+        out = _grouped_local(ctx, rows, chosen, k, dims[experts].size, ep, run)
+    out = out.reshape(*token_shape, k, out.shape[-1])
+    out_dims = Shape([*(dims[n] for n in spec.tokens), dims[spec.choice], dims[spec.d_out]])
+    pending = frozenset(hidden) | (frozenset(ep) if strategy == "partial" else frozenset())
+    return ctx.out(out, out_dims, axes, pending=pending)
+
+
+def ragged_dot(x, w, index, *, experts: str = "experts", choice: str | None = None, distinct: bool = False):
+    """The grouped matmul: ``out[*tokens, choice, d_out] = x[*tokens, d_in] · w[index[*tokens,
+    choice], d_in, d_out]``, dropless, under every layout (:func:`expert_ffn` with one kernel)."""
+    return expert_ffn(x, index, [w], experts=experts, choice=choice, activation="identity", distinct=distinct)
+
+
+def _placed(ctx, spec, dims, x, index, kernels):
+    """``(axes per dim, strategy)``: the tokens, hidden and output dims planned as for any op; the
+    experts where the kernels hold them (else the layout's), on axes no other dim takes. Where
+    the tokens are split there too, exchanging the rows (expert parallelism) or gathering the
+    kernels is a decision point, as is a partial sum against the gather where they are not."""
+    others = Shape(d for d in dims if d.name != spec.experts)
+    axes = dict(ctx.plan(others, [x, index, *kernels]))
+    axes.update({spec.d_in: (), spec.choice: ()})
+    if len(kernels) > 1:
+        axes[spec.d_out] = ()
+    held = {ctx.placement(w).of(w.dims, spec.experts) for w in kernels} if ctx.explicit else set()
+    ep = held.pop() if len(held) == 1 else ctx.layout_axes(spec.experts)
+    taken = {a for n in (spec.hidden, spec.d_out) for a in axes.get(n, ())}
+    ep = () if set(ep) & taken else ep
+    tokens = {a for n in spec.tokens for a in axes[n]}
+    strategy = "local" if not ep else ("exchange" if set(ep) <= tokens else "partial")
+    if strategy != "local" and decided(ctx, [strategy, "local"]) == "local":
+        strategy, ep = "local", ()
+    if strategy == "partial":   # tokens split on some axes of the experts' split: gathered there
+        axes.update({n: tuple(a for a in axes[n] if a not in ep) for n in spec.tokens})
+    axes[spec.experts] = ep
+    return axes, strategy
+
+
+class _Spec:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _spec(ctx, x, index, kernels, experts, choice, activation):
+    """The op's dims by role, every name and size checked."""
+    if not 1 <= len(kernels) <= 3:
+        raise ShapeError(f"{where_(ctx)}: kernels must be one, two or three [experts, d_in, d_out] "
+                         f"tensors, got {len(kernels)}")
+    if activation not in ACTIVATIONS:
+        raise ShapeError(f"{where_(ctx)}: activation must be one of {sorted(ACTIVATIONS)}, got "
+                         f"{activation!r}{suggest(str(activation), ACTIVATIONS)}")
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        raise ShapeError(f"{where_(ctx)}: index [{index.dims}] must be integers (expert numbers), got {index.dtype}")
+    for i, w in enumerate(kernels):
+        if experts not in w.names or w.ndim != 3:
+            raise ShapeError(f"{where_(ctx)}: kernel {i + 1} [{w.dims}] must be [{experts}, d_in, d_out]"
+                             f"{suggest(experts, w.names)}; pass experts= the kernels' expert dim")
+    own = [n for n in index.names if n not in x.names]
+    choice = choice or (own[0] if len(own) == 1 else None)
+    if choice is None or choice not in index.names or choice in x.names:
+        raise ShapeError(f"{where_(ctx)}: cannot tell the choice dim of index [{index.dims}] (its one dim x "
+                         f"[{x.dims}] lacks); pass choice=")
+    tokens = tuple(n for n in index.names if n != choice)
+    d_in = [n for n in x.names if n not in tokens]
+    first = kernels[0]
+    if len(d_in) != 1 or d_in[0] not in first.names or set(tokens) - set(x.names):
+        raise ShapeError(f"{where_(ctx)}: x [{x.dims}] must be index's token dims {list(tokens)} and one "
+                         f"feature dim that kernel 1 [{first.dims}] contracts")
+    d_in = d_in[0]
+    hidden = next(n for n in first.names if n not in (experts, d_in))
+    if len(kernels) == 3 and set(kernels[1].names) != set(first.names):
+        raise ShapeError(f"{where_(ctx)}: the gate and up kernels [{first.dims}] and [{kernels[1].dims}] "
+                         "must have the same dims")
+    last = kernels[-1]
+    if len(kernels) > 1 and hidden not in last.names:
+        raise ShapeError(f"{where_(ctx)}: the last kernel [{last.dims}] must contract the hidden dim "
+                         f"{hidden!r} of [{first.dims}]")
+    d_out = hidden if len(kernels) == 1 else next(n for n in last.names if n not in (experts, hidden))
+    if d_out in tokens or d_out == choice:
+        raise ShapeError(f"{where_(ctx)}: the output dim {d_out!r} is also a dim of index [{index.dims}]")
+    return _Spec(tokens=tokens, choice=choice, d_in=d_in, hidden=hidden, d_out=d_out, activation=activation,
+                 experts=experts)
+
+
+def _chain(kernels, act):
+    """``run(rows, group_sizes)``: the kernels' feed-forward over rows sorted by expert."""
+    def run(rows, sizes):
+        def dot(h, w):
+            return jax.lax.ragged_dot(h, w.astype(h.dtype), sizes)
+        if len(kernels) == 1:
+            return dot(rows, kernels[0])
+        if len(kernels) == 2:
+            return dot(act(dot(rows, kernels[0])), kernels[1])
+        return dot(act(dot(rows, kernels[0])) * dot(rows, kernels[1]), kernels[2])
+    return run
+
+
+def _inverse(order):
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _grouped_local(ctx, rows, chosen, k, experts, ep, run):
+    """``[tokens * k, d_out]``: every assignment whose expert is on this device (all, ``ep``
+    empty) run through it; the others zero."""
+    held = experts // ctx.axes_size(ep) if ep else experts
+    local = chosen - (C.axis_index(ep) * held if ep else 0)
+    key = jnp.where((local >= 0) & (local < held), local, held)     # not here: after every group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
+    out = run(rows[order // k], sizes)
+    return out[_inverse(order)]
+
+
+def exchange_rows(ctx, rows, chosen, per_token, k, experts, ep, run, spec):
+    """Expert parallelism without drops: ``rows`` ``[tokens, d]`` and their ``k`` choices each
+    (``chosen`` ``[tokens * k]``) go to the devices of ``ep`` holding the experts, run there
+    (``run(rows sorted by local expert, group sizes)``), and come back: ``[tokens * k, d_out]``.
+    Each destination's buffer holds ``tokens * per_token`` rows: the most it can be sent."""
+    n = ctx.axes_size(ep)
+    held = experts // n
+    tokens = rows.shape[0]
+    buffer = tokens * per_token
+    valid = (chosen >= 0) & (chosen < experts)
+    chosen = jnp.where(valid, chosen, experts)              # sent nowhere: zeros
+    order = jnp.argsort(chosen, stable=True)                # by destination, then local expert
+    dest = jnp.minimum(chosen[order] // held, n - 1)
+    counts = jnp.bincount(chosen, length=experts).astype(jnp.int32).reshape(n, held)
+    starts = jnp.cumsum(counts.sum(1)) - counts.sum(1)
+    slot = jnp.clip(jnp.arange(tokens * k, dtype=jnp.int32) - starts[dest], 0, buffer - 1)
+    where = jnp.clip(starts[:, None] + jnp.arange(buffer, dtype=jnp.int32)[None, :], 0, tokens * k - 1)
+    filled = jnp.arange(buffer)[None, :] < counts.sum(1)[:, None]
+    send = jnp.where(filled[..., None], rows[order[where] // k], jnp.zeros((), rows.dtype))   # [n, buffer, d]
+    tensor = f"[{' '.join(spec.tokens)} {spec.choice}] rows sent to their experts"
+    got = C.all_to_all(ctx, send, ep, 0, 0, tensor)                        # [source, buffer, d]
+    got_counts = C.all_to_all(ctx, counts, ep, 0, 0, "rows per expert")    # [source, held]
+    ends = jnp.cumsum(got_counts, axis=1)                                   # per source, by local expert
+    position = jnp.arange(buffer, dtype=jnp.int32)
+    expert = jnp.sum(position[None, :, None] >= ends[:, None, :], axis=-1)  # [source, buffer]; held: padding
+    back = jnp.argsort(expert.reshape(-1), stable=True)
+    out = run(got.reshape(n * buffer, -1)[back], got_counts.sum(0))
+    out = out[_inverse(back)].reshape(n, buffer, -1)
+    returned = C.all_to_all(ctx, out, ep, 0, 0, tensor.replace("sent to", "back from"))   # [destination, ...]
+    mine = jnp.where(valid[order][:, None], returned[dest, slot], jnp.zeros((), returned.dtype))
+    return mine[_inverse(order)]

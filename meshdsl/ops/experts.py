@@ -70,7 +70,7 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     vary = ctx.vary(axes.values(), [x, index, *kernels])
     xl = ctx.local(x, axes, vary)
     il = ctx.local(index, axes, vary)
-    wl = [ctx.local(w, axes, vary) for w in kernels]
+    wl = [_ordered(ctx.local(w, axes, vary), w.names, roles) for w, roles in zip(kernels, spec.roles)]
     token_shape = [xl.shape[x.names.index(n)] for n in spec.tokens]
     rows = jnp.transpose(xl, [x.names.index(n) for n in (*spec.tokens, spec.d_in)]).reshape(-1, xl.shape[x.names.index(spec.d_in)])
     chosen = jnp.transpose(il, [index.names.index(n) for n in (*spec.tokens, spec.choice)]).reshape(-1).astype(jnp.int32)
@@ -159,8 +159,16 @@ def _spec(ctx, x, index, kernels, experts, choice, activation):
     d_out = hidden if len(kernels) == 1 else next(n for n in last.names if n not in (experts, hidden))
     if d_out in tokens or d_out == choice:
         raise ShapeError(f"{where_(ctx)}: the output dim {d_out!r} is also a dim of index [{index.dims}]")
+    roles = [(experts, d_in, hidden)] * (len(kernels) - 1) + [(experts, hidden, d_out)] if len(kernels) > 1 \
+        else [(experts, d_in, d_out)]
     return _Spec(tokens=tokens, choice=choice, d_in=d_in, hidden=hidden, d_out=d_out, activation=activation,
-                 experts=experts)
+                 experts=experts, roles=roles)
+
+
+def _ordered(local, names, roles):
+    """A kernel's local block as ``[experts, d_in, d_out]`` (``roles``: those names)."""
+    order = [names.index(n) for n in roles]
+    return local if order == list(range(len(order))) else jnp.transpose(local, order)
 
 
 def _chain(kernels, act):

@@ -1,0 +1,269 @@
+"""Dropless experts (``md.expert_ffn``, ``md.ragged_dot``, ``layers.DroplessMoE``): every token reaches
+each expert it chose under every layout; expert parallelism moves the rows in one all-to-all each
+way (plus one of the counts), exactly as ``md.explain`` says; nothing is dropped even when every
+token picks the same experts; one test per error message."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_same, explain_summary, explain_vs_hlo, hlo_summary, raises
+
+import meshdsl as md
+import meshdsl.layers as L
+
+B, S, D, F, E, K = 8, 8, 16, 24, 8, 2
+MESH = {"data": 4, "model": 2}
+
+
+def _inputs(seed=0, same_experts=False):
+    rng = np.random.default_rng(seed)
+    x = md.named(rng.normal(size=(B, S, D)).astype(np.float32), "batch seq d_model")
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(B * S)]).reshape(B, S, K)
+    if same_experts:   # every token picks experts 0 and 1: one device gets every row
+        idx = np.broadcast_to(np.arange(K), (B, S, K)).copy()
+    index = md.named(idx.astype(np.int32), "batch seq choice")
+    def kernel(dims, *shape):
+        return md.param(md.named((rng.normal(size=shape) * 0.2).astype(np.float32), dims))
+    ws = [kernel("experts d_model d_ff", E, D, F), kernel("experts d_model d_ff", E, D, F),
+          kernel("experts d_ff d_model", E, F, D)]
+    return x, index, ws
+
+
+def _reference(x, index, ws, act):
+    """Per token and choice, the chosen expert's FFN in numpy."""
+    xs, idx = np.asarray(x.array), np.asarray(index.array)
+    w = [np.asarray(v.array) for v in ws]
+    out = np.zeros((B, S, K, w[-1].shape[-1]))
+    for b, s, c in np.ndindex(B, S, K):
+        e = idx[b, s, c]
+        if len(w) == 1:
+            out[b, s, c] = xs[b, s] @ w[0][e]
+        elif len(w) == 2:
+            out[b, s, c] = act(xs[b, s] @ w[0][e]) @ w[1][e]
+        else:
+            out[b, s, c] = (act(xs[b, s] @ w[0][e]) * (xs[b, s] @ w[1][e])) @ w[2][e]
+    return out
+
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+@pytest.mark.parametrize("kernels", [1, 2, 3])
+def test_each_token_runs_through_the_experts_it_chose(kernels):
+    """Kernels are matched by their dims' names, in any order."""
+    x, index, ws = _inputs()
+    given = [ws[0], md.transpose(ws[1], "d_ff experts d_model"), ws[2]]
+    ws, given = ({1: v[:1], 2: [v[0], v[2]], 3: v}[kernels] for v in (ws, given))
+    out = md.expert_ffn(x, index, given, activation="silu") if kernels > 1 else md.ragged_dot(x, given[0], index)
+    assert out.names == ("batch", "seq", "choice", "d_ff" if kernels == 1 else "d_model")
+    np.testing.assert_allclose(np.asarray(out.array), _reference(x, index, ws, _silu), rtol=1e-5, atol=1e-5)
+
+
+def _ffn(x, index, w0, w1, w2):
+    return md.expert_ffn(x, index, [w0, w1, w2], distinct=True)
+
+
+def _grads(x, index, w0, w1, w2):
+    return jax.grad(lambda x, *ws: md.sum(md.square(_ffn(x, index, *ws))).array, argnums=(0, 1, 2, 3))(x, w0, w1, w2)
+
+
+LAYOUTS = {
+    "data": {"batch": "data"},
+    "expert parallel": {"batch": "data", "experts": "data"},
+    "expert parallel, Megatron inside": {"batch": "data", "experts": "data", "d_ff": "model"},
+    "experts over tokens whole there": {"batch": "data", "experts": "model"},
+    "tokens over two axes": {"batch": "data", "seq": "model", "experts": "data"},
+    "d_model split": {"batch": "data", "experts": "data", "d_model": "model"},
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("same_experts", [False, True])
+def test_values_and_gradients_equal_the_unsharded_ones(name, same_experts):
+    x, index, ws = _inputs(same_experts=same_experts)
+    mesh, layout = md.Mesh(MESH), md.Layout(LAYOUTS[name])
+    assert_same(md.lower(_ffn, mesh, layout)(x, index, *ws), _ffn(x, index, *ws))
+    assert_same(md.lower(_grads, mesh, layout)(x, index, *ws), _grads(x, index, *ws), rtol=1e-4, atol=1e-4)
+
+
+def test_expert_parallelism_is_one_all_to_all_of_the_rows_each_way():
+    """``batch: data, experts: data``: the rows go out in one all-to-all of a static buffer of
+    ``tokens * min(top_k, local experts)`` rows per destination, the counts in one small one, the
+    results come back in one; explain predicts the compiled program byte for byte."""
+    x, index, ws = _inputs()
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data", "experts": "data"})
+    n, tokens, held = 8, B * S // 8, E // 8
+    rows = (n - 1) / n * n * tokens * min(K, held) * D * 4
+    counts = (n - 1) / n * n * held * 4
+    report = md.explain(_ffn, mesh, layout, x, index, *ws, objective="bytes")
+    want = {"all-to-all": (3, pytest.approx(2 * rows + counts))}
+    assert explain_summary(report) == want
+    assert hlo_summary(md.lower(_ffn, mesh, layout, objective="bytes"), x, index, *ws) == want
+    assert {r.tensor for r in report.collectives} == {
+        "[batch seq choice] rows sent to their experts", "[batch seq choice] rows back from their experts",
+        "rows per expert"}
+    e, h = explain_vs_hlo(_grads, mesh, layout, x, index, *ws, objective="bytes")
+    assert e == h and e == {"all-to-all": pytest.approx(4 * rows + counts)}
+
+
+def test_experts_split_where_the_tokens_are_whole_leave_a_partial_sum():
+    x, index, ws = _inputs()
+    mesh, layout = md.Mesh(MESH), md.Layout({"batch": "data", "experts": "model"})
+    report = md.explain(_ffn, mesh, layout, x, index, *ws, objective="bytes")
+    out_bytes = B * S * K * D * 4 // 4     # the result, [batch/4 seq choice d_model], summed over model
+    assert explain_summary(report) == {"all-reduce": (1, pytest.approx(2 * (2 - 1) / 2 * out_bytes))}
+
+
+def test_an_expert_number_out_of_range_gives_zeros():
+    x, index, ws = _inputs()
+    bad = md.named(np.where(np.asarray(index.array) == 3, E + 5, np.asarray(index.array)).astype(np.int32),
+                   "batch seq choice")
+    got = np.asarray(md.lower(_ffn, md.Mesh({"data": 8}), md.Layout({"batch": "data", "experts": "data"}),
+                              objective="bytes")(x, bad, *ws).array)
+    want = _reference(x, index, ws, _silu)
+    off = np.asarray(bad.array) >= E
+    assert np.all(got[off] == 0)
+    np.testing.assert_allclose(got[~off], want[~off], rtol=1e-5, atol=1e-5)
+
+
+# -- the layer ----------------------------------------------------------------------------------------------
+
+def _layer(**kw):
+    return L.DroplessMoE(md.Dim("d_model", D), md.Dim("d_ff", F), md.Dim("experts", E), rngs=nnx.Rngs(0), **kw)
+
+
+def test_topk_of_softmax_normalised_equals_softmax_of_topk():
+    x = _inputs()[0]
+    a, b = _layer(order="softmax-topk", normalize=True), _layer(order="topk-softmax")
+    assert_same(a(x)[0], b(x)[0])
+
+
+def test_the_layer_is_the_gated_sum_of_its_chosen_experts_plus_the_shared_one():
+    x = _inputs()[0]
+    moe = _layer(top_k=2, normalize=False, shared_d_ff=md.Dim("d_shared", 12))
+    y, metrics = moe(x)
+    xs = np.asarray(x.array)
+    logits = xs @ np.asarray(moe.router.kernel.get_value().array)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, -1, kind="stable")[..., :2]
+    w = [np.asarray(getattr(moe.experts, n).kernel.get_value().array) for n in ("wi_0", "wi_1", "wo")]
+    sw = [np.asarray(getattr(moe.shared, n).kernel.get_value().array) for n in ("wi_0", "wi_1", "wo")]
+    gate = np.asarray(moe.shared_gate.kernel.get_value().array)[:, 0]
+    want = np.zeros_like(xs)
+    for b, s in np.ndindex(B, S):
+        t = xs[b, s]
+        for e in top[b, s]:
+            want[b, s] += probs[b, s, e] * ((_silu(t @ w[0][e]) * (t @ w[1][e])) @ w[2][e])
+        want[b, s] += 1 / (1 + np.exp(-t @ gate)) * ((_silu(t @ sw[0]) * (t @ sw[1])) @ sw[2])
+    np.testing.assert_allclose(np.asarray(y.array), want, rtol=1e-4, atol=1e-5)
+    f = (np.eye(E)[top]).mean((0, 1))                                   # [choice, experts]
+    np.testing.assert_allclose(float(metrics["load_balancing_loss"].array), E * (f * probs.mean((0, 1))).sum(),
+                               rtol=1e-5)
+    assert float(metrics["dropped_fraction"].array) == 0.0
+    np.testing.assert_allclose(np.asarray(metrics["expert_load"].array), f.sum(0) / 2, rtol=1e-6)
+
+
+def test_the_balance_bias_moves_the_choice_not_the_gates():
+    x = _inputs()[0]
+    moe = _layer(balance_bias=True, normalize=False)
+    y0, m0 = moe(x)
+    bias = moe.balanced_bias(m0["expert_load"], rate=1.0)
+    load = np.asarray(m0["expert_load"].array)
+    np.testing.assert_allclose(np.asarray(bias.array), np.sign(load.mean() - load))
+    moe.bias.set_value(md.named(np.where(np.arange(E) == 5, 10.0, 0.0).astype(np.float32), "expert_choice"))
+    gates, index, _, probs = moe.route(x)
+    idx, p = np.asarray(index.array), np.asarray(probs.array)
+    assert np.all(idx[..., 0] == 5)                                      # the bias decides the choice ...
+    np.testing.assert_allclose(np.asarray(gates.array)[..., 0], p[..., 5], rtol=1e-6)   # ... never the gate
+
+
+def test_the_layer_under_expert_parallelism_equals_the_unsharded_layer():
+    x = _inputs()[0]
+    moe = _layer(top_k=2, shared_d_ff=md.Dim("d_shared", 12))
+
+    def loss(m, x):
+        y, metrics = m(x)
+        return md.sum(md.square(y)).array + metrics["load_balancing_loss"].array
+
+    def grads(m, x):
+        graphdef, state = nnx.split(m)
+        return jax.grad(lambda s, x: loss(nnx.merge(graphdef, s), x), argnums=(0, 1))(state, x)
+
+    for layout in ({"batch": "data", "experts": "data"}, {"batch": "data", "experts": "data", "d_ff": "model"}):
+        f = md.lower(grads, md.Mesh(MESH), md.Layout(layout))
+        want, got = grads(moe, x), f(moe, x)
+        for a, b in zip(jax.tree_util.tree_leaves(got, is_leaf=lambda v: isinstance(v, md.NamedArray)),
+                        jax.tree_util.tree_leaves(want, is_leaf=lambda v: isinstance(v, md.NamedArray))):
+            assert_same(a, b, rtol=1e-4, atol=1e-5)
+
+
+# -- one test per error message --------------------------------------------------------------------------
+
+def test_error_kernel_count():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "kernels must be one, two or three"):
+        md.expert_ffn(x, index, ws + ws)
+
+
+def test_error_unknown_activation():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "activation must be one of"):
+        md.expert_ffn(x, index, ws, activation="slu")
+
+
+def test_error_index_not_integers():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "must be integers"):
+        md.expert_ffn(x, index.astype(jnp.float32), ws)
+
+
+def test_error_kernel_without_the_experts_dim():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "must be \\[expert, d_in, d_out\\]"):
+        md.expert_ffn(x, index, ws, experts="expert")
+
+
+def test_error_no_choice_dim():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "cannot tell the choice dim"):
+        md.expert_ffn(x, md.rename(index, {"choice": "seq2"}), ws, choice="choices")
+
+
+def test_error_x_with_two_feature_dims():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "one feature dim"):
+        md.expert_ffn(md.rename(x, {"seq": "pos"}), md.rename(index, {"seq": "pos2"}), ws, choice="choice")
+
+
+def test_error_gate_and_up_kernels_differ():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "must have the same dims"):
+        md.expert_ffn(x, index, [ws[0], md.rename(ws[1], {"d_ff": "d_hid"}), ws[2]])
+
+
+def test_error_last_kernel_does_not_contract_the_hidden_dim():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "must contract the hidden dim"):
+        md.expert_ffn(x, index, [ws[0], md.rename(ws[2], {"d_ff": "d_hid"})])
+
+
+def test_error_output_dim_is_an_index_dim():
+    x, index, ws = _inputs()
+    w = md.rename(ws[0], {"d_ff": "seq"})
+    with raises(md.ShapeError, "output dim 'seq'"):
+        md.ragged_dot(x, w, index)
+
+
+def test_error_layer_options():
+    with raises(md.MeshDSLError, "order must be one of"):
+        _layer(order="sigmoid")
+    with raises(md.MeshDSLError, "top_k=9 must be in 1..8"):
+        _layer(top_k=9)
+    with raises(md.MeshDSLError, "balance_bias=False"):
+        _layer().balanced_bias(md.zeros("experts:8"))

@@ -267,3 +267,25 @@ def test_error_layer_options():
         _layer(top_k=9)
     with raises(md.MeshDSLError, "balance_bias=False"):
         _layer().balanced_bias(md.zeros("experts:8"))
+
+
+# -- in the search --------------------------------------------------------------------------------------
+
+def test_the_search_weighs_expert_parallelism_and_megatron_inside_the_experts():
+    """``md.search`` over a dropless layer's training step: layouts putting ``experts`` on the
+    tokens' axis (expert parallelism), ``d_ff`` split inside each expert, and both, are all
+    candidates, each costed by the op's own strategy (the exchange's all-to-alls priced: at these
+    widths, kernels large against the tokens, they are what the plan takes)."""
+    moe = L.DroplessMoE(md.Dim("d_model", 64), md.Dim("d_ff", 256), md.Dim("experts", E), rngs=nnx.Rngs(0))
+    x = md.named(np.random.default_rng(1).normal(size=(B, S, 64)).astype(np.float32), "batch seq d_model")
+
+    def grads(m, x):
+        graphdef, state = nnx.split(m)
+        return jax.grad(lambda s, x: md.sum(md.square(nnx.merge(graphdef, s)(x)[0])).array)(state, x)
+
+    result = md.search(grads, 8, moe, x, dims=["batch", "experts", "d_ff"], top=100)
+    layouts = {(str(c.mesh), str(c.layout)): c for c in result.candidates}
+    ep = layouts[("data:8", "batch:data;experts:data")]
+    assert ep.bytes["all-to-all"]["count"] == 4 and set(ep.bytes) == {"all-to-all", "all-reduce"}
+    assert ("data:2 x model:4", "batch:data;experts:data;d_ff:model") in layouts
+    assert ("data:8", "d_ff:data") in layouts

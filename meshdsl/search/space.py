@@ -102,13 +102,19 @@ def groups(sizes, dim_sets, params=(), largest: int = 3, units=None, scanned=fro
     no value of the program holds two of (Megatron's ``heads``, ``d_ff`` and ``vocab`` on one
     axis: tensor parallelism splits weights; ``params``: each parameter's ``(dim, size)``s), and
     none a dim an ``md.scan`` runs over (``scanned``: an axis splitting one is a pipeline's stage
-    axis, which splits nothing else)."""
+    axis, which splits nothing else); or a data unit with one parameter dim no value holds with it
+    (expert parallelism: ``batch`` and ``experts`` on one axis, the tokens sent to their experts)."""
     names = sorted(sizes)
     units = [(d,) for d in names] if units is None else sorted(units)
     weights = sorted({d for p in params for d, _ in p} & set(names) - set(scanned))
+
+    def apart(group):
+        return not any(len(s.intersection(group)) > 1 for s in dim_sets)
+
     out = [(), *units]
     for k in range(2, largest + 1):
-        out += [g for g in itertools.combinations(weights, k) if not any(len(s.intersection(g)) > 1 for s in dim_sets)]
+        out += [g for g in itertools.combinations(weights, k) if apart(g)]
+    out += [(*u, w) for u in units if not set(u) & set(weights) | set(scanned) for w in weights if apart((*u, w))]
     return out
 
 

@@ -14,6 +14,7 @@ from helpers import assert_same, explain_summary, explain_vs_hlo, hlo_summary, r
 
 import meshdsl as md
 import meshdsl.layers as L
+from meshdsl.ops import grouped
 
 B, S, D, F, E, K = 8, 8, 16, 24, 8, 2
 MESH = {"data": 4, "model": 2}
@@ -53,15 +54,36 @@ def _silu(v):
     return v / (1 + np.exp(-v))
 
 
+@pytest.mark.parametrize("kernel", ["ragged", "tiled"])
 @pytest.mark.parametrize("kernels", [1, 2, 3])
-def test_each_token_runs_through_the_experts_it_chose(kernels):
-    """Kernels are matched by their dims' names, in any order."""
+def test_each_token_runs_through_the_experts_it_chose(kernels, kernel):
+    """Kernels are matched by their dims' names, in any order; both local grouped matmuls."""
     x, index, ws = _inputs()
     given = [ws[0], md.transpose(ws[1], "d_ff experts d_model"), ws[2]]
     ws, given = ({1: v[:1], 2: [v[0], v[2]], 3: v}[kernels] for v in (ws, given))
-    out = md.expert_ffn(x, index, given, activation="silu") if kernels > 1 else md.ragged_dot(x, given[0], index)
+    out = md.expert_ffn(x, index, given, activation="silu", kernel=kernel) if kernels > 1 else \
+        md.ragged_dot(x, given[0], index, kernel=kernel)
     assert out.names == ("batch", "seq", "choice", "d_ff" if kernels == 1 else "d_model")
     np.testing.assert_allclose(np.asarray(out.array), _reference(x, index, ws, _silu), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[0, 37, 0, 3, 0, 0, 60, 0], [100, 0, 0, 0, 0, 0, 0, 0], [1] * 8, [0] * 8])
+def test_the_tiled_kernel_equals_the_ragged_one_for_any_group_sizes(sizes):
+    """Empty groups, one group holding every row, rows past the groups (zeros), tiles cut at
+    group ends: values and gradients agree."""
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.normal(size=(100, D)).astype(np.float32))
+    kernels = [jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in [(E, D, F), (E, D, F), (E, F, D)]]
+    sizes = jnp.asarray(sizes, jnp.int32)
+
+    def run(kernel, rows, kernels):
+        return getattr(grouped, kernel)(rows, sizes, kernels, jax.nn.silu)
+
+    np.testing.assert_allclose(run("tiled", rows, kernels), run("ragged", rows, kernels), rtol=1e-4, atol=1e-4)
+    grads = [jax.grad(lambda r, k: jnp.sum(run(name, r, k) ** 2), argnums=(0, 1))(rows, kernels)
+             for name in ("tiled", "ragged")]
+    for a, b in zip(jax.tree_util.tree_leaves(grads[0]), jax.tree_util.tree_leaves(grads[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
 
 
 def _ffn(x, index, w0, w1, w2):
@@ -258,6 +280,12 @@ def test_error_output_dim_is_an_index_dim():
     w = md.rename(ws[0], {"d_ff": "seq"})
     with raises(md.ShapeError, "output dim 'seq'"):
         md.ragged_dot(x, w, index)
+
+
+def test_error_unknown_kernel():
+    x, index, ws = _inputs()
+    with raises(md.ShapeError, "kernel must be one of"):
+        md.expert_ffn(x, index, ws, kernel="dense")
 
 
 def test_error_layer_options():

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 from jax.extend import core as jcore
 
-from ..platform.jaxcompat import MATMULS, called_jaxpr, dce, dot_dims, scan_parts
+from ..platform.jaxcompat import MATMULS, called_jaxpr, dce, dot_dims, matmul_groups, scan_parts
 
 __all__ = ["ALIASES", "CALLS", "FUSIBLE", "bytes_accessed", "matmul_flops", "materialized", "nbytes", "sub_jaxprs", "inner_body", "live", "name_scopes"]
 
@@ -58,7 +58,7 @@ def matmul_flops(jaxpr) -> float:
             (lc, _), _ = dot_dims(eqn)
             lhs = eqn.invars[0].aval.shape
             out = eqn.outvars[0].aval.shape
-            total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc)
+            total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc) * matmul_groups(eqn)
         elif eqn.primitive.name == "cond":
             total += max((matmul_flops(j) for j in sub_jaxprs(eqn)), default=0.0)
         else:

@@ -40,7 +40,7 @@ from collections import Counter
 import numpy as np
 from jax.extend import core as jcore
 
-from ..platform.jaxcompat import MATMULS, dot_dims, scan_parts
+from ..platform.jaxcompat import MATMULS, dot_dims, matmul_groups, scan_parts
 from .jaxpr_stats import ALIASES, FUSIBLE, nbytes, sub_jaxprs
 
 __all__ = ["Kernel", "kernels", "KERNEL_SCOPE", "kernel_runs", "program_kernels"]
@@ -225,8 +225,8 @@ def _kernel(eqn, fusion: _Fusion):
         (lc, _), _ = dot_dims(eqn)
         lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
         moved = sum(nbytes(v.aval) for v in eqn.invars) + nbytes(eqn.outvars[0].aval)
-        return "matmul", np.dtype(eqn.invars[0].aval.dtype).name, 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc), \
-            float(moved)
+        flops = 2.0 * math.prod(out) * math.prod(lhs[i] for i in lc) * matmul_groups(eqn)
+        return "matmul", np.dtype(eqn.invars[0].aval.dtype).name, flops, float(moved)
     if name in _READS_PART:
         return "memory", "", 0.0, float(2 * sum(nbytes(v.aval) for v in eqn.outvars)
                                         + sum(nbytes(v.aval) for v in eqn.invars[1:]))

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from ..names.dims import Shape
 from ..names.errors import ShapeError, suggest
 from ..rewrite import collectives as C
+from . import grouped
 from .common import as_named, decided, union_dims, where_
 from .registry import op
 
@@ -52,14 +53,16 @@ ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate
 
 @op("expert_ffn")
 def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str | None = None,
-               activation: str = "silu", distinct: bool = False):
+               activation: str = "silu", distinct: bool = False, kernel: str | None = None):
     """Each token's chosen experts' feed-forward: ``x`` ``[*tokens, d_model]``, ``index`` integer
     ``[*tokens, choice]``, ``kernels`` one, two or three ``[experts, d_in, d_out]`` chained as the
     module docstring says (three: gated). ``activation``: ``relu``, ``gelu``, ``gelu_new``,
     ``silu``/``swish`` or ``identity``. ``distinct``: each token's choices are different experts
     (a top-k's are), which bounds what one device can send another by ``min(choices, local
     experts)`` rows per token (else ``choices``). An expert number outside ``0 .. experts-1``
-    gives zeros. Returns ``[*tokens, choice, d_out]``."""
+    gives zeros. ``kernel``: the local grouped matmul, ``"ragged"`` or ``"tiled"``
+    (:mod:`meshdsl.ops.grouped`; default: the planner's choice by time, the one with fewer FLOPs
+    outside a planned lowering). Returns ``[*tokens, choice, d_out]``."""
     x, index = as_named(ctx, x, "x"), as_named(ctx, index, "index")
     kernels = [as_named(ctx, w, f"kernel {i + 1}") for i, w in enumerate(kernels)]
     spec = _spec(ctx, x, index, kernels, experts, choice, activation)
@@ -72,14 +75,16 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     il = ctx.local(index, axes, vary)
     wl = [_ordered(ctx.local(w, axes, vary), w.names, roles) for w, roles in zip(kernels, spec.roles)]
     token_shape = [xl.shape[x.names.index(n)] for n in spec.tokens]
-    rows = jnp.transpose(xl, [x.names.index(n) for n in (*spec.tokens, spec.d_in)]).reshape(-1, xl.shape[x.names.index(spec.d_in)])
-    chosen = jnp.transpose(il, [index.names.index(n) for n in (*spec.tokens, spec.choice)]).reshape(-1).astype(jnp.int32)
-    k = index.dims[spec.choice].size
-    run = _chain(wl, ACTIVATIONS[spec.activation])
+    rows = _flat(xl, x.names, (*spec.tokens, spec.d_in), 2)
+    chosen = _flat(il, index.names, (*spec.tokens, spec.choice), 1).astype(jnp.int32)
+    k, held = index.dims[spec.choice].size, dims[experts].size // ctx.axes_size(ep)
+    act = ACTIVATIONS[spec.activation]
     if strategy == "exchange":
-        per_token = min(k, dims[experts].size // ctx.axes_size(ep)) if distinct else k
+        per_token = min(k, held) if distinct else k
+        run = _kernel(ctx, kernel, wl, act, ctx.axes_size(ep) * rows.shape[0] * per_token, held)
         out = exchange_rows(ctx, rows, chosen, per_token, k, dims[experts].size, ep, run, spec)
     else:
+        run = _kernel(ctx, kernel, wl, act, rows.shape[0] * k, held)
         out = _grouped_local(ctx, rows, chosen, k, dims[experts].size, ep, run)
     out = out.reshape(*token_shape, k, out.shape[-1])
     out_dims = Shape([*(dims[n] for n in spec.tokens), dims[spec.choice], dims[spec.d_out]])
@@ -87,10 +92,12 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     return ctx.out(out, out_dims, axes, pending=pending)
 
 
-def ragged_dot(x, w, index, *, experts: str = "experts", choice: str | None = None, distinct: bool = False):
+def ragged_dot(x, w, index, *, experts: str = "experts", choice: str | None = None, distinct: bool = False,
+               kernel: str | None = None):
     """The grouped matmul: ``out[*tokens, choice, d_out] = x[*tokens, d_in] · w[index[*tokens,
     choice], d_in, d_out]``, dropless, under every layout (:func:`expert_ffn` with one kernel)."""
-    return expert_ffn(x, index, [w], experts=experts, choice=choice, activation="identity", distinct=distinct)
+    return expert_ffn(x, index, [w], experts=experts, choice=choice, activation="identity", distinct=distinct,
+                      kernel=kernel)
 
 
 def _placed(ctx, spec, dims, x, index, kernels):
@@ -165,23 +172,29 @@ def _spec(ctx, x, index, kernels, experts, choice, activation):
                  experts=experts, roles=roles)
 
 
+def _flat(local, names, order, ndim: int):
+    """A local block with its dims in ``order``, the leading ones merged (``ndim`` axes left)."""
+    block = jnp.transpose(local, [names.index(n) for n in order])
+    return block.reshape(-1, *block.shape[len(order) - ndim + 1:])
+
+
 def _ordered(local, names, roles):
     """A kernel's local block as ``[experts, d_in, d_out]`` (``roles``: those names)."""
     order = [names.index(n) for n in roles]
     return local if order == list(range(len(order))) else jnp.transpose(local, order)
 
 
-def _chain(kernels, act):
-    """``run(rows, group_sizes)``: the kernels' feed-forward over rows sorted by expert."""
-    def run(rows, sizes):
-        def dot(h, w):
-            return jax.lax.ragged_dot(h, w.astype(h.dtype), sizes)
-        if len(kernels) == 1:
-            return dot(rows, kernels[0])
-        if len(kernels) == 2:
-            return dot(act(dot(rows, kernels[0])), kernels[1])
-        return dot(act(dot(rows, kernels[0])) * dot(rows, kernels[1]), kernels[2])
-    return run
+def _kernel(ctx, kernel, kernels, act, rows: int, groups: int):
+    """``run(rows sorted by group, group sizes)``: the local grouped matmul ``kernel``, or the
+    one a decision point takes (fewer FLOPs first: the expander's ``groups * rows`` against the
+    tiles' ``rows + groups * block``)."""
+    if kernel is not None and kernel not in grouped.KERNELS:
+        raise ShapeError(f"{where_(ctx)}: kernel must be one of {grouped.KERNELS} or None, got {kernel!r}")
+    if kernel is None:
+        tiles = rows + groups * grouped.tile_rows(rows, groups)
+        kernel = decided(ctx, list(grouped.KERNELS) if groups * rows <= tiles else list(reversed(grouped.KERNELS)))
+    make = grouped.ragged if kernel == "ragged" else grouped.tiled
+    return lambda x, sizes: make(x, sizes, kernels, act)
 
 
 def _inverse(order):

@@ -31,7 +31,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS",
+           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
            "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
@@ -224,6 +224,16 @@ def called_jaxpr(eqn):
 
 #: the matmul primitives (a grouped matmul, ``ragged_dot_general``, multiplies each row by its group's matrix)
 MATMULS = frozenset(("dot_general", "ragged_dot_general"))
+
+
+def matmul_groups(eqn) -> int:
+    """How many matmuls of its shape a matmul primitive runs: 1 for a ``dot_general``; a grouped
+    matmul's group count, as XLA runs it (its ragged-dot expander: every row against every group's
+    matrix, masked - on CPU and wherever no grouped-GEMM kernel replaces it)."""
+    if eqn.primitive.name != "ragged_dot_general":
+        return 1
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    return eqn.invars[1].aval.shape[dims.rhs_group_dimensions[0]] if dims.rhs_group_dimensions else 1
 
 
 def dot_dims(eqn) -> tuple:

@@ -317,3 +317,11 @@ def test_the_search_weighs_expert_parallelism_and_megatron_inside_the_experts():
     assert ep.bytes["all-to-all"]["count"] == 4 and set(ep.bytes) == {"all-to-all", "all-reduce"}
     assert ("data:2 x model:4", "batch:data;experts:data;d_ff:model") in layouts
     assert ("data:8", "d_ff:data") in layouts
+
+
+def test_the_compilers_plan_computes_the_same():
+    """``backend="gspmd"``: the op on global arrays, XLA partitioning the sort and the matmuls."""
+    x, index, ws = _inputs()
+    layout = md.Layout({"batch": "data", "experts": "data"})
+    f = md.lower(_ffn, md.Mesh(MESH), layout, backend="gspmd")
+    assert_same(f(x, index, *ws), _ffn(x, index, *ws))

@@ -110,8 +110,8 @@ def _placed(ctx, spec, dims, x, index, kernels):
     axes.update({spec.d_in: (), spec.choice: ()})
     if len(kernels) > 1:
         axes[spec.d_out] = ()
-    held = {ctx.placement(w).of(w.dims, spec.experts) for w in kernels} if ctx.explicit else set()
-    ep = held.pop() if len(held) == 1 else ctx.layout_axes(spec.experts)
+    held = {ctx.placement(w).of(w.dims, spec.experts) for w in kernels} if ctx.explicit else {()}
+    ep = held.pop() if len(held) == 1 else ctx.layout_axes(spec.experts)   # (global arrays: whole)
     taken = {a for n in (spec.hidden, spec.d_out) for a in axes.get(n, ())}
     ep = () if set(ep) & taken else ep
     tokens = {a for n in spec.tokens for a in axes[n]}

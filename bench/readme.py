@@ -13,7 +13,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 ORDER = ("gpu", "communication", "step_time", "compile_time", "memory", "search_rank", "search_configs", "search_speed",
-         "pipeline", "schedules", "offload")
+         "pipeline", "schedules", "offload", "moe")
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 

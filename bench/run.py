@@ -16,8 +16,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402,F401 - sets up devices first
-from bench import communication, compile_time, fused_step, memory, offload, pipeline, readme, schedules  # noqa: E402
-from bench import search_configs, search_rank, search_speed, step_time  # noqa: E402
+from bench import communication, compile_time, fused_step, memory, moe, offload, pipeline, readme  # noqa: E402
+from bench import schedules, search_configs, search_rank, search_speed, step_time  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     for name, bench in (("communication", communication), ("compile time", compile_time), ("memory", memory),
                         ("pipeline", pipeline), ("schedules", schedules), ("fused step", fused_step),
                         ("step time", step_time), ("search rank", search_rank), ("search configs", search_configs),
-                        ("search speed", search_speed), ("offload", offload)):
+                        ("search speed", search_speed), ("offload", offload), ("moe", moe)):
         t = time.perf_counter()
         print(f"== {name}", flush=True)
         print(bench.run(a.quick), flush=True)

@@ -11,7 +11,8 @@ only, so the sharing is name broadcasting inside ``md.attention`` (no copies of 
 Query head ``h`` of Hugging Face's ``q_proj`` is ``(kv_head, group) = divmod(h, groups)``, which is
 the row-major order of ``[kv_heads, groups]`` (HF's ``repeat_kv``). Multi-head attention is
 ``groups = 1``, multi-query attention ``kv_heads = 1``. ``md.attention`` scales the logits by
-``1 / sqrt(d_head)`` and computes the softmax in float32. No biases (Llama's).
+``1 / sqrt(d_head)`` and computes the softmax in float32. No biases (Llama's), or with ``bias``
+biases on the query, key and value projections (Qwen's: ``q = x · Wq + bq`` before rotation).
 
 The dims are T5's (:mod:`meshdsl.layers.attention`): queries over ``seq``, keys over ``kv_seq``,
 a decoding cache over ``kv_length``. Communication is the layout's: Megatron splits ``kv_heads``
@@ -34,6 +35,7 @@ from flax import nnx
 import meshdsl as md
 
 from .dense import Dense
+from .params import cast, constant_param
 from .rotary import apply_rotary
 
 __all__ = ["GroupedQueryAttention", "SEQ", "KV_SEQ", "KV_LENGTH"]
@@ -46,16 +48,23 @@ KV_LENGTH = "kv_length"    # the positions of a decoding KV cache
 class GroupedQueryAttention(nnx.Module):
     """Kernels ``q: [d_model, kv_heads, groups, d_head]``, ``k, v: [d_model, kv_heads, d_head]``,
     ``o: [kv_heads, groups, d_head, d_model]`` (each ``[*stack, ...]``); init ``N(0, scale**2)``,
-    ``scale`` default ``fan_in ** -0.5``."""
+    ``scale`` default ``fan_in ** -0.5``. ``bias``: ``q_bias [kv_heads, groups, d_head]``,
+    ``k_bias``, ``v_bias [kv_heads, d_head]`` (zeros at init)."""
 
     def __init__(self, d_model: md.Dim, kv_heads: md.Dim, groups: md.Dim, d_head: md.Dim, *, rngs: nnx.Rngs,
-                 stack=None, scale: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32):
+                 stack=None, scale: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 bias: bool = False):
         self.d_model, self.kv_heads, self.groups, self.d_head = d_model, kv_heads, groups, d_head
         dense = dict(rngs=rngs, stack=stack, dtype=dtype, param_dtype=param_dtype, scale=scale)
         self.q = Dense(d_model, [kv_heads, groups, d_head], **dense)
         self.k = Dense(d_model, [kv_heads, d_head], **dense)
         self.v = Dense(d_model, [kv_heads, d_head], **dense)
         self.o = Dense([kv_heads, groups, d_head], d_model, **dense)
+        self.dtype = dtype
+        zeros = dict(stack=stack, dtype=param_dtype)
+        self.q_bias = constant_param([kv_heads, groups, d_head], 0.0, **zeros) if bias else None
+        self.k_bias = constant_param([kv_heads, d_head], 0.0, **zeros) if bias else None
+        self.v_bias = constant_param([kv_heads, d_head], 0.0, **zeros) if bias else None
 
     def __call__(self, x: md.NamedArray, angles, *, mask: md.NamedArray | None = None, keys_values: bool = False):
         """Causal self-attention of ``x`` ``[batch, seq, d_model]``; ``angles``: ``(cos, sin)``
@@ -88,9 +97,13 @@ class GroupedQueryAttention(nnx.Module):
 
     def _project(self, x, angles):
         cos, sin = angles
-        q = apply_rotary(self.q(x), cos, sin, self.d_head.name)
-        k = apply_rotary(self.k(x), cos, sin, self.d_head.name)
-        return q, k, self.v(x)
+        q = apply_rotary(self._biased(self.q(x), self.q_bias), cos, sin, self.d_head.name)
+        k = apply_rotary(self._biased(self.k(x), self.k_bias), cos, sin, self.d_head.name)
+        return q, k, self._biased(self.v(x), self.v_bias)
+
+    def _biased(self, y, bias):
+        """``y + bias`` (no bias: ``y`` itself)."""
+        return y if bias is None else y + cast(bias.get_value(), self.dtype)
 
 
 def _as_keys(t: md.NamedArray) -> md.NamedArray:

@@ -11,7 +11,8 @@ dropout, experts, ...). Parameter counts of the published configs equal the publ
 the tokenizer's size; the model masks the padded logits (``vocab_multiple=1``: no padding). Every
 published config's vocabulary is already a multiple of 128: their shapes do not change.
 
-:data:`MODELS` adds the Llama-style decoder-only configs (:mod:`meshdsl.models.llama_configs`):
+:data:`MODELS` adds the Llama-style decoder-only configs (:mod:`meshdsl.models.llama_configs`, the
+Mixtral and Qwen2-MoE ones too):
 :func:`get_config` and the training CLI's ``--model`` take any of them; :func:`config_from_dict`
 rebuilds either kind from a run's ``run.json``.
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .llama_configs import LLAMA_CONFIGS, LlamaConfig, check_vocab_multiple, padded_size
+from .llama_configs import LLAMA_CONFIGS, MOE_DECODER_CONFIGS, LlamaConfig, check_vocab_multiple, padded_size
 
-__all__ = ["T5Config", "LlamaConfig", "CONFIGS", "LLAMA_CONFIGS", "MODELS", "get_config", "config_from_dict"]
+__all__ = ["T5Config", "LlamaConfig", "CONFIGS", "LLAMA_CONFIGS", "MOE_DECODER_CONFIGS", "MODELS", "get_config",
+           "config_from_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,8 @@ CONFIGS: dict[str, T5Config] = {c.name: c for c in [
 ]}
 
 
-#: every model the training CLI knows: T5 / MoE-T5 and the Llama-style decoders
-MODELS: dict[str, T5Config | LlamaConfig] = {**CONFIGS, **LLAMA_CONFIGS}
+#: every model the training CLI knows: T5 / MoE-T5 and the Llama-style decoders (dense and MoE)
+MODELS: dict[str, T5Config | LlamaConfig] = {**CONFIGS, **LLAMA_CONFIGS, **MOE_DECODER_CONFIGS}
 
 
 def get_config(name: str, **changes) -> T5Config | LlamaConfig:

@@ -11,6 +11,13 @@ Structure (Hugging Face's ``LlamaForCausalLM``, so weights import 1:1, :mod:`mes
     logits = lm_head(RMSNorm(x))                    (tied: embed.attend(RMSNorm(x)))
     logits[vocab >= config.vocab] = min             (the padding rows of the tables: never chosen)
 
+Mixture of experts (``config.experts > 0``: Mixtral, Qwen2-MoE): every layer's SwiGLU is a
+dropless top-k :class:`~meshdsl.layers.DroplessMoE` (same ``ffn_norm``), ``experts`` of
+``moe_d_ff`` and optionally a gated shared expert; Qwen's attention adds q/k/v biases
+(``qkv_bias``). With a ``head``, the router's metrics (load-balancing loss, z-loss, expert load)
+ride in the scan's carry as one value per row ``[batch]`` and reach ``head(logits, router)`` as
+their means over the layers (each layer's over its tokens; per microbatch under a pipeline).
+
 RMSNorm is ``x * rsqrt(mean(x**2 over d_model) + eps) * weight`` with float32 statistics; the
 attention scale is ``1 / sqrt(d_head)`` (``md.attention``'s default); there are no biases and no
 dropout. Positions default to ``0 .. length-1`` for every row; ``positions=`` (e.g. ``[batch,
@@ -37,10 +44,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 import meshdsl as md
-from meshdsl.layers import Dense, Embedding, FeedForward, GroupedQueryAttention, RMSNorm, scan_layers
+from meshdsl.layers import (
+    Dense, DroplessMoE, Embedding, FeedForward, GroupedQueryAttention, RMSNorm, scan_layers,
+)
 from meshdsl.layers.embedding import mask_padding
 from meshdsl.layers.gqa import SEQ
 from meshdsl.layers.rotary import rotary_angles
+from meshdsl.layers.router import EXPERT_CHOICE
 
 from .llama_configs import LlamaConfig
 
@@ -53,35 +63,58 @@ class _Dims:
         self.kv_heads, self.groups = md.Dim("kv_heads", c.kv_heads), md.Dim("groups", c.groups)
         self.d_head, self.vocab = md.Dim("d_head", c.head_dim), md.Dim("vocab", c.padded_vocab)
         self.layers = md.Dim("layers", c.layers)
+        self.experts = md.Dim("experts", max(c.experts, 1))
+        self.expert_d_ff = md.Dim("d_ff", c.expert_d_ff)
+        self.shared_d_ff = md.Dim("d_shared", c.shared_d_ff) if c.shared_d_ff else None
+
+
+def _ffn(c: LlamaConfig, dims: _Dims, **kw):
+    """SwiGLU over ``d_ff``, or (``c.experts > 0``) the dropless mixture of experts."""
+    if not c.is_moe:
+        return FeedForward(dims.d_model, dims.d_ff, activation=c.activation, **kw)
+    return DroplessMoE(dims.d_model, dims.expert_d_ff, dims.experts, top_k=c.top_k, normalize=c.normalize_gates,
+                       activation=c.activation, shared_d_ff=dims.shared_d_ff, **kw)
 
 
 class LlamaBlock(nnx.Module):
     """One decoder layer (stacked: every parameter ``[layers, ...]``): pre-normed causal
-    grouped-query self-attention and SwiGLU feed-forward, each added to the residual stream."""
+    grouped-query self-attention and SwiGLU feed-forward (or a mixture of experts), each added
+    to the residual stream."""
 
     def __init__(self, c: LlamaConfig, dims: _Dims, *, rngs, stack, dtype, param_dtype):
         kw = dict(stack=stack, param_dtype=param_dtype)
+        self.sparse = c.is_moe
         self.attention_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
         self.attention = GroupedQueryAttention(dims.d_model, dims.kv_heads, dims.groups, dims.d_head, rngs=rngs,
-                                               dtype=dtype, **kw)
+                                               dtype=dtype, bias=c.qkv_bias, **kw)
         self.ffn_norm = RMSNorm(dims.d_model, eps=c.eps, **kw)
-        self.ffn = FeedForward(dims.d_model, dims.d_ff, rngs=rngs, activation=c.activation, dtype=dtype, **kw)
+        self.ffn = _ffn(c, dims, rngs=rngs, dtype=dtype, **kw)
 
     def __call__(self, x, angles, mask=None, keys_values: bool = False):
         """``x`` ``[batch, length, d_model]`` -> the same dims (and the layer's keys and values
         ``[batch, kv_seq, kv_heads, d_head]`` with ``keys_values``)."""
+        x, kv, _ = self.run(x, angles, mask, keys_values)
+        return (x, kv) if keys_values else x
+
+    def run(self, x, angles, mask=None, keys_values: bool = False):
+        """``(x, keys and values or None, the MoE layer's metrics or {})``: :meth:`__call__` with
+        the router's metrics."""
         h = self.attention(_enter(self.attention_norm(x)), angles, mask=mask, keys_values=keys_values)
         h, kv = h if keys_values else (h, None)
         x = x + _leave(h)
-        x = x + _leave(self.ffn(_enter(self.ffn_norm(x))))
-        return (x, kv) if keys_values else x
+        h, metrics = self.feed_forward(_enter(self.ffn_norm(x)))
+        return x + _leave(h), kv, metrics
+
+    def feed_forward(self, x):
+        """``(ffn(x), metrics)``: the MoE's router metrics, ``{}`` for SwiGLU."""
+        return self.ffn(x) if self.sparse else (self.ffn(x), {})
 
     def decode(self, x, angles, cache_k, cache_v, slot, mask=None):
         """One new position ``x`` ``[batch, seq:1, d_model]`` in cache slot ``slot``, with this
         layer's KV cache ``[batch, kv_length, kv_heads, d_head]``: ``(x, cache_k, cache_v)``."""
         h, cache_k, cache_v = self.attention.decode(self.attention_norm(x), angles, cache_k, cache_v, slot, mask=mask)
         x = x + h
-        return x + self.ffn(self.ffn_norm(x)), cache_k, cache_v
+        return x + self.feed_forward(self.ffn_norm(x))[0], cache_k, cache_v
 
 
 class Llama(nnx.Module):
@@ -108,8 +141,9 @@ class Llama(nnx.Module):
         (or ``seq``; default ``0 .. length-1``); ``mask``: boolean, true where a query may attend a key
         (``[batch, kv_seq]`` or with ``seq`` too), on top of the causal mask. ``head``: a
         function of the logits (a loss summed over the rows, see ``md.scan``), run as the layer
-        stack's head; then returns ``head(logits)``. ``key`` and ``train``: accepted for the
-        trainer (Llama has no dropout). ``remat``: the stack's remat policy."""
+        stack's head; then returns ``head(logits)``, for a MoE config ``head(logits, router)``
+        (the router's metrics, each a mean over the layers). ``key`` and ``train``: accepted for
+        the trainer (Llama has no dropout). ``remat``: the stack's remat policy."""
         del key, train
         ids, name = _as_tokens(ids)
         x = _leave(self.embed(_enter(ids)))
@@ -117,15 +151,44 @@ class Llama(nnx.Module):
             positions = _enter(positions)
         angles = self.angles(md.Dim(SEQ, ids.dims["length"].size), positions)
 
-        def step(layer, x, _):
-            return layer(x, angles, mask), None
-
         def logits(x):
             return md.rename(self.logits(_enter(x)), {SEQ: name})
+
+        if self.config.is_moe:
+            return self._sparse_forward(x, angles, mask, logits, remat, head, schedule)
+
+        def step(layer, x, _):
+            return layer(x, angles, mask), None
 
         top = None if head is None else (lambda x: head(logits(x)))
         x, _ = scan_layers(self.layers, x, step, remat=remat, head=top, schedule=schedule)
         return x if head is not None else logits(x)
+
+    def _sparse_forward(self, x, angles, mask, logits, remat, head, schedule):
+        """The MoE stack: each layer's router metrics added to the carry, one value per row
+        (``[batch]``, ``expert_load`` ``[batch, expert_choice]``), so that a pipeline splits them
+        with the rows; ``head(logits, router)`` gets their means over the layers."""
+        rows, n = x.dims["batch"], self.config.layers
+        sums = {name: md.zeros(md.Shape([rows, *extra])) for name, extra in self._metric_dims().items()}
+
+        def step(layer, carry, _):
+            x, sums = carry
+            x, _, m = layer.run(x, angles, mask)
+            m = {**m, "expert_load": md.rename(m["expert_load"], {"experts": EXPERT_CHOICE})}
+            return (x, {name: v + m[name] for name, v in sums.items()}), None
+
+        def top(carry):
+            y, sums = carry
+            return head(logits(y), {name: md.sum(v, "batch") / float(rows.size * n) for name, v in sums.items()})
+
+        out, _ = scan_layers(self.layers, (x, sums), step, remat=remat, head=None if head is None else top,
+                             schedule=schedule)
+        return out if head is not None else logits(out[0])
+
+    def _metric_dims(self) -> dict:
+        """The dims besides ``batch`` of each router metric carried per row."""
+        experts = md.Dim(EXPERT_CHOICE, self.dims.experts.size)
+        return {"load_balancing_loss": [], "router_z_loss": [], "dropped_fraction": [], "expert_load": [experts]}
 
     def angles(self, seq: md.Dim, positions=None):
         """``(cos, sin)`` ``[(batch,) seq, d_head/2]`` of ``positions`` (default ``0 .. seq-1``)."""

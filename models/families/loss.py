@@ -3,6 +3,11 @@
     loss = cross-entropy over real target tokens  (+ z_loss * logsumexp(logits)**2, T5X's)
          + load_balancing_coef * mean_l(load-balancing loss_l) + router_z_loss_coef * mean_l(z_l)   (MoE)
 
+The MoE terms apply to MoE-T5 (:func:`t5_loss`) and to a MoE decoder (Mixtral, Qwen2-MoE:
+:func:`lm_loss`, HF's ``router_aux_loss_coef`` as ``load_balancing_coef``); the metrics report
+them as ``moe/load_balancing_loss``, ``moe/router_z_loss``, ``moe/expert_load`` (per expert) and
+``moe/dropped_fraction``.
+
 Decoder-only models (Llama) learn the next token: :func:`lm_loss` is the same cross-entropy of
 the logits of ``decoder_input_tokens`` (the targets shifted right, start token 0) against
 ``decoder_target_tokens``, over packed windows of the token stream (:mod:`meshdsl.models.data.batches`).
@@ -121,8 +126,15 @@ def lm_loss(model, batch: dict, *, key=None, train: bool = True, remat: str = "n
     w = _weights(targets, batch.get("decoder_loss_weights"))
     total = md.sum(w)
 
-    def head(logits):
-        return _token_terms(logits, targets, w, total, model.config.z_loss)
+    def head(logits, router=None):
+        # a MoE decoder's router metrics arrive as their means over the layers (per microbatch
+        # under a pipeline, summed over them with the loss): HF Mixtral's aux loss, times its coef
+        loss, metrics = _token_terms(logits, targets, w, total, model.config.z_loss)
+        if router:
+            router = _moe_terms([], 1, router)
+            loss = loss + _router_loss(model.config, router)
+            metrics.update({f"moe/{k}": v for k, v in router.items()})
+        return loss, metrics
 
     loss, metrics = model.forward(batch["decoder_input_tokens"], key=key, train=train, remat=remat, head=head)
     return loss, {**metrics, "tokens": total}

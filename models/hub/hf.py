@@ -1,4 +1,4 @@
-"""Weights from and to Hugging Face ``transformers``: T5 v1.0, v1.1, SwitchTransformers and Llama.
+"""Weights from and to Hugging Face ``transformers``: T5 v1.0, v1.1, SwitchTransformers, Llama, Mixtral and Qwen2-MoE.
 
     model = meshdsl.models.hf.load(hf_model)    # T5ForConditionalGeneration or
                                                 # SwitchTransformersForConditionalGeneration
@@ -16,7 +16,9 @@ is our ``q.kernel`` ``[d_model, heads, d_kv]``; HF block ``i`` is our stacked st
 slot ``i % period``. Nothing is downloaded: pass a model you built or loaded yourself.
 
 Llama (``LlamaForCausalLM``, ``model_type: "llama"``) goes through the same four functions; its
-name map is :mod:`meshdsl.models.hub.hf_llama`.
+name map is :mod:`meshdsl.models.hub.hf_llama`. So do the mixture-of-experts decoders
+``MixtralForCausalLM`` (``"mixtral"``) and ``Qwen2MoeForCausalLM`` (``"qwen2_moe"``): our Llama
+with ``experts``, the experts' names in :mod:`meshdsl.models.hub.hf_moe`.
 
 A vocabulary that does not divide the mesh (HF's ``vocab_size`` 97, GPT-2's 50257): our config keeps
 the true ``vocab`` and its tables have ``padded_vocab`` rows (``vocab_multiple``, default 128; pass
@@ -43,7 +45,7 @@ from meshdsl.models.families.configs import LlamaConfig, T5Config
 from meshdsl.models.families.llama import Llama
 from meshdsl.models.families.t5 import T5
 
-from . import hf_llama
+from . import hf_llama, hf_moe
 
 __all__ = ["load", "export", "config_from_hf", "save_pretrained", "load_pretrained", "hf_config_dict"]
 
@@ -347,7 +349,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype=None,
     state = {k: np.asarray(v, np.float32) for k, v in state.items()}
     if hf_llama.is_llama_config(hf_config):
         config = _with_multiple(hf_llama.config_from_hf(hf_config), vocab_multiple)
-        if config.name in ("", "llama"):
+        if config.name in ("", "llama", *hf_moe.MOE_TYPES):
             config = config.replace(name=os.path.basename(os.path.normpath(directory)))
         return hf_llama.from_state_dict(config, state, dtype)
     if "shared.weight" not in state:

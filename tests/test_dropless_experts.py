@@ -113,6 +113,16 @@ def test_values_and_gradients_equal_the_unsharded_ones(name, same_experts):
     assert_same(md.lower(_grads, mesh, layout)(x, index, *ws), _grads(x, index, *ws), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", [md.Layout({"batch": "data"}, params={"experts": "data"}),
+                                    md.Layout({"batch": "data", "experts": "data"}, params={"d_model": "model"})],
+                         ids=["ZeRO-3 over the experts", "expert parallel, ZeRO-3 over d_model"])
+def test_zero3_storage_of_the_expert_kernels_computes_the_same(layout):
+    x, index, ws = _inputs()
+    mesh = md.Mesh(MESH)
+    assert_same(md.lower(_ffn, mesh, layout)(x, index, *ws), _ffn(x, index, *ws))
+    assert_same(md.lower(_grads, mesh, layout)(x, index, *ws), _grads(x, index, *ws), rtol=1e-4, atol=1e-4)
+
+
 def test_expert_parallelism_is_one_all_to_all_of_the_rows_each_way():
     """``batch: data, experts: data``: the rows go out in one all-to-all of a static buffer of
     ``tokens * min(top_k, local experts)`` rows per destination, the counts in one small one, the

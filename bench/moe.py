@@ -23,7 +23,7 @@ matmul FLOPs per device against the useful ones (``18 * tokens_local * top_k * d
 for the experts, forward and backward), and the local grouped-matmul kernel the plan ran.
 
 Run: ``python -m bench.moe [--quick]`` (writes bench/results/moe.{json,md}); ``--quick``: fewer
-timed pairs (5 instead of 10), the same shapes.
+timed pairs (3 instead of 10), the same shapes.
 """
 
 from __future__ import annotations
@@ -209,6 +209,26 @@ def memory_columns() -> list:
             ("explain / useful", lambda r: f"{r['explain_flops'] / r['useful_expert_flops']:.2f}")]
 
 
+def findings(rows: list) -> str:
+    """What the table shows, in numbers from its rows."""
+    parts = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        cap = next((r for r in rows if r["shape"] == shape and r["capacity_factor"] == 1.0), None)
+        dl = next((r for r in rows if r["shape"] == shape and r["layer"] == "dropless"), None)
+        if cap and dl:
+            parts.append(f"{shape}: dropless {dl['hlo_bytes'] / dl['minimum_bytes']:.1f}x the minimum's bytes and "
+                         f"{dl['explicit_s'] / cap['explicit_s']:.1f}x the time of capacity 1.0, which is at "
+                         f"{cap['hlo_bytes'] / cap['minimum_bytes']:.2f}x the minimum but drops "
+                         f"{cap['dropped_fraction']:.1%}" + (f" (gspmd, which partitions the dropless layer's "
+                         f"global sort itself, moves {dl['gspmd_bytes'] / dl['hlo_bytes']:.0f}x its bytes)"
+                         if dl["gspmd_bytes"] else ""))
+    if not parts:
+        return ""
+    return ("**Shows:** the dropless layer never drops, but its all-to-all buffer is sized for any routing "
+            "(tokens x min(top_k, local experts) rows per destination), so it moves, holds and (on CPU) computes "
+            "that buffer: " + "; ".join(parts) + ". ")
+
+
 def notes(rows: list, pairs: int, quick: bool) -> str:
     failed = sorted({r["gspmd_error"] for r in rows if r["gspmd_error"]})
     text = (f"One MoE layer's training step (loss sum(y^2), gradients of its parameters and input), batch {B} x "
@@ -221,28 +241,33 @@ def notes(rows: list, pairs: int, quick: bool) -> str:
             f"after 2 warm-up runs each; the 8 virtual devices share {os.cpu_count()} host cores. {CPU_NOTE}")
     if failed:
         text += " gspmd `fails`: " + "; ".join(f"`{e}`" for e in failed) + "."
-    return ("**--quick.** " if quick else "") + text
+    return ("**--quick.** " if quick else "") + findings(rows) + text
 
 
 def run(quick: bool = False, pairs: int | None = None, out: str | None = None, shapes=SHAPES,
         factors=FACTORS) -> str:
     """The table (markdown), written with the JSON to ``out``; ``shapes``/``factors``: a subset
     (the smoke test's)."""
-    pairs = pairs or (5 if quick else 10)
+    pairs = pairs or (3 if quick else 10)
     start = time.perf_counter()
     rows = rows_of(pairs, shapes, factors)
+    return render(rows, pairs, quick, {"seconds": time.perf_counter() - start}, out)
+
+
+def render(rows: list, pairs: int, quick: bool, extra: dict, out: str | None = None) -> str:
+    """Write ``moe.json`` and ``moe.md`` for measured ``rows``; returns the markdown."""
     return common.write("moe", rows, columns(), "MoE: dropless vs capacity experts, expert parallelism on 8 devices",
-                 notes=notes(rows, pairs, quick),
-                 tables=[("**Memory and local compute per device** (explain's FLOPs count what the plan's "
-                          "kernel runs: the padded exchange buffer, and on CPU every local expert's masked "
-                          "matmul for `ragged`)", rows, memory_columns())],
-                 extra={"quick": quick, "seconds": time.perf_counter() - start, "cpu_note": CPU_NOTE}, out=out)
+                        notes=notes(rows, pairs, quick),
+                        tables=[("**Memory and local compute per device** (explain's FLOPs count what the plan's "
+                                 "kernel runs: the padded exchange buffer, and on CPU every local expert's masked "
+                                 "matmul for `ragged`)", rows, memory_columns())],
+                        extra={**extra, "quick": quick, "cpu_note": CPU_NOTE}, out=out)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="5 timed pairs instead of 10")
-    p.add_argument("--pairs", type=int, default=None, help="alternating timed pairs (default 10, --quick 5)")
+    p.add_argument("--quick", action="store_true", help="3 timed pairs instead of 10")
+    p.add_argument("--pairs", type=int, default=None, help="alternating timed pairs (default 10, --quick 3)")
     p.add_argument("--out", default=None, help="directory for moe.json and moe.md (default bench/results)")
     a = p.parse_args(argv)
     print(run(a.quick, a.pairs, a.out))

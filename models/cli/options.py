@@ -109,7 +109,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
       help="YAML or JSON file of options (the keys of a run's run.json); flags given here win")
     a("--model", default="t5-tiny", choices=sorted(MODELS), metavar="MODEL",
       help=f"one of: {', '.join(sorted(MODELS))} (t5-*: T5; moe-t5-*, switch-*: MoE-T5; llama-*: the "
-           "decoder-only Llama, trained with --task lm and AdamW by default)")
+           "decoder-only Llama, trained with --task lm and AdamW by default; mixtral-*, qwen2-moe-*: Llama with "
+           "dropless experts)")
     a("--override", action="append", default=[], metavar="KEY=VALUE",
       help="change the model config, e.g. d_model=32,d_ff=64 (repeatable)")
     a("--mesh", default="data:-1", help="mesh axes, e.g. data:2,model:4 (-1: the remaining devices)")
@@ -117,7 +118,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
       help="dim:axis rules, each naming a dim of the model (Megatron: heads:model;d_ff:model;vocab:model on T5, "
            "kv_heads:model;d_ff:model;vocab:model on Llama; context parallelism: length:ctx, the attention's own "
            "seq:ctx;kv_seq:ctx too to split its positions everywhere); default batch:data (+ "
-           "group:data;experts:data for MoE); auto: md.search ranks the layouts of the training step (over the "
+           "group:data;experts:data for MoE-T5, experts:data for the MoE decoders); auto: md.search ranks the layouts of the training step (over the "
            "device count, or the --mesh given) and the run takes the best")
     a("--memory-budget", default=None, metavar="SIZE",
       help="--layout auto: bytes per device a layout may use, e.g. 12GiB (default: the --hardware's memory); "

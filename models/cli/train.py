@@ -11,6 +11,7 @@ decay 0.1, warmup 5% of the run up to 2000 steps, cosine decay). Parallelism is 
     --mesh data:2,model:4 --layout "batch:data;kv_heads:model;d_ff:model;vocab:model"  # (Llama)
     --params-layout d_model:data                                                    # + ZeRO-3
     --model moe-t5-tiny            # default layout adds group:data;experts:data (expert parallel)
+    --model mixtral-tiny           # Mixtral / Qwen2-MoE decoders: default layout adds experts:data
     --mesh data:2,ctx:4 --layout "batch:data;length:ctx;seq:ctx;kv_seq:ctx" --attention ring  # context
 
 Every rule must name a dim of the model (its parameters', its batch's or one it computes with):
@@ -81,7 +82,10 @@ def _prepare_jax(args) -> None:
 
 def _default_layout(config, mesh) -> str:
     axis = "data" if "data" in mesh.shape else mesh.axis_names[0]
-    return f"batch:{axis}" + (f";group:{axis};experts:{axis}" if config.is_moe else "")
+    if not config.is_moe:
+        return f"batch:{axis}"
+    # expert parallelism; MoE-T5 also splits its routing groups (a dropless decoder has none)
+    return f"batch:{axis}" + ("" if getattr(config, "decoder_only", False) else f";group:{axis}") + f";experts:{axis}"
 
 
 def _check_rules(trainer, args, enc_len: int, dec_len: int) -> None:

@@ -72,11 +72,11 @@ class LlamaConfig:
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: {self.heads} query heads do not divide into {self.kv_heads} "
                              "key/value heads (grouped-query attention needs heads % kv_heads == 0)")
-        if self.experts and not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..experts={self.experts}")
         if self.experts < 0 or self.shared_d_ff < 0:
             raise ValueError(f"{self.name}: experts={self.experts} and shared_d_ff={self.shared_d_ff} must be >= 0 "
                              "(0: dense / no shared expert)")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..experts={self.experts}")
 
     def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)

@@ -9,8 +9,7 @@ through its own kernels. Two kernels, a decision point of the op priced by the s
   padded), a loop over the tiles running the whole feed-forward chain on each: at most
   ``rows + groups * block`` rows of work whatever the group count (MegaBlocks' block-sparse
   grouping, as a loop). The tile body is rematerialised, so the backward pass keeps no per-tile
-  copy of a kernel; a tile holding no rows (a never-dropping buffer's padding) skips its work at
-  run time, which the cost model, pricing both branches at the larger, does not see.
+  copy of a kernel.
 
 ``chain(kernels, act)`` is the feed-forward both run: one kernel (``x · w``), two
 (``act(x · w_in) · w_out``) or three (``(act(x · w_gate) * (x · w_up)) · w_out``).
@@ -66,21 +65,13 @@ def tiled(rows, sizes, kernels, act, block: int | None = None):
     padded = jnp.concatenate([rows, jnp.zeros((block, d), rows.dtype)])
     kernels = [jnp.asarray(w) for w in kernels]
 
-    width = kernels[-1].shape[-1]
-
-    def compute(g, lo, hi):
+    @jax.checkpoint
+    def tile(args):
+        g, lo, hi = args
         keep = (lo + jnp.arange(block) < hi)[:, None]
         x = jnp.where(keep, jax.lax.dynamic_slice_in_dim(padded, lo, block), jnp.zeros((), rows.dtype))
         y = chain([w[g] for w in kernels], act, lambda h, w: h @ w.astype(h.dtype))(x)
         return jnp.where(keep, y, jnp.zeros((), y.dtype))
-
-    def nothing(g, lo, hi):   # zeros typed as compute's result (varying where its inputs vary)
-        zero = sum((a.reshape(-1)[0] * 0).astype(rows.dtype) for a in (padded, *kernels, lo, hi))
-        return jnp.zeros((block, width), rows.dtype) + zero
-
-    @jax.checkpoint
-    def tile(args):   # a tile past the rows (a buffer's padding) computes nothing
-        return jax.lax.cond(args[2] > args[1], compute, nothing, *args)
 
     ys = jax.lax.map(tile, (group, lo, hi))                             # [count, block, d_out]
     where = jnp.minimum(lo[:, None] + jnp.arange(block)[None, :], m + block - 1).reshape(-1)

@@ -45,7 +45,10 @@ def count_params(config: T5Config | LlamaConfig) -> int:
 def describe(config: T5Config | LlamaConfig) -> str:
     """``name: N M parameters (sizes)``, one line for the training CLI's summary."""
     if isinstance(config, LlamaConfig):
-        sizes = (f"d_model {config.d_model}, d_ff {config.d_ff}, heads {config.heads} ({config.kv_heads} kv) x "
+        ffn = (f"{config.experts} experts top-{config.top_k} x d_ff {config.expert_d_ff}"
+               + (f" + shared {config.shared_d_ff}" if config.shared_d_ff else "")) if config.is_moe \
+            else f"d_ff {config.d_ff}"
+        sizes = (f"d_model {config.d_model}, {ffn}, heads {config.heads} ({config.kv_heads} kv) x "
                  f"{config.head_dim}, layers {config.layers}, vocab {_vocab(config)}"
                  f"{', tied embeddings' if config.tie_embeddings else ''}")
     else:

@@ -24,7 +24,14 @@ shared expert every token goes through (Qwen2-MoE: gated by ``sigmoid(x · w_sha
 Returns ``(y, metrics)``: ``load_balancing_loss`` (Hugging Face's Mixtral form: ``E * sum over
 choices c and experts e of f_ce * P_e``, f the fraction of tokens whose c-th choice is e, P the
 mean probability), ``router_z_loss``, ``expert_load`` (``[experts]``: fraction of assignments) and
-``dropped_fraction`` (always 0: reported to compare with the capacity MoE).
+``dropped_fraction`` (0: reported to compare with the capacity MoE).
+
+``exchange_factor``: under expert parallelism the default exchange buffer holds the most any
+routing can send one device (``tokens x min(top_k, local experts)`` rows), which moves up to
+``devices x min(top_k, local experts) / top_k`` times a balanced routing's bytes. A factor ``f``
+sizes it at ``f`` times the balanced rows instead (MaxText's static buffer); assignments past it
+get zeros and ``dropped_fraction`` says how many - the trainer stops on a step that drops one
+(never a silent drop), naming the step and the factor to raise.
 """
 
 from __future__ import annotations
@@ -56,13 +63,15 @@ class DroplessMoE(nnx.Module):
     def __init__(self, d_model: md.Dim, d_ff: md.Dim, experts: md.Dim, *, rngs: nnx.Rngs, top_k: int = 2,
                  order: str = "softmax-topk", normalize: bool = True, activation: str = "gated-silu",
                  shared_d_ff: md.Dim | None = None, shared_gate: bool = True, balance_bias: bool = False,
-                 router_scale: float | None = None, stack=None, dtype=jnp.float32, param_dtype=jnp.float32):
+                 router_scale: float | None = None, exchange_factor: float | None = None, stack=None,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
         if order not in ORDERS:
             raise md.MeshDSLError(f"DroplessMoE: order must be one of {ORDERS}, got {order!r}")
         if not 1 <= top_k <= experts.size:
             raise md.MeshDSLError(f"DroplessMoE: top_k={top_k} must be in 1..{experts.size} (number of experts)")
         self.d_model, self.experts_dim, self.top_k = d_model, experts, top_k
         self.order, self.normalize, self.activation, self.dtype = order, normalize, activation, dtype
+        self.exchange_factor = exchange_factor
         self.router = Dense(d_model, md.Dim(EXPERT_CHOICE, experts.size), rngs=rngs, stack=stack,
                             dtype=jnp.float32, param_dtype=param_dtype, scale=router_scale)
         kw = dict(rngs=rngs, activation=activation, dtype=dtype, param_dtype=param_dtype)
@@ -101,7 +110,8 @@ class DroplessMoE(nnx.Module):
         x = cast(x, self.dtype)
         gates, index, logits, probs = self.route(x)
         out = md.expert_ffn(x, index, self.kernels(), experts=self.experts_dim.name,
-                            activation=_act_name(self.activation), distinct=True)
+                            activation=_act_name(self.activation), distinct=True, exchange_factor=self.exchange_factor)
+        out, dropped = out if self.exchange_factor is not None else (out, None)
         tokens = [n for n in x.names if n != self.d_model.name]
         y = md.einsum(out, gates.astype(out.dtype), out=[*tokens, self.d_model.name])
         if self.shared is not None:
@@ -110,7 +120,10 @@ class DroplessMoE(nnx.Module):
                 s = s * md.sum(md.sigmoid(self.shared_gate(x)), "shared_gate")
             y = y + s
         y = md.transpose(y, list(x.names)) if y.names != x.names else y
-        return y, _metrics(logits, probs, index, self.top_k)
+        metrics = _metrics(logits, probs, index, self.top_k)
+        if dropped is not None:
+            metrics["dropped_fraction"] = dropped
+        return y, metrics
 
     def balanced_bias(self, expert_load: md.NamedArray, rate: float = 1e-3) -> md.NamedArray:
         """DeepSeek-V3's update: each expert's bias moves by ``rate`` towards balance (up where its

@@ -34,6 +34,8 @@ sum over ``model``. ZeRO-3 storage of the kernels is the layout's business (gath
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -53,7 +55,8 @@ ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate
 
 @op("expert_ffn")
 def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str | None = None,
-               activation: str = "silu", distinct: bool = False, kernel: str | None = None):
+               activation: str = "silu", distinct: bool = False, kernel: str | None = None,
+               exchange_factor: float | None = None):
     """Each token's chosen experts' feed-forward: ``x`` ``[*tokens, d_model]``, ``index`` integer
     ``[*tokens, choice]``, ``kernels`` one, two or three ``[experts, d_in, d_out]`` chained as the
     module docstring says (three: gated). ``activation``: ``relu``, ``gelu``, ``gelu_new``,
@@ -62,7 +65,11 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     experts)`` rows per token (else ``choices``). An expert number outside ``0 .. experts-1``
     gives zeros. ``kernel``: the local grouped matmul, ``"ragged"`` or ``"tiled"``
     (:mod:`meshdsl.ops.grouped`; default: the planner's choice by time, the one with fewer FLOPs
-    outside a planned lowering). Returns ``[*tokens, choice, d_out]``."""
+    outside a planned lowering). ``exchange_factor``: under expert parallelism, each destination's
+    buffer holds ``exchange_factor`` times a balanced routing's rows (at most the never-dropping
+    size, the default); then returns ``(out, dropped)``, ``dropped`` the fraction of assignments
+    that did not fit (zeros in ``out``), to be checked (:class:`meshdsl.layers.DroplessMoE`
+    reports it, the trainer stops on it). Returns ``[*tokens, choice, d_out]``."""
     x, index = as_named(ctx, x, "x"), as_named(ctx, index, "index")
     kernels = [as_named(ctx, w, f"kernel {i + 1}") for i, w in enumerate(kernels)]
     spec = _spec(ctx, x, index, kernels, experts, choice, activation)
@@ -74,22 +81,40 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     xl = ctx.local(x, axes, vary)
     il = ctx.local(index, axes, vary)
     wl = [_ordered(ctx.local(w, axes, vary), w.names, roles) for w, roles in zip(kernels, spec.roles)]
-    token_shape = [xl.shape[x.names.index(n)] for n in spec.tokens]
-    rows = _flat(xl, x.names, (*spec.tokens, spec.d_in), 2)
-    chosen = _flat(il, index.names, (*spec.tokens, spec.choice), 1).astype(jnp.int32)
-    k, held = index.dims[spec.choice].size, dims[experts].size // ctx.axes_size(ep)
-    act = ACTIVATIONS[spec.activation]
-    if strategy == "exchange":
-        per_token = min(k, held) if distinct else k
-        run = _kernel(ctx, kernel, wl, act, ctx.axes_size(ep) * rows.shape[0] * per_token, held)
-        out = exchange_rows(ctx, rows, chosen, per_token, k, dims[experts].size, ep, run, spec)
-    else:
-        run = _kernel(ctx, kernel, wl, act, rows.shape[0] * k, held)
-        out = _grouped_local(ctx, rows, chosen, k, dims[experts].size, ep, run)
-    out = out.reshape(*token_shape, k, out.shape[-1])
+    out, dropped = _compute(ctx, spec, dims, axes, strategy, (xl, x.names), (il, index.names), wl, distinct, kernel,
+                            exchange_factor)
     out_dims = Shape([*(dims[n] for n in spec.tokens), dims[spec.choice], dims[spec.d_out]])
     pending = frozenset(hidden) | (frozenset(ep) if strategy == "partial" else frozenset())
-    return ctx.out(out, out_dims, axes, pending=pending)
+    out = ctx.out(out, out_dims, axes, pending=pending)
+    if exchange_factor is None:
+        return out
+    tokens = frozenset(a for n in spec.tokens for a in axes[n]) if strategy == "exchange" else frozenset()
+    return out, ctx.out(dropped, Shape(()), {}, pending=tokens)
+
+
+def _compute(ctx, spec, dims, axes, strategy, x, index, kernels, distinct, kernel, factor):
+    """``(out [*tokens, choice, d_out] local, this device's share of the dropped fraction)``."""
+    (xl, x_names), (il, index_names) = x, index
+    ep = axes[spec.experts]
+    token_shape = [xl.shape[x_names.index(n)] for n in spec.tokens]
+    rows = _flat(xl, x_names, (*spec.tokens, spec.d_in), 2)
+    chosen = _flat(il, index_names, (*spec.tokens, spec.choice), 1).astype(jnp.int32)
+    k, experts = il.shape[index_names.index(spec.choice)], dims[spec.experts].size   # (choice is never split)
+    held = experts // ctx.axes_size(ep)
+    act = ACTIVATIONS[spec.activation]
+    dropped = jnp.zeros((), jnp.float32)
+    if strategy == "exchange":
+        n = ctx.axes_size(ep)
+        worst = rows.shape[0] * (min(k, held) if distinct else k)
+        buffer = worst if factor is None else max(1, min(worst, math.ceil(rows.shape[0] * k / n * factor)))
+        run = _kernel(ctx, kernel, kernels, act, n * buffer, held)
+        out, over = exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec)
+        total = math.prod(dims[t].size for t in spec.tokens) * k
+        dropped = over.astype(jnp.float32) / float(total)
+    else:
+        run = _kernel(ctx, kernel, kernels, act, rows.shape[0] * k, held)
+        out = _grouped_local(ctx, rows, chosen, k, experts, ep, run)
+    return out.reshape(*token_shape, k, out.shape[-1]), dropped
 
 
 def ragged_dot(x, w, index, *, experts: str = "experts", choice: str | None = None, distinct: bool = False,
@@ -213,28 +238,30 @@ def _grouped_local(ctx, rows, chosen, k, experts, ep, run):
     return out[_inverse(order)]
 
 
-def exchange_rows(ctx, rows, chosen, per_token, k, experts, ep, run, spec):
-    """Expert parallelism without drops: ``rows`` ``[tokens, d]`` and their ``k`` choices each
-    (``chosen`` ``[tokens * k]``) go to the devices of ``ep`` holding the experts, run there
-    (``run(rows sorted by local expert, group sizes)``), and come back: ``[tokens * k, d_out]``.
-    Each destination's buffer holds ``tokens * per_token`` rows: the most it can be sent."""
+def exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec):
+    """Expert parallelism: ``rows`` ``[tokens, d]`` and their ``k`` choices each (``chosen``
+    ``[tokens * k]``) go to the devices of ``ep`` holding the experts, run there (``run(rows
+    sorted by local expert, group sizes)``), and come back. Each destination's buffer holds
+    ``buffer`` rows; assignments past it (only where it is smaller than the most a device can
+    send) get zeros. Returns ``([tokens * k, d_out], how many assignments did not fit)``."""
     n = ctx.axes_size(ep)
     held = experts // n
-    tokens = rows.shape[0]
-    buffer = tokens * per_token
     valid = (chosen >= 0) & (chosen < experts)
     chosen = jnp.where(valid, chosen, experts)              # sent nowhere: zeros
     order = jnp.argsort(chosen, stable=True)                # by destination, then local expert
     dest = jnp.minimum(chosen[order] // held, n - 1)
     counts = jnp.bincount(chosen, length=experts).astype(jnp.int32).reshape(n, held)
-    starts = jnp.cumsum(counts.sum(1)) - counts.sum(1)
-    slot = jnp.clip(jnp.arange(tokens * k, dtype=jnp.int32) - starts[dest], 0, buffer - 1)
-    where = jnp.clip(starts[:, None] + jnp.arange(buffer, dtype=jnp.int32)[None, :], 0, tokens * k - 1)
-    filled = jnp.arange(buffer)[None, :] < counts.sum(1)[:, None]
+    per_dest = counts.sum(1)
+    starts = jnp.cumsum(per_dest) - per_dest
+    slot = jnp.arange(chosen.shape[0], dtype=jnp.int32) - starts[dest]
+    fits = valid[order] & (slot < buffer)
+    sent = jnp.diff(jnp.minimum(jnp.cumsum(counts, axis=1), buffer), axis=1, prepend=0)   # per local expert
+    where = jnp.clip(starts[:, None] + jnp.arange(buffer, dtype=jnp.int32)[None, :], 0, chosen.shape[0] - 1)
+    filled = jnp.arange(buffer)[None, :] < per_dest[:, None]
     send = jnp.where(filled[..., None], rows[order[where] // k], jnp.zeros((), rows.dtype))   # [n, buffer, d]
     tensor = f"[{' '.join(spec.tokens)} {spec.choice}] rows sent to their experts"
     got = C.all_to_all(ctx, send, ep, 0, 0, tensor)                        # [source, buffer, d]
-    got_counts = C.all_to_all(ctx, counts, ep, 0, 0, "rows per expert")    # [source, held]
+    got_counts = C.all_to_all(ctx, sent, ep, 0, 0, "rows per expert")     # [source, held]
     ends = jnp.cumsum(got_counts, axis=1)                                   # per source, by local expert
     position = jnp.arange(buffer, dtype=jnp.int32)
     expert = jnp.sum(position[None, :, None] >= ends[:, None, :], axis=-1)  # [source, buffer]; held: padding
@@ -242,5 +269,5 @@ def exchange_rows(ctx, rows, chosen, per_token, k, experts, ep, run, spec):
     out = run(got.reshape(n * buffer, -1)[back], got_counts.sum(0))
     out = out[_inverse(back)].reshape(n, buffer, -1)
     returned = C.all_to_all(ctx, out, ep, 0, 0, tensor.replace("sent to", "back from"))   # [destination, ...]
-    mine = jnp.where(valid[order][:, None], returned[dest, slot], jnp.zeros((), returned.dtype))
-    return mine[_inverse(order)]
+    mine = jnp.where(fits[:, None], returned[dest, jnp.clip(slot, 0, buffer - 1)], jnp.zeros((), returned.dtype))
+    return mine[_inverse(order)], jnp.sum(jnp.maximum(per_dest - buffer, 0))

@@ -54,6 +54,14 @@ def runs(tmp_path_factory):
     return device, host, resumed
 
 
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory, runs):
+    """20 steps with the parameters (stored d_model:data) and the optimizer state in host memory."""
+    root = tmp_path_factory.mktemp("offload-params")
+    return main([*TINY, "--out", str(root / "params"), "--steps", str(STEPS), "--ckpt-every", "-1",
+                 "--offload", "params,optimizer"])
+
+
 def test_an_offloaded_optimizer_state_trains_exactly_as_one_on_the_device(runs):
     device, host, _ = runs
     losses = [[float(r["loss"]) for r in run["records"]] for run in (device, host)]
@@ -93,14 +101,52 @@ def test_the_run_names_each_transfer_and_its_bytes_per_device(runs, capsys):
     assert runs[0]["trainer"].transfers(runs[0]["state"]) == []
 
 
+def test_parameters_in_host_memory_train_exactly_as_on_the_device(runs, streamed):
+    """Parameters streamed from host memory to each layer (and again to its backward pass), their
+    gradients sent back, the update on the device: the same losses and parameters, which live in
+    host memory between steps."""
+    device = runs[0]
+    np.testing.assert_allclose([float(r["loss"]) for r in streamed["records"]],
+                               [float(r["loss"]) for r in device["records"]], rtol=1e-5)
+    for a, b in zip(_leaves(streamed["state"]["params"]), _leaves(device["state"]["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert _kinds(streamed["state"]["params"]) == _kinds(streamed["state"]["opt_state"]) == {"pinned_host"}
+    moves = {(t["what"], t["direction"]): t["bytes"] for t in streamed["trainer"].transfers(streamed["state"])}
+    per_device = sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(streamed["state"]["params"])
+                     for s in leaf.addressable_shards[:1])
+    assert moves[("parameters", "host to device")] == 4 * per_device
+    assert moves[("parameters", "device to host")] == 2 * per_device
+
+
+def test_a_stack_in_host_memory_is_fetched_layer_by_layer_and_priced_so():
+    """``offload="params"``: md.place keeps the parameters in host memory; a scan brings each
+    layer's slice to the device in the forward pass and again in the backward pass (never the
+    whole stack, never kept there), sends each layer's gradient back, and explain counts it: the
+    device holds neither the parameters nor their gradients, the host link carries them."""
+    args, mesh = gated_mlp_stack(layers=8, batch=8, seq=16, d_model=64, d_ff=256), md.Mesh({"data": 8})
+    on_device, offloaded = md.Layout({"batch": "data"}), md.Layout({"batch": "data"}, offload="params")
+    placed = md.place(args, mesh, offloaded)
+    assert [a.raw.sharding.memory_kind for a in placed] == ["pinned_host", "pinned_host", "device"]
+    got = md.lower(gated_mlp_grads("none"), mesh, offloaded)(*placed)
+    for g, w in zip(got, gated_mlp_grads("none")(*args)):
+        np.testing.assert_allclose(np.asarray(g.array), np.asarray(w.array), rtol=1e-4, atol=1e-5)
+        assert g.raw.sharding.memory_kind == "pinned_host"
+    params = sum(a.raw.nbytes for a in args[:2])
+    report = md.explain(gated_mlp_grads("none"), mesh, offloaded, *placed)
+    assert report.memory["transfers"] == {"to device": 2 * params, "to host": params}
+    assert report.memory["host"] == params
+    kept = md.explain(gated_mlp_grads("none"), mesh, on_device, *args).memory["peak"]
+    assert report.memory["peak"] <= kept - 2 * params     # neither the parameters nor their gradients
+
+
 def test_a_layout_writes_what_it_offloads_and_refuses_what_it_cannot():
     layout = md.Layout({"batch": "data"}, params={"d_model": "data"}, offload="optimizer")
     assert str(layout) == "batch:data | params d_model:data | offload optimizer"
     assert layout != md.Layout({"batch": "data"}, params={"d_model": "data"})
     assert layout == md.Layout({"batch": "data"}, params="d_model:data", offload=["optimizer"])
-    with pytest.raises(md.LayoutError, match=r"offload names 'params'; what a layout can keep in host memory "
-                                             r"is \['optimizer'\]"):
-        md.Layout({"batch": "data"}, offload="params")
+    with pytest.raises(md.LayoutError, match=r"offload names 'activations'; what a layout can keep in host memory "
+                                             r"is \['optimizer', 'params'\] \(activations: a remat policy"):
+        md.Layout({"batch": "data"}, offload="activations")
 
 
 def test_offload_on_devices_without_host_memory_is_refused_before_compiling(monkeypatch):

@@ -28,6 +28,7 @@ from ..costmodel.hardware import PROFILES, Hardware
 from ..names.layout import Layout
 from ..names.mesh import Mesh
 from ..names.named import NamedArray, is_named
+from ..platform.jaxcompat import HOST_MEMORY
 from ..ops.attention import STRATEGIES as ATTENTION
 from ..ops.pipeline import SCHEDULES
 from ..rewrite.param_gather import POLICIES
@@ -169,8 +170,7 @@ class LoweredFunction:
     def trace(self, *args):
         """Trace without compiling: ``(closed jaxpr, explicit context, program)``."""
         prog, leaves = self._program(args)
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._arrays(prog, leaves, False)]
-        return prog.make_jaxpr(avals), prog.last_ctx, prog
+        return prog.make_jaxpr(prog.avals(self._arrays(prog, leaves, False))), prog.last_ctx, prog
 
     def __repr__(self) -> str:
         return f"md.lower({getattr(self.fn, '__name__', self.fn)!r}, {self.mesh!r}, {self.layout!r}, backend={self.backend!r})"
@@ -232,8 +232,9 @@ def place(tree, mesh: Mesh, layout: Layout):
     def put(leaf):
         if is_named(leaf):
             spec = layout.spec(leaf.dims, mesh, storage=leaf.is_param)
-            return NamedArray(jax.device_put(leaf.raw, NamedSharding(mesh.jax_mesh, spec)), leaf.dims,
-                              is_param=leaf.is_param)
+            host = HOST_MEMORY if leaf.is_param and "params" in layout.offload else None
+            return NamedArray(jax.device_put(leaf.raw, NamedSharding(mesh.jax_mesh, spec, memory_kind=host)),
+                              leaf.dims, is_param=leaf.is_param)
         return jax.device_put(leaf, NamedSharding(mesh.jax_mesh, PartitionSpec()))
 
     return jax.tree_util.tree_map(put, tree, is_leaf=is_named)

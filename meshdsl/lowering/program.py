@@ -29,7 +29,7 @@ from ..rewrite import param_gather
 from ..rewrite.contexts import GspmdContext
 from ..names.errors import LayoutError, MemoryBudgetError, suggest
 from ..rewrite.explicit import ExplicitContext
-from ..platform.jaxcompat import varying_axes
+from ..platform.jaxcompat import HOST_MEMORY, host_resident, varying_axes
 from ..names.layout import Layout, effective, mesh_spec, to_spec
 from ..names.named import NamedArray, Placement, is_named
 from ..planner.plan import choose
@@ -76,8 +76,18 @@ class Program:
         self.solved = None     # the plan the solver found (followed or not), for md.explain
         self._recording = False  # the trace under way is the planning trace
         self._planned = False
+        # parameters a layout offloads (``offload="params"``) enter in host memory
+        self.host = [bool(i.named and i.is_param and "params" in layout.offload) for i in self.infos]
         if not mesh.is_abstract:
-            self.shardings = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, i.axes)) for i in self.infos]
+            self.shardings = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, i.axes),
+                                            memory_kind=HOST_MEMORY if host else None)
+                              for i, host in zip(self.infos, self.host)]
+
+    def avals(self, arrays) -> list:
+        """The arguments' shapes and dtypes (and host memory, for offloaded parameters)."""
+        host = NamedSharding(self.owner.mesh.jax_mesh, PartitionSpec(), memory_kind=HOST_MEMORY)
+        return [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=host) if h else v
+                for v, h in zip((_aval(a) for a in arrays), self.host)]
 
     def jitted(self, arrays):
         """``jax.jit`` of the program with the inputs' and the outputs' shardings. The outputs'
@@ -85,9 +95,11 @@ class Program:
         them: a jit without ``out_shardings`` hits a jax 0.10.2 cache bug when another mesh
         shape with the same axis names ran before (gradients around the function fail)."""
         if self._jitted is None:  # traced once: the jit compiles the traced program
-            closed = self.make_jaxpr([_aval(a) for a in arrays])
+            closed = self.make_jaxpr(self.avals(arrays))
             mesh = self.owner.mesh
-            outs = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, axes)) for axes in self.out_axes]
+            hosts = [t is not None and t[1] and "params" in self.owner.layout.offload for t in self.out_templates]
+            outs = [NamedSharding(mesh.jax_mesh, mesh_spec(mesh, axes), memory_kind=HOST_MEMORY if host else None)
+                    for axes, host in zip(self.out_axes, hosts)]
             self._jitted = jax.jit(jaxpr_as_fun(closed), in_shardings=self.shardings, out_shardings=outs)
         return self._jitted
 
@@ -242,7 +254,7 @@ class Program:
             if is_named(leaf):
                 axes = effective(self.owner.layout.tensor_axes(leaf.dims, self.owner.mesh, storage=leaf.is_param,
                                                                what=f"output {k}"), self.owner.mesh)
-                results.append(ctx.finalize(leaf, axes))
+                results.append(self._output(ctx, leaf, axes))
                 placed.append(axes)
                 self.out_templates.append((leaf.dims, leaf.is_param))
                 continue
@@ -256,6 +268,18 @@ class Program:
             placed.append(())
             self.out_templates.append(None)
         return results, placed
+
+    def _output(self, ctx, leaf, axes):
+        """An output's local block in ``axes``; a parameter's (its gradient, its update) where the
+        layout offloads parameters: in host memory, left there when it is already in place."""
+        if not self._host_output(leaf):
+            return ctx.finalize(leaf, axes)
+        if host_resident(leaf.raw) and ctx.placement(leaf).axes == tuple(axes) and not ctx.pending(leaf):
+            return leaf.raw
+        return jaxcompat.to_memory(ctx.finalize(leaf, axes), "host")
+
+    def _host_output(self, leaf) -> bool:
+        return bool(leaf.is_param and "params" in self.owner.layout.offload)
 
     def _run_gspmd(self, arrays):
         owner = self.owner

@@ -82,7 +82,10 @@ class Layout:
             its carry into ``M`` microbatches along ``dim``.
         offload: what lives in host memory between steps (:data:`OFFLOAD`): ``"optimizer"``, the
             optimizer state (split as its parameter is stored), brought to the device for the
-            update and back each step (MaxText's ``optimizer_memory_host_offload``).
+            update and back each step (MaxText's ``optimizer_memory_host_offload``); ``"params"``,
+            the parameters (as stored), streamed to the device where they are used - inside an
+            ``md.scan`` one layer at a time - their gradients returned to host memory, and the
+            update run on the device, one parameter at a time (``parameter_memory_host_offload``).
 
     Raises:
         LayoutError: a rule that is not a mesh axis name or tuple of them, an axis listed twice for
@@ -237,16 +240,16 @@ class Layout:
         return f"Layout({str(self)!r})"
 
 
-OFFLOAD = ("optimizer",)   # what a layout may keep in host memory between steps
+OFFLOAD = ("optimizer", "params")   # what a layout may keep in host memory between steps
 
 
 def _check_offload(offload) -> frozenset[str]:
-    """``"optimizer"`` or a sequence of names of :data:`OFFLOAD`."""
+    """``"optimizer"``, ``"params"`` or a sequence of names of :data:`OFFLOAD`."""
     names = [offload] if isinstance(offload, str) else list(offload or ())
     for name in names:
         if name not in OFFLOAD:
             raise LayoutError(f"md.Layout: offload names {name!r}; what a layout can keep in host memory is "
-                              f"{list(OFFLOAD)} (parameters and activations: not yet)")
+                              f"{list(OFFLOAD)} (activations: a remat policy, md.scan(..., remat=\"offload\"))")
     return frozenset(names)
 
 

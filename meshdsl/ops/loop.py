@@ -24,7 +24,7 @@ from ..rewrite import collectives as C
 from ..platform import jaxcompat
 from ..names.dims import Dim, Shape
 from ..names.errors import ShapeError
-from ..platform.jaxcompat import varying_axes
+from ..platform.jaxcompat import host_resident, to_memory, varying_axes
 from ..names.named import NamedArray, Placement, is_named as _is_named
 from ..rewrite.relayout import relayout_bytes
 from .restructure import transpose
@@ -78,6 +78,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
 
     def body(c_arrs, x_arrs):
         carry = _rebuild(c_tree, c_arrs, c_templates)
+        x_arrs = [to_memory(a, "device") if host_resident(a) else a for a in x_arrs]   # this step's slice
         xs = _rebuild(x_tree, x_arrs, x_templates)
         with ctx.rec.loop(length):
             new_carry, ys = step(carry, xs)
@@ -92,10 +93,14 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             y_templates.append(y_tree)
             return out_c, [y.raw if _is_named(y) else y for y in y_leaves]
 
+    if any(map(host_resident, x_arrays)):   # a slice in host memory: fetched again for the backward pass,
+        body = jax.checkpoint(body, policy=jaxcompat.not_transfers_nor_casts)   # never kept on the device
     with jaxcompat.fresh():   # a step traced again (a retry, another candidate) runs its rules again
         c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
     y_tree = y_templates.pop()
     return _rebuild(c_tree, c_out, c_templates), _stack_ys(dim, length, y_tree, y_arrays, y_templates)
+
+
 
 
 def _rebuild(tree, arrays, templates):
@@ -136,7 +141,12 @@ def _enter_xs(ctx, x_leaves, dim, carry_vary):
     for leaf in x_leaves:
         pos = leaf.names.index(dim)
         inner = Shape(d for d in leaf.dims if d.name != dim)
-        if ctx.explicit:
+        if ctx.explicit and host_resident(leaf.raw) and not ctx.placement(leaf).of(leaf.dims, dim):
+            # kept in host memory (offloaded parameters): each step brings its own slice to the
+            # device (the body), where its ops relay it as they need - never the whole stack
+            arr, pl = leaf.raw, ctx.placement(leaf)
+            inner_pl = Placement(tuple(a for d, a in zip(leaf.dims, pl.axes) if d.name != dim), pl.pending)
+        elif ctx.explicit:
             pl = ctx.placement(leaf)
             canonical = None if ctx.layout_axes(dim) else ctx.canonical(leaf.dims)
             if canonical is not None and pl.axes != canonical and ctx.relaid(leaf, canonical):

@@ -32,7 +32,8 @@ from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
            "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
-           "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory"]
+           "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory", "host_resident",
+           "not_transfers_nor_casts"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
@@ -259,6 +260,28 @@ def to_memory(tree, where: str):
     its split (a host <-> device transfer XLA schedules; no collective)."""
     space = {"device": jax.memory.Space.Device, "host": jax.memory.Space.Host}[where]
     return jax.device_put(tree, space)
+
+
+_CASTS = frozenset(("pvary", "pcast"))
+
+
+def not_transfers_nor_casts(prim, *_, **params) -> bool:
+    """A remat policy: save any value but a copy between memories (``device_put``: a slice fetched
+    from host memory) and a free cast (``pvary``/``pcast``, or a ``custom_vjp`` of only those, as
+    :func:`meshdsl.rewrite.collectives.cast` makes): the backward pass makes them again (fetching
+    the slice again) rather than keep them on the device."""
+    if prim.name == "device_put" or prim.name in _CASTS:
+        return False
+    if prim.name == "custom_vjp_call":
+        body = params.get("call_jaxpr")
+        eqns = getattr(getattr(body, "jaxpr", body), "eqns", None)
+        return not (eqns and all(e.primitive.name in _CASTS for e in eqns))
+    return True
+
+
+def host_resident(array) -> bool:
+    """Is ``array`` (a jax array or a tracer) in host memory?"""
+    return isinstance(array, jax.Array) and in_host_memory(jax.typeof(array))
 
 
 def in_host_memory(aval) -> bool:

@@ -22,7 +22,7 @@ from . import collectives as C
 from . import param_gather
 from ..names.layout import check_axes, effective, mesh_spec
 from ..names.named import NamedArray, is_named
-from ..platform.jaxcompat import differentiated
+from ..platform.jaxcompat import differentiated, host_resident, to_memory
 from .recorder import Recorder
 from ..names.tracing import current
 
@@ -99,7 +99,7 @@ class GlobalContext:
         remembers results computed from parameters and constants alone."""
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
-        return x.raw
+        return to_memory(x.raw, "device") if host_resident(x.raw) else x.raw   # (offloaded parameters)
 
     def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
         return NamedArray(array, dims, is_param=is_param)
@@ -111,7 +111,7 @@ class GlobalContext:
         return ()
 
     def read(self, x: NamedArray):
-        return x.raw
+        return to_memory(x.raw, "device") if host_resident(x.raw) else x.raw
 
     def adopt(self, array, dims, where: str):
         return None

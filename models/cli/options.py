@@ -30,6 +30,15 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
         return super()._get_help_string(action)
 
 
+
+def _offload(text: str) -> str:
+    """``--offload``: ``auto`` or names of :data:`meshdsl.OFFLOAD`, comma-separated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if text == "auto" or (names and all(n in md.OFFLOAD for n in names)):
+        return text if text == "auto" else ",".join(names)
+    raise argparse.ArgumentTypeError(f"{text!r}: name what to keep in host memory, comma-separated, from "
+                                     f"{', '.join(md.OFFLOAD)}; or auto (with --layout auto)")
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -127,9 +136,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
       help="--layout auto: the time model's device, a profile (h100-80gb, tpu-v5p, ...) or measure (this "
            "machine's speeds, fitted in a few seconds)")
     a("--params-layout", default=None, help="storage-only rules for parameters, e.g. d_model:data (ZeRO-3)")
-    a("--offload", default=None, choices=(*md.OFFLOAD, "auto"),
-      help="keep in host memory between steps: optimizer (the optimizer state, split as its parameter is "
-           "stored; brought to the device for the update and sent back each step); auto (with --layout auto): "
+    a("--offload", default=None, type=_offload,
+      help="keep in host memory between steps (comma-separated): optimizer (the optimizer state, split as its "
+           "parameter is stored; brought to the device for the update and sent back each step); params (the "
+           "parameters: each layer's brought to the device where it runs, forward and backward, its gradient sent "
+           "back, the update on the device); auto (with --layout auto): "
            "the search keeps each layout's optimizer state on the device where it fits --memory-budget, else "
            "in host memory, paying its trip over the host link")
     a("--microbatches", type=POSITIVE, default=None,

@@ -166,7 +166,7 @@ def _run(args) -> dict:
     enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
     if args.offload == "auto" and args.layout != "auto":
         raise UsageError("--offload auto is the layout search's choice: pass --layout auto (and --memory-budget), "
-                         f"or name what to offload: --offload {' or '.join(md.OFFLOAD)}")
+                         f"or name what to offload: --offload {' or '.join(md.OFFLOAD)} (or both, comma-separated)")
     if args.layout == "auto":
         from meshdsl.models.training import autolayout
         autolayout.choose_for_run(args, config, enc_len, dec_len, say,
@@ -174,7 +174,7 @@ def _run(args) -> dict:
     mesh = md.Mesh.parse(args.mesh)
     layout = md.Layout.parse(args.layout or _default_layout(config, mesh), args.params_layout)
     if args.microbatches or args.offload:
-        layout = md.Layout(layout.rules, layout.param_rules, offload=args.offload or (),
+        layout = md.Layout(layout.rules, layout.param_rules, offload=args.offload.split(",") if args.offload else (),
                            microbatches={"batch": args.microbatches} if args.microbatches else None)
     layout.check_mesh(mesh)
     for warning in faults.mesh_warnings(mesh, layout):

@@ -153,8 +153,10 @@ def abstract_like(tree, mesh, layout):
 
 def offloaded(path, layout) -> bool:
     """Does the leaf at ``path`` of a train state live in host memory (``md.Layout(...,
-    offload="optimizer")`` puts the optimizer state there)?"""
-    return "optimizer" in layout.offload and bool(path) and _keys(path[:1]) == ("opt_state",)
+    offload="optimizer")`` puts the optimizer state there, ``offload="params"`` the parameters)?"""
+    part = _keys(path[:1]) if path else ()
+    return ("optimizer" in layout.offload and part == ("opt_state",)) or \
+        ("params" in layout.offload and part == ("params",))
 
 
 def _sharding(path, x, mesh, layout) -> NamedSharding:

@@ -158,8 +158,9 @@ class Trainer:
     # -- the step --------------------------------------------------------------------------------
 
     def _grads(self, params, batches, key):
-        def one(mb, k):
-            return self.grad_fn(params, named_batch(mb), jax.random.fold_in(key, k))
+        def one(mb, k):   # (offloaded parameters' gradients arrive in host memory: summed on the device)
+            grads, metrics = self.grad_fn(params, named_batch(mb), jax.random.fold_in(key, k))
+            return (to_memory(grads, "device") if "params" in self.layout.offload and self.accum > 1 else grads), metrics
 
         if self.accum == 1:
             grads, metrics = one({n: a[0] for n, a in batches.items()}, 0)
@@ -170,7 +171,7 @@ class Trainer:
             grads, metrics = one(mb, k)
             return jax.tree_util.tree_map(jnp.add, acc, grads), _arrays(metrics)
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, p.dtype), params)
         grads, stacked = jax.lax.scan(body, zeros, (batches, jnp.arange(self.accum)))
         grads = jax.tree_util.tree_map(lambda g: g / self.accum, grads)
         metrics = {n: v.sum(0) if n == "tokens" else v.mean(0) for n, v in stacked.items()}
@@ -183,9 +184,12 @@ class Trainer:
         if self.debug_nan_at_step is not None:  # tests: a NaN gradient at that (1-based) step
             bad = step + 1 == self.debug_nan_at_step
             grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.nan, g).astype(g.dtype), grads)
-        offload = "optimizer" in self.layout.offload
-        # an offloaded optimizer state comes to the device for the update and goes back to the host
+        offload, streamed = "optimizer" in self.layout.offload, "params" in self.layout.offload
+        # an offloaded optimizer state comes to the device for the update and goes back to the host;
+        # offloaded parameters (streamed to the step's layers, their gradients back to the host) too
         opt_state = to_memory(state["opt_state"], "device") if offload else state["opt_state"]
+        if streamed:
+            params, grads = to_memory(params, "device"), to_memory(grads, "device")
         updates, opt_state = self.tx.update(grads, opt_state, params)
         opt_state = to_memory(opt_state, "host") if offload else opt_state
         new_params = optax.apply_updates(params, updates)
@@ -193,6 +197,7 @@ class Trainer:
         # the loop saves the new state only if all three are finite
         finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
         metrics.update(lr=self.schedule(step), grad_norm=grad_norm, param_norm=param_norm, finite=finite)
+        new_params = to_memory(new_params, "host") if streamed else new_params
         new = {"params": new_params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"]}
         return new, metrics
 
@@ -236,15 +241,21 @@ class Trainer:
         "seconds"}`` (an offloaded optimizer state comes to the device and goes back: its bytes
         each way), the seconds on ``hardware``'s host link (a :class:`md.Hardware` or a profile's
         name; default: the profile of the mesh's platform)."""
-        if "optimizer" not in self.layout.offload:
-            return []
-        shardings = jax.tree_util.tree_leaves(self.state_shardings(state)["opt_state"])
-        arrays = jax.tree_util.tree_leaves(state["opt_state"])
-        per_device = sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-                         for a, s in zip(arrays, shardings))
-        seconds = md.Hardware.of(hardware, self.mesh).host_seconds(per_device)
-        return [{"what": "optimizer state", "direction": direction, "bytes": float(per_device), "seconds": seconds}
-                for direction in ("host to device", "device to host")]
+        hw, out = md.Hardware.of(hardware, self.mesh), []
+        # what moves each way per step: the optimizer state (in, out); parameters streamed to the
+        # forward and again to the backward pass, their gradients out, both in for the update and
+        # the updated parameters out
+        trips = {"optimizer": ("opt_state", "optimizer state", (1, 1)), "params": ("params", "parameters", (4, 2))}
+        for name in sorted(self.layout.offload):
+            part, what, (ins, outs) = trips[name]
+            shardings = jax.tree_util.tree_leaves(self.state_shardings(state)[part])
+            arrays = jax.tree_util.tree_leaves(state[part])
+            per_device = float(sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                                   for a, s in zip(arrays, shardings)))
+            for direction, times in (("host to device", ins), ("device to host", outs)):
+                out.append({"what": what, "direction": direction, "bytes": times * per_device,
+                            "seconds": hw.host_seconds(times * per_device)})
+        return out
 
     def explain(self, state, batches) -> md.Report:
         """md.explain of one microbatch's loss-and-gradient program (the collectives of a step)."""

@@ -28,7 +28,7 @@ import meshdsl as md
 from helpers import RUN, SMALL
 from meshdsl.models.train import main, parse_args
 from meshdsl.models.training import checkpoint
-from meshdsl.models.training.faults import Diverged, Preemption, UsageError, mesh_warnings
+from meshdsl.models.training.faults import Diverged, ExchangeOverflow, Preemption, UsageError, mesh_warnings
 
 
 def is_named(x) -> bool:
@@ -130,6 +130,22 @@ def test_nan_stops_without_saving_and_keeps_the_good_checkpoints(tmp_path, capsy
     if importlib.util.find_spec("tensorboardX"):
         assert any(n.startswith("events.out.tfevents") for n in os.listdir(out / "tensorboard"))
     assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(out / "profile") for f in fs)
+
+
+def test_a_dropless_moe_step_over_its_exchange_bound_stops_the_run(tmp_path, capsys):
+    """mixtral-tiny under expert parallelism with a stated exchange bound of half a balanced
+    routing's rows: the first step's overflow is counted, never silently dropped - the run stops
+    there, saving nothing, and says what to change."""
+    run = ["--model", "mixtral-tiny", "--batch", "8", "--decoder-length", "16", "--steps", "3", "--no-explain",
+           "--eval-batches", "0", "--layout", "batch:data;experts:data", "--override", "exchange_factor=0.5"]
+    with pytest.raises(ExchangeOverflow) as e:
+        main([*run, "--out", str(tmp_path / "bound"), "--ckpt-every", "1"])
+    assert e.value.code == 3 and e.value.step == 1
+    message = capsys.readouterr().err
+    assert re.search(r"step 1: the routing sent some device more token assignments than exchange_factor=0.5 "
+                     r"holds \(\d+\.\d+% of them, given zeros\); stopped without saving this state. Raise it "
+                     r"\(--override exchange_factor=1\)", message), message
+    assert checkpoint.complete_steps(str(tmp_path / "bound" / "checkpoints")) == []
 
 
 def test_resume_refuses_a_changed_run(full, capsys):

@@ -44,7 +44,7 @@ import time
 
 from meshdsl.models.cli import options
 from meshdsl.models.training import supervisor
-from meshdsl.models.training.faults import Diverged, UsageError
+from meshdsl.models.training.faults import Diverged, ExchangeOverflow, UsageError
 
 __all__ = ["main", "cli", "build_parser", "parse_args"]
 
@@ -102,7 +102,8 @@ def _check_rules(trainer, args, enc_len: int, dec_len: int) -> None:
 def main(argv=None) -> dict:
     """Run the CLI; returns ``{"records", "state", "trainer", "out", "baseline", "wall_s", "stopped"}``.
 
-    A user's mistake raises :class:`UsageError` (exit 2), a diverged run :class:`Diverged` (exit 3),
+    A user's mistake raises :class:`UsageError` (exit 2), a diverged run :class:`Diverged` (exit 3), a
+    dropless MoE step over its stated exchange bound :class:`ExchangeOverflow` (exit 3),
     both after printing one line ``error: ...`` to stderr; a second Ctrl-C exits 130."""
     import meshdsl as md
     from meshdsl.models.training.checkpoint import CheckpointError
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
             return _run(args)
         except (md.MeshDSLError, CheckpointError) as e:
             raise UsageError(str(e)) from e
-    except (UsageError, Diverged) as e:
+    except (UsageError, Diverged, ExchangeOverflow) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise
     except KeyboardInterrupt:

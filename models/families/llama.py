@@ -73,7 +73,7 @@ def _ffn(c: LlamaConfig, dims: _Dims, **kw):
     if not c.is_moe:
         return FeedForward(dims.d_model, dims.d_ff, activation=c.activation, **kw)
     return DroplessMoE(dims.d_model, dims.expert_d_ff, dims.experts, top_k=c.top_k, normalize=c.normalize_gates,
-                       activation=c.activation, shared_d_ff=dims.shared_d_ff, **kw)
+                       activation=c.activation, shared_d_ff=dims.shared_d_ff, exchange_factor=c.exchange_factor, **kw)
 
 
 class LlamaBlock(nnx.Module):

@@ -66,6 +66,7 @@ class LlamaConfig:
     normalize_gates: bool = True          # the top-k gates sum to one (Mixtral; Qwen2-MoE norm_topk_prob)
     load_balancing_coef: float = 0.02     # HF router_aux_loss_coef (Mixtral 0.02, Qwen2-MoE 0.001)
     router_z_loss_coef: float = 0.0
+    exchange_factor: float | None = None  # expert parallelism's buffer, x a balanced routing's rows (None: never drops)
 
     def __post_init__(self):
         check_vocab_multiple(self)

@@ -22,7 +22,7 @@ import threading
 from meshdsl.ops.pipeline import SCHEDULES
 from meshdsl.names.units import fmt_bytes
 
-__all__ = ["UsageError", "Diverged", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
+__all__ = ["UsageError", "Diverged", "ExchangeOverflow", "Preemption", "check_out_dir", "check_free_space", "check_text_files",
            "checked_vocabulary", "mesh_warnings", "check_schedule"]
 
 #: pipeline schedules named in the literature that meshdsl does not lower (yet); none since circular landed
@@ -39,6 +39,16 @@ class UsageError(SystemExit):
 
 class Diverged(SystemExit):
     """A step's loss or gradient norm is not finite; its state was not saved. Exit status 3."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.code, self.step = 3, step
+
+
+class ExchangeOverflow(SystemExit):
+    """A step of a dropless mixture-of-experts model with a stated exchange bound
+    (``exchange_factor``) sent some device more token assignments than the bound holds; they were
+    counted, not silently dropped, and the step's state was not saved. Exit status 3."""
 
     def __init__(self, message: str, step: int):
         super().__init__(message)

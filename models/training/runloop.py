@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from meshdsl.models.training.faults import Diverged
+from meshdsl.models.training.faults import Diverged, ExchangeOverflow
 
 __all__ = ["loop"]
 
@@ -41,6 +41,20 @@ def _diverged(step: int, metrics: dict, ckpts, args) -> Diverged:
              f"--lr (now {args.lr or 'the default'}) plus --resume --allow-changes" if last is not None
              else "no checkpoint was saved before it: start again with a lower --lr or more --warmup")
     return Diverged(f"step {step}: not finite ({what}); stopped without saving this state. {where}", step)
+
+
+def _check_exchange(step: int, config, metrics: dict, args) -> None:
+    """A dropless MoE model with a stated exchange bound stops on a step whose routing overflowed it."""
+    bound = getattr(config, "exchange_factor", None)
+    if bound is None or "moe/dropped_fraction" not in metrics:
+        return
+    dropped = float(_fetch(metrics["moe/dropped_fraction"]))
+    if dropped > 0:
+        raise ExchangeOverflow(
+            f"step {step}: the routing sent some device more token assignments than exchange_factor={bound} "
+            f"holds ({dropped:.2%} of them, given zeros); stopped without saving this state. Raise it (--override "
+            f"exchange_factor={2 * bound:g}) or leave it unset (a buffer no routing overflows, more bytes per step)",
+            step)
 
 
 def span_filling(args, trainer, state, val_batches, vocab) -> dict:
@@ -77,6 +91,7 @@ def loop(args, trainer, state, feed, batch, val_batches, start: int, tokens_per_
         following = next(feed) if not final else None  # prepared while the step runs
         if not bool(_fetch(metrics["finite"])):  # waits for the step
             raise _diverged(step, metrics, ckpts, args)
+        _check_exchange(step, trainer.config, metrics, args)
         if profiling and step == args.profile_steps[1]:
             import jax
             jax.block_until_ready(state)

@@ -76,7 +76,7 @@ def programs(draw, max_steps=6, ops=OPS, allow_invalid=True, dtypes=("float32",)
     for _ in range(draw(st.integers(1, max_steps))):
         op = draw(st.sampled_from(ops))
         floats = [i for i, v in enumerate(values) if v.kind == "float"]
-        made = _step(draw, rng, op, floats, values, new_input)
+        made = _step(draw, rng, op, floats, values, new_input, (mesh, layout))
         if made is None:
             continue
         kw, operands, names = made
@@ -92,7 +92,7 @@ def programs(draw, max_steps=6, ops=OPS, allow_invalid=True, dtypes=("float32",)
     return prog
 
 
-def _step(draw, rng, op, floats, values, new_input):
+def _step(draw, rng, op, floats, values, new_input, placed=({}, {})):
     # half the time the latest value: chains (rename -> reshape -> cumsum) as well as fan-outs
     pick = lambda: floats[-1] if draw(st.booleans()) else draw(st.sampled_from(floats))  # noqa: E731
     if op == "einsum3":
@@ -258,6 +258,11 @@ def _step(draw, rng, op, floats, values, new_input):
             return None
         e = draw(st.sampled_from(experts))
         hidden = draw(st.sampled_from([n for n in pool if n != e]))
+        mesh, layout = placed
+        axes = [a for n in (e, names[-1], hidden) for a in layout.get(n, ())]
+        if len(axes) != len(set(axes)) or any(size_of(n) % math.prod(mesh[a] for a in layout.get(n, ()))
+                                              for n in (e, names[-1], hidden)):
+            return None   # its kernels (constants here) would be an invalid tensor under the layout
         return {"experts": e, "hidden": hidden, "gated": draw(st.booleans())}, [i], names
     if op == "top_k":
         i = pick()

@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_MESH", "REMAT_CHOICES", "abstract_batch", "choose", "choose_
 
 DEFAULT_MESH = "data:-1"
 REMAT_CHOICES = md.REMAT_AUTO_CHOICES   # what --remat auto chooses among (none, dots, full)
-_DIMS = ("batch", "heads", "kv_heads", "d_ff", "vocab", "d_model", "experts", "group")
+_DIMS = ("batch", "heads", "kv_heads", "d_ff", "vocab", "d_model", "experts", "group", "d_shared")
 
 
 def step_of(remat: str, loss=t5_loss):

@@ -319,3 +319,17 @@ def test_explain_sees_a_value_combined_with_itself_as_the_value():
         return md.attention(md.maximum(x, x), k, k, over="kv_d", length="d", features="c", scale=0.5)
     e, h = _explain_vs_hlo(fn, md.Mesh({"x": 8}), md.Layout({"c": "x"}), x, objective="bytes")
     assert e == h and e == {"all-gather": 7 * 8 * 4}
+
+
+def test_explain_sees_a_stop_gradient_as_the_value():
+    """``stop_gradient`` is nothing to XLA: a top-k over a split dim of ``x`` and one of
+    ``stop_gradient(x)`` gather one value once XLA has merged them, and explain counts one
+    (the routing of a mixture of experts reads its tokens so, fuzz seed 44)."""
+    x = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32), "c b"))
+
+    def fn(x):
+        _, index = md.top_k(md.stop_gradient(x), "b", k=2, out="k2")
+        values, _ = md.top_k(x, "b", k=2, out="k2")
+        return values + md.astype(index, jnp.float32)
+    e, h = _explain_vs_hlo(fn, md.Mesh({"x": 8}), md.Layout({"b": "x"}), x, objective="bytes")
+    assert e == h and e == {"all-gather": 7 * 8 * 2 * 4}

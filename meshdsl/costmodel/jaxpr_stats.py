@@ -225,7 +225,7 @@ def cse(jaxpr):
     inputs) replaced by the earlier one's results: a program that computes one value twice (two
     identical einsums and their all-reduces) runs it once once XLA has merged them. A select
     between one value and itself is that value (XLA's simplifier: the predicate, and whatever
-    only it needed, is dropped); so is ``max``, ``min``, ``and`` or ``or`` of a value and itself."""
+    only it needed, is dropped); so is ``max``/``min``/``and``/``or`` of it and itself, or its ``stop_gradient``."""
     return _cse(jaxpr)[0]
 
 
@@ -264,8 +264,8 @@ def _cse(jaxpr):
             subst[eqn.outvars[0]] = subst.get(cases[0], cases[0])  # where(p, x, x) is x: p unused
             selects = True
             continue
-        if eqn.primitive.name in _IDEMPOTENT and len({key_of(v) for v in eqn.invars}) == 1 and \
-                not isinstance(eqn.invars[0], jcore.Literal):
+        if (eqn.primitive.name in _IDEMPOTENT and len({key_of(v) for v in eqn.invars}) == 1 or eqn.primitive.name ==
+                "stop_gradient") and not isinstance(eqn.invars[0], jcore.Literal):   # (no op to XLA)
             subst[eqn.outvars[0]] = subst.get(eqn.invars[0], eqn.invars[0])   # max(x, x) is x
             continue
         key = _canonical(eqn, [key_of(v) for v in eqn.invars],

@@ -237,65 +237,32 @@ def test_the_layer_under_expert_parallelism_equals_the_unsharded_layer():
 
 # -- one test per error message --------------------------------------------------------------------------
 
-def test_error_kernel_count():
+ERRORS = {   # each mistake: (call, what the message says)
+    "kernel count": (lambda x, i, ws: md.expert_ffn(x, i, ws + ws), "kernels must be one, two or three"),
+    "unknown activation": (lambda x, i, ws: md.expert_ffn(x, i, ws, activation="slu"), "activation must be one of"),
+    "index not integers": (lambda x, i, ws: md.expert_ffn(x, i.astype(jnp.float32), ws), "must be integers"),
+    "kernel without the experts dim": (lambda x, i, ws: md.expert_ffn(x, i, ws, experts="expert"),
+                                       "must be \\[expert, d_in, d_out\\]"),
+    "no choice dim": (lambda x, i, ws: md.expert_ffn(x, md.rename(i, {"choice": "seq2"}), ws, choice="choices"),
+                      "cannot tell the choice dim"),
+    "x with two feature dims": (lambda x, i, ws: md.expert_ffn(md.rename(x, {"seq": "pos"}), md.rename(i, {"seq": "pos2"}),
+                                                               ws, choice="choice"), "one feature dim"),
+    "gate and up kernels differ": (lambda x, i, ws: md.expert_ffn(x, i, [ws[0], md.rename(ws[1], {"d_ff": "d_hid"}), ws[2]]),
+                                   "must have the same dims"),
+    "last kernel misses the hidden dim": (lambda x, i, ws: md.expert_ffn(x, i, [ws[0], md.rename(ws[2], {"d_ff": "d_hid"})]),
+                                          "must contract the hidden dim"),
+    "output dim is an index dim": (lambda x, i, ws: md.ragged_dot(x, md.rename(ws[0], {"d_ff": "seq"}), i),
+                                   "output dim 'seq'"),
+    "unknown kernel": (lambda x, i, ws: md.expert_ffn(x, i, ws, kernel="dense"), "kernel must be one of"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(ERRORS))
+def test_each_mistake_is_one_shape_error_naming_it(mistake):
+    call, message = ERRORS[mistake]
     x, index, ws = _inputs()
-    with raises(md.ShapeError, "kernels must be one, two or three"):
-        md.expert_ffn(x, index, ws + ws)
-
-
-def test_error_unknown_activation():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "activation must be one of"):
-        md.expert_ffn(x, index, ws, activation="slu")
-
-
-def test_error_index_not_integers():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "must be integers"):
-        md.expert_ffn(x, index.astype(jnp.float32), ws)
-
-
-def test_error_kernel_without_the_experts_dim():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "must be \\[expert, d_in, d_out\\]"):
-        md.expert_ffn(x, index, ws, experts="expert")
-
-
-def test_error_no_choice_dim():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "cannot tell the choice dim"):
-        md.expert_ffn(x, md.rename(index, {"choice": "seq2"}), ws, choice="choices")
-
-
-def test_error_x_with_two_feature_dims():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "one feature dim"):
-        md.expert_ffn(md.rename(x, {"seq": "pos"}), md.rename(index, {"seq": "pos2"}), ws, choice="choice")
-
-
-def test_error_gate_and_up_kernels_differ():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "must have the same dims"):
-        md.expert_ffn(x, index, [ws[0], md.rename(ws[1], {"d_ff": "d_hid"}), ws[2]])
-
-
-def test_error_last_kernel_does_not_contract_the_hidden_dim():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "must contract the hidden dim"):
-        md.expert_ffn(x, index, [ws[0], md.rename(ws[2], {"d_ff": "d_hid"})])
-
-
-def test_error_output_dim_is_an_index_dim():
-    x, index, ws = _inputs()
-    w = md.rename(ws[0], {"d_ff": "seq"})
-    with raises(md.ShapeError, "output dim 'seq'"):
-        md.ragged_dot(x, w, index)
-
-
-def test_error_unknown_kernel():
-    x, index, ws = _inputs()
-    with raises(md.ShapeError, "kernel must be one of"):
-        md.expert_ffn(x, index, ws, kernel="dense")
+    with raises(md.ShapeError, message):
+        call(x, index, ws)
 
 
 def test_error_layer_options():

@@ -73,6 +73,8 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     x, index = as_named(ctx, x, "x"), as_named(ctx, index, "index")
     kernels = [as_named(ctx, w, f"kernel {i + 1}") for i, w in enumerate(kernels)]
     spec = _spec(ctx, x, index, kernels, experts, choice, activation)
+    if kernel is not None and kernel not in grouped.KERNELS:   # (checked before any work)
+        raise ShapeError(f"{where_(ctx)}: kernel must be one of {grouped.KERNELS} or None, got {kernel!r}")
     dims = union_dims(ctx, [x, index, *kernels])
     axes, strategy = _placed(ctx, spec, dims, x, index, kernels)
     ep = axes[experts]
@@ -213,8 +215,6 @@ def _kernel(ctx, kernel, kernels, act, rows: int, groups: int):
     """``run(rows sorted by group, group sizes)``: the local grouped matmul ``kernel``, or the
     one a decision point takes (fewer FLOPs first: the expander's ``groups * rows`` against the
     tiles' ``rows + groups * block``)."""
-    if kernel is not None and kernel not in grouped.KERNELS:
-        raise ShapeError(f"{where_(ctx)}: kernel must be one of {grouped.KERNELS} or None, got {kernel!r}")
     if kernel is None:
         tiles = rows + groups * grouped.tile_rows(rows, groups)
         kernel = decided(ctx, list(grouped.KERNELS) if groups * rows <= tiles else list(reversed(grouped.KERNELS)))

@@ -31,7 +31,9 @@ routing can send one device (``tokens x min(top_k, local experts)`` rows), which
 ``devices x min(top_k, local experts) / top_k`` times a balanced routing's bytes. A factor ``f``
 sizes it at ``f`` times the balanced rows instead (MaxText's static buffer); assignments past it
 get zeros and ``dropped_fraction`` says how many - the trainer stops on a step that drops one
-(never a silent drop), naming the step and the factor to raise.
+(never a silent drop), naming the step and the factor to raise. ``exchange``: ``"ragged"`` sends
+only the rows (``ragged_all_to_all``, the default on GPU and TPU), ``"padded"`` the whole buffer
+(the default on CPU, whose XLA has no ragged all-to-all).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class DroplessMoE(nnx.Module):
     def __init__(self, d_model: md.Dim, d_ff: md.Dim, experts: md.Dim, *, rngs: nnx.Rngs, top_k: int = 2,
                  order: str = "softmax-topk", normalize: bool = True, activation: str = "gated-silu",
                  shared_d_ff: md.Dim | None = None, shared_gate: bool = True, balance_bias: bool = False,
-                 router_scale: float | None = None, exchange_factor: float | None = None, stack=None,
+                 router_scale: float | None = None, exchange_factor: float | None = None, exchange: str | None = None,
+                 stack=None,
                  dtype=jnp.float32, param_dtype=jnp.float32):
         if order not in ORDERS:
             raise md.MeshDSLError(f"DroplessMoE: order must be one of {ORDERS}, got {order!r}")
@@ -71,7 +74,7 @@ class DroplessMoE(nnx.Module):
             raise md.MeshDSLError(f"DroplessMoE: top_k={top_k} must be in 1..{experts.size} (number of experts)")
         self.d_model, self.experts_dim, self.top_k = d_model, experts, top_k
         self.order, self.normalize, self.activation, self.dtype = order, normalize, activation, dtype
-        self.exchange_factor = exchange_factor
+        self.exchange_factor, self.exchange = exchange_factor, exchange
         self.router = Dense(d_model, md.Dim(EXPERT_CHOICE, experts.size), rngs=rngs, stack=stack,
                             dtype=jnp.float32, param_dtype=param_dtype, scale=router_scale)
         kw = dict(rngs=rngs, activation=activation, dtype=dtype, param_dtype=param_dtype)
@@ -110,7 +113,8 @@ class DroplessMoE(nnx.Module):
         x = cast(x, self.dtype)
         gates, index, logits, probs = self.route(x)
         out = md.expert_ffn(x, index, self.kernels(), experts=self.experts_dim.name,
-                            activation=_act_name(self.activation), distinct=True, exchange_factor=self.exchange_factor)
+                            activation=_act_name(self.activation), distinct=True, exchange_factor=self.exchange_factor,
+                            exchange=self.exchange)
         out, dropped = out if self.exchange_factor is not None else (out, None)
         tokens = [n for n in x.names if n != self.d_model.name]
         y = md.einsum(out, gates.astype(out.dtype), out=[*tokens, self.d_model.name])

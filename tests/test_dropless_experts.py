@@ -12,6 +12,8 @@ import pytest
 from flax import nnx
 from helpers import assert_same, explain_summary, explain_vs_hlo, hlo_summary, raises
 
+from meshdsl import hlo_comm
+
 import meshdsl as md
 import meshdsl.layers as L
 from meshdsl.ops import grouped
@@ -254,6 +256,7 @@ ERRORS = {   # each mistake: (call, what the message says)
     "output dim is an index dim": (lambda x, i, ws: md.ragged_dot(x, md.rename(ws[0], {"d_ff": "seq"}), i),
                                    "output dim 'seq'"),
     "unknown kernel": (lambda x, i, ws: md.expert_ffn(x, i, ws, kernel="dense"), "kernel must be one of"),
+    "unknown exchange": (lambda x, i, ws: md.expert_ffn(x, i, ws, exchange="sparse"), "exchange must be one of"),
 }
 
 
@@ -342,3 +345,87 @@ def test_assignments_past_a_stated_bound_are_counted_never_silently_dropped():
     kept[:, :2, :] = True                     # each device's (batch row's) first two tokens fit
     np.testing.assert_allclose(got[kept], want[kept], rtol=1e-5, atol=1e-5)
     assert np.all(got[~kept] == 0)
+
+
+# -- the ragged exchange: only the rows (GPU, TPU) ---------------------------------------------------------
+
+def _exchanged(exchange, factor=None):
+    def f(x, index, w0, w1, w2):
+        return md.expert_ffn(x, index, [w0, w1, w2], distinct=True, exchange=exchange, exchange_factor=factor)
+    return f
+
+
+@pytest.mark.parametrize("same_experts", [False, True])
+def test_the_ragged_exchange_computes_the_unsharded_values_and_gradients(same_experts):
+    """``exchange="ragged"`` on XLA:CPU (which has no ragged all-to-all: the padding is zeroed and
+    the blocks go whole): values and gradients are the unsharded ones, also when every token
+    picks the same experts."""
+    x, index, ws = _inputs(same_experts=same_experts)
+    f = _exchanged("ragged")
+    grads = lambda x, index, *ws: jax.grad(lambda x, *ws: md.sum(md.square(f(x, index, *ws))).array,   # noqa: E731
+                                           argnums=(0, 1, 2, 3))(x, *ws)
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data", "experts": "data"})
+    tensors = {r.tensor for r in md.explain(grads, mesh, layout, x, index, *ws, objective="bytes").collectives}
+    assert "[batch seq choice] rows sent to their experts" in tensors        # (exchanged, not gathered)
+    assert_same(md.lower(f, mesh, layout, objective="bytes")(x, index, *ws), _ffn(x, index, *ws))
+    assert_same(md.lower(grads, mesh, layout, objective="bytes")(x, index, *ws), _grads(x, index, *ws),
+                rtol=1e-4, atol=1e-4)
+
+
+def _ragged_reference(operands, outputs, args):
+    """jax's documented semantics of ``ragged_all_to_all`` (its docstring's loops), in numpy:
+    ``operands[d]``, ``outputs[d]`` and ``args[d]`` (the four offset and size arrays) per device."""
+    n = len(operands)
+    results = [o.copy() for o in outputs]
+    for src in range(n):
+        in_off, send, out_off, _ = (np.asarray(a) for a in args[src])
+        for i in range(n):   # one slice per destination
+            results[i][out_off[i]:out_off[i] + send[i]] = operands[src][in_off[i]:in_off[i] + send[i]]
+    for dst in range(n):     # what each receiver expects to get agrees with what was sent
+        recv = np.asarray(args[dst][3])
+        assert all(recv[s] == np.asarray(args[s][1])[dst] for s in range(n))
+    return results
+
+
+def test_the_ragged_arguments_deliver_each_block_to_its_place():
+    """The offsets and sizes the ragged exchange passes to ``jax.lax.ragged_all_to_all`` (run by
+    jax's documented semantics, as XLA:CPU cannot run the collective) put block ``s`` of device
+    ``d``'s result = the first ``sizes[s, d]`` rows of block ``d`` of device ``s``, then zeros:
+    what the padded exchange delivers."""
+    from meshdsl.rewrite.collectives import ragged_arguments
+    n, block, rng = 4, 5, np.random.default_rng(3)
+    sizes = rng.integers(0, block + 1, size=(n, n))          # [source, destination]
+    operands = [rng.normal(size=(n * block, 3)) for _ in range(n)]
+    args = [ragged_arguments(n, block, d, jnp.asarray(sizes[d]), jnp.asarray(sizes[:, d])) for d in range(n)]
+    got = _ragged_reference(operands, [np.zeros((n * block, 3))] * n, args)
+    for d, s in np.ndindex(n, n):
+        want = np.zeros((block, 3))
+        want[:sizes[s, d]] = operands[s][d * block:d * block + sizes[s, d]]
+        np.testing.assert_array_equal(got[d][s * block:(s + 1) * block], want)
+
+
+def test_on_a_gpu_mesh_the_rows_go_in_one_ragged_all_to_all_each_way():
+    """A mesh whose platform has the collective (GPU) sends the rows in one ``ragged_all_to_all``
+    each way (the gradient: two more), the counts in one ``all_to_all``; explain counts each at
+    its whole buffer (the most it can move), as the lowered program's collectives read. XLA:CPU
+    cannot compile it: the program is lowered, not run."""
+    x, index, ws = _inputs()
+    mesh, layout = md.Mesh({"data": 8}, platform="gpu"), md.Layout({"batch": "data", "experts": "data"})
+    n, tokens, held = 8, B * S // 8, E // 8
+    rows, counts = (n - 1) / n * n * tokens * min(K, held) * D * 4, (n - 1) / n * n * held * 4
+    for fn, trips in ((_ffn, 2), (_grads, 4)):
+        report = md.explain(fn, mesh, layout, x, index, *ws, objective="bytes")
+        want = {"all-to-all": (1, pytest.approx(counts)), "ragged-all-to-all": (trips, pytest.approx(trips * rows))}
+        assert explain_summary(report) == want
+        lowered = hlo_comm.analyze(md.lower(fn, mesh, layout, objective="bytes").lower(x, index, *ws).as_text("hlo"))
+        assert {k: (v["count"], v["moved_bytes"]) for k, v in lowered.summary().items()} == want
+    assert md.explain(_ffn, md.Mesh({"data": 8}), layout, x, index, *ws).summary().keys() == {"all-to-all"}
+
+
+def test_a_ragged_exchange_under_a_stated_bound_drops_what_the_padded_one_drops():
+    x, index, ws = _inputs(same_experts=True)
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data", "experts": "data"})
+    ragged = md.lower(_exchanged("ragged", 1.0), mesh, layout, objective="bytes")(x, index, *ws)
+    padded = md.lower(_exchanged("padded", 1.0), mesh, layout, objective="bytes")(x, index, *ws)
+    assert float(ragged[1].array) == float(padded[1].array) == pytest.approx(12 / 16)
+    np.testing.assert_array_equal(np.asarray(ragged[0].array), np.asarray(padded[0].array))

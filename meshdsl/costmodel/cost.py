@@ -7,6 +7,7 @@ them on compiled HLO (``n`` = devices in the group, ``S`` = buffer bytes):
     all-gather          (n-1)/n * S_full     S_full = gathered result
     reduce-scatter      (n-1)/n * S_full     S_full = operand before scattering
     all-to-all          (n-1)/n * S          S = operand
+    ragged-all-to-all   (n-1)/n * S          S = operand buffer: the most it moves (the rows sent vary)
     collective-permute  S                    per sending device
 
 Element sizes follow the backend: XLA's CPU backend carries bf16 collectives as f32, so on CPU a
@@ -23,7 +24,7 @@ from numpy.typing import DTypeLike
 
 __all__ = ["KINDS", "element_bytes", "moved_bytes", "dual_bytes"]
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 """The collective kinds, in the order reports list them (the names XLA gives them in HLO)."""
 
 
@@ -69,7 +70,7 @@ def moved_bytes(kind: str, operand_bytes: float, result_bytes: float, n: int) ->
         return 2.0 * (n - 1) / n * operand_bytes
     if kind == "all-gather":
         return (n - 1) / n * result_bytes
-    if kind in ("reduce-scatter", "all-to-all"):
+    if kind in ("reduce-scatter", "all-to-all", "ragged-all-to-all"):   # (ragged: its whole buffer, the most)
         return (n - 1) / n * operand_bytes
     if kind == "collective-permute":
         return float(operand_bytes)

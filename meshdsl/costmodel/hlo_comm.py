@@ -15,6 +15,7 @@ every collective operation and report, per collective kind:
       all-gather            (n-1)/n * S_full     S_full = gathered result
       reduce-scatter        (n-1)/n * S_full     S_full = un-scattered operand
       all-to-all            (n-1)/n * S          S = operand size
+      ragged-all-to-all     (n-1)/n * S          S = data operand (a bound: the rows sent vary)
       collective-permute    S                    (per sending device)
       collective-broadcast  S
 
@@ -267,6 +268,8 @@ def _collectives(cname: str, instrs: list, total: int, mult: dict, unknown_loop:
         if kind is None:
             continue
         op_shapes = tuple(operand_shape(o, symbols) for o in ins.operands)
+        if kind == "ragged-all-to-all":   # (data, output, offsets and sizes: the data's buffer, the most it moves)
+            op_shapes = op_shapes[:1]
         operand_bytes = sum(shape_bytes(s) for s in op_shapes)
         res_shape = ins.shape
         if ins.opcode.endswith("-start"):

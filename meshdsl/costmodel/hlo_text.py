@@ -135,7 +135,7 @@ def shape_str(shape: Shape) -> str:
 # HLO text parsing
 # --------------------------------------------------------------------------
 
-_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->\s*.*\{\s*$")
+_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:(\(.*\))?\s*->\s*.*)?\{\s*$")   # (lowered text: no signature)
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE_RE = re.compile(r"\s*([a-z][\w\-]*)\(")
 CALLEE_RE = re.compile(

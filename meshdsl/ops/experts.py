@@ -46,17 +46,18 @@ from . import grouped
 from .common import as_named, decided, union_dims, where_
 from .registry import op
 
-__all__ = ["expert_ffn", "ragged_dot", "ACTIVATIONS", "exchange_rows"]
+__all__ = ["expert_ffn", "ragged_dot", "ACTIVATIONS", "EXCHANGES", "exchange_rows"]
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
                "gelu_new": lambda v: jax.nn.gelu(v, approximate=True), "silu": jax.nn.silu,
                "swish": jax.nn.silu, "identity": lambda v: v}
+EXCHANGES = ("ragged", "padded")
 
 
 @op("expert_ffn")
 def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str | None = None,
                activation: str = "silu", distinct: bool = False, kernel: str | None = None,
-               exchange_factor: float | None = None):
+               exchange_factor: float | None = None, exchange: str | None = None):
     """Each token's chosen experts' feed-forward: ``x`` ``[*tokens, d_model]``, ``index`` integer
     ``[*tokens, choice]``, ``kernels`` one, two or three ``[experts, d_in, d_out]`` chained as the
     module docstring says (three: gated). ``activation``: ``relu``, ``gelu``, ``gelu_new``,
@@ -69,12 +70,18 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     buffer holds ``exchange_factor`` times a balanced routing's rows (at most the never-dropping
     size, the default); then returns ``(out, dropped)``, ``dropped`` the fraction of assignments
     that did not fit (zeros in ``out``), to be checked (:class:`meshdsl.layers.DroplessMoE`
-    reports it, the trainer stops on it). Returns ``[*tokens, choice, d_out]``."""
+    reports it, the trainer stops on it). ``exchange``: how expert parallelism sends the rows,
+    ``"ragged"`` (only the rows each destination gets, one ``ragged_all_to_all``: the default
+    where XLA has it, GPU and TPU; emulated by the padded exchange on XLA:CPU) or ``"padded"``
+    (the whole static buffer, one ``all_to_all``; the default elsewhere). Returns ``[*tokens,
+    choice, d_out]``."""
     x, index = as_named(ctx, x, "x"), as_named(ctx, index, "index")
     kernels = [as_named(ctx, w, f"kernel {i + 1}") for i, w in enumerate(kernels)]
     spec = _spec(ctx, x, index, kernels, experts, choice, activation)
     if kernel is not None and kernel not in grouped.KERNELS:   # (checked before any work)
         raise ShapeError(f"{where_(ctx)}: kernel must be one of {grouped.KERNELS} or None, got {kernel!r}")
+    if exchange not in (None, *EXCHANGES):
+        raise ShapeError(f"{where_(ctx)}: exchange must be one of {EXCHANGES} or None, got {exchange!r}")
     dims = union_dims(ctx, [x, index, *kernels])
     axes, strategy = _placed(ctx, spec, dims, x, index, kernels)
     ep = axes[experts]
@@ -84,7 +91,7 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     il = ctx.local(index, axes, vary)
     wl = [_ordered(ctx.local(w, axes, vary), w.names, roles) for w, roles in zip(kernels, spec.roles)]
     out, dropped = _compute(ctx, spec, dims, axes, strategy, (xl, x.names), (il, index.names), wl, distinct, kernel,
-                            exchange_factor)
+                            (exchange_factor, exchange))
     out_dims = Shape([*(dims[n] for n in spec.tokens), dims[spec.choice], dims[spec.d_out]])
     pending = frozenset(hidden) | (frozenset(ep) if strategy == "partial" else frozenset())
     out = ctx.out(out, out_dims, axes, pending=pending)
@@ -94,9 +101,9 @@ def expert_ffn(ctx, x, index, kernels, *, experts: str = "experts", choice: str 
     return out, ctx.out(dropped, Shape(()), {}, pending=tokens)
 
 
-def _compute(ctx, spec, dims, axes, strategy, x, index, kernels, distinct, kernel, factor):
+def _compute(ctx, spec, dims, axes, strategy, x, index, kernels, distinct, kernel, exchange):
     """``(out [*tokens, choice, d_out] local, this device's share of the dropped fraction)``."""
-    (xl, x_names), (il, index_names) = x, index
+    (xl, x_names), (il, index_names), (factor, exchange) = x, index, exchange
     ep = axes[spec.experts]
     token_shape = [xl.shape[x_names.index(n)] for n in spec.tokens]
     rows = _flat(xl, x_names, (*spec.tokens, spec.d_in), 2)
@@ -110,7 +117,8 @@ def _compute(ctx, spec, dims, axes, strategy, x, index, kernels, distinct, kerne
         worst = rows.shape[0] * (min(k, held) if distinct else k)
         buffer = worst if factor is None else max(1, min(worst, math.ceil(rows.shape[0] * k / n * factor)))
         run = _kernel(ctx, kernel, kernels, act, n * buffer, held)
-        out, over = exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec)
+        ragged = exchange == "ragged" or (exchange is None and ctx.mesh.platform in C.RAGGED_PLATFORMS)
+        out, over = exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec, ragged)
         total = math.prod(dims[t].size for t in spec.tokens) * k
         dropped = over.astype(jnp.float32) / float(total)
     else:
@@ -238,12 +246,14 @@ def _grouped_local(ctx, rows, chosen, k, experts, ep, run):
     return out[_inverse(order)]
 
 
-def exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec):
+def exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec, ragged=False):
     """Expert parallelism: ``rows`` ``[tokens, d]`` and their ``k`` choices each (``chosen``
     ``[tokens * k]``) go to the devices of ``ep`` holding the experts, run there (``run(rows
     sorted by local expert, group sizes)``), and come back. Each destination's buffer holds
     ``buffer`` rows; assignments past it (only where it is smaller than the most a device can
-    send) get zeros. Returns ``([tokens * k, d_out], how many assignments did not fit)``."""
+    send) get zeros. ``ragged``: each way only the rows
+    (:func:`meshdsl.rewrite.collectives.ragged_all_to_all`), else the whole buffer. Returns
+    ``([tokens * k, d_out], how many assignments did not fit)``."""
     n = ctx.axes_size(ep)
     held = experts // n
     valid = (chosen >= 0) & (chosen < experts)
@@ -260,14 +270,21 @@ def exchange_rows(ctx, rows, chosen, buffer, k, experts, ep, run, spec):
     filled = jnp.arange(buffer)[None, :] < per_dest[:, None]
     send = jnp.where(filled[..., None], rows[order[where] // k], jnp.zeros((), rows.dtype))   # [n, buffer, d]
     tensor = f"[{' '.join(spec.tokens)} {spec.choice}] rows sent to their experts"
-    got = C.all_to_all(ctx, send, ep, 0, 0, tensor)                        # [source, buffer, d]
     got_counts = C.all_to_all(ctx, sent, ep, 0, 0, "rows per expert")     # [source, held]
+    go, back_sizes = (sent.sum(1), got_counts.sum(1)) if ragged else (None, None)
+
+    def move(v, name, sizes):                                               # [peer, buffer, d] each way
+        if not ragged:
+            return C.all_to_all(ctx, v, ep, 0, 0, name)
+        return C.ragged_all_to_all(ctx, v.reshape(n * buffer, -1), ep, *sizes, name).reshape(v.shape)
+
+    got = move(send, tensor, (go, back_sizes))                              # [source, buffer, d]
     ends = jnp.cumsum(got_counts, axis=1)                                   # per source, by local expert
     position = jnp.arange(buffer, dtype=jnp.int32)
     expert = jnp.sum(position[None, :, None] >= ends[:, None, :], axis=-1)  # [source, buffer]; held: padding
     back = jnp.argsort(expert.reshape(-1), stable=True)
     out = run(got.reshape(n * buffer, -1)[back], got_counts.sum(0))
     out = out[_inverse(back)].reshape(n, buffer, -1)
-    returned = C.all_to_all(ctx, out, ep, 0, 0, tensor.replace("sent to", "back from"))   # [destination, ...]
+    returned = move(out, tensor.replace("sent to", "back from"), (back_sizes, go))   # [destination, ...]
     mine = jnp.where(fits[:, None], returned[dest, jnp.clip(slot, 0, buffer - 1)], jnp.zeros((), returned.dtype))
     return mine[_inverse(order)], jnp.sum(jnp.maximum(per_dest - buffer, 0))

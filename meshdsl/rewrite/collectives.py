@@ -12,6 +12,7 @@ its dual under the same origin (op and source line):
     all_gather, invariant result         <->  take_block (free)
     take_block of an invariant value     <->  all_gather, invariant result
     all_to_all                           <->  all_to_all back
+    ragged_all_to_all (blocks, sizes)    <->  the same with the sizes swapped
     ppermute                             <->  ppermute with the inverse permutation
 
 "varying"/"invariant" are jax's ``shard_map`` types (``check_vma``): a value is *invariant* over a
@@ -35,10 +36,13 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from ..platform.jaxcompat import differentiated, pricing, varying_axes
 
 __all__ = ["psum", "pmax", "pmin", "cast", "cast_gathered", "psum_scatter", "all_gather", "take_block",
-           "all_to_all", "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
+           "all_to_all", "ragged_all_to_all", "ragged_arguments", "RAGGED_PLATFORMS", "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
 
 # the kinds of collective, each the checkpoint_name of its results (remat policies keep them by name)
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+#: the platforms whose XLA runs ``ragged-all-to-all`` (XLA:CPU lowers it and cannot compile it)
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def _differentiable(x) -> bool:
@@ -243,6 +247,49 @@ def all_to_all(ctx, x, axes, split_dim: int, concat_dim: int, tensor: str = ""):
 
     return _linear(ctx, x, forward, lambda ct: all_to_all(ctx, ct, axes, concat_dim, split_dim, tensor),
                    "all-to-all")
+
+
+def ragged_arguments(n: int, block: int, me, send_sizes, recv_sizes):
+    """``jax.lax.ragged_all_to_all``'s ``(input_offsets, send_sizes, output_offsets, recv_sizes)``
+    for the block layout of :func:`ragged_all_to_all`: the rows for device ``j`` start at ``j *
+    block`` here and land at ``me * block`` there (``me``: this device's index)."""
+    starts = jnp.arange(n, dtype=jnp.int32) * block
+    lands = jnp.broadcast_to(jnp.asarray(me, jnp.int32) * block, (n,))
+    return starts, send_sizes.astype(jnp.int32), lands, recv_sizes.astype(jnp.int32)
+
+
+def ragged_all_to_all(ctx, x, axes, send_sizes, recv_sizes, tensor: str = ""):
+    """Exchange blocks of rows, sending only the rows each holds: ``x`` ``[n * block, ...]``, its
+    block ``j`` for device ``j`` of ``axes``, of which the first ``send_sizes[j]`` rows are sent
+    (the rest are padding); the result, the same shape, holds in block ``s`` the
+    ``recv_sizes[s]`` rows device ``s`` sent here, then zeros (``recv_sizes`` is the all-to-all
+    of the senders' ``send_sizes``). Where XLA has the collective (:data:`RAGGED_PLATFORMS`) it
+    is one ``ragged_all_to_all`` - explain counts its whole buffer, the most it can move; on
+    XLA:CPU the padding is zeroed and the blocks go whole in one ``all_to_all`` (the same
+    values, the padded bytes). Backward: the same exchange with the sizes swapped."""
+    axes = tuple(axes)
+    x = cast(ctx, x, axes, tensor)
+    n = ctx.axes_size(axes)
+    block = x.shape[0] // n
+
+    def exchange(v, send, recv):
+        if ctx.mesh.platform not in RAGGED_PLATFORMS:
+            blocks = v.reshape(n, block, *v.shape[1:])
+            live = (jnp.arange(block)[None, :] < send[:, None]).reshape(n, block, *(1,) * (v.ndim - 1))
+            masked = jnp.where(live, blocks, jnp.zeros((), v.dtype)).reshape(v.shape)
+            return _emit(ctx, "all-to-all", axes, masked,
+                         lambda u: jax.lax.all_to_all(u, axes, 0, 0, tiled=True), tensor)
+        args = (jnp.zeros_like(v), *ragged_arguments(n, block, axis_index(axes), send, recv))   # (outside its scope)
+        name = axes if len(axes) > 1 else axes[0]
+        return _emit(ctx, "ragged-all-to-all", axes, v,
+                     lambda u: jax.lax.ragged_all_to_all(u, *args, axis_name=name), tensor)
+
+    if not _differentiable(x):
+        return exchange(x, send_sizes, recv_sizes)
+    out = attributed_vjp(ctx, lambda v, s, r: (exchange(v, s, r), (s, r)),
+                         lambda res, ct: (ragged_all_to_all(ctx, ct, axes, res[1], res[0], tensor), None, None),
+                         primal=exchange)(x, send_sizes, recv_sizes)
+    return checkpoint_name(out, "all-to-all")
 
 
 def ppermute(ctx, x, axes, perm, tensor: str = ""):

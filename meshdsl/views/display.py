@@ -33,7 +33,7 @@ __all__ = ["KIND_COLORS", "Table", "named_array_html", "placement_of", "register
 
 # One color per collective kind, shared by the HTML views and the plots.
 KIND_COLORS = {"all-reduce": "#4c78a8", "all-gather": "#f58518", "reduce-scatter": "#54a24b",
-               "all-to-all": "#e45756", "collective-permute": "#b279a2"}
+               "all-to-all": "#e45756", "ragged-all-to-all": "#ff9da6", "collective-permute": "#b279a2"}
 
 _esc = html.escape
 _CELL = "padding:2px 8px;border:1px solid #ddd;text-align:center"

@@ -333,3 +333,21 @@ def test_explain_sees_a_stop_gradient_as_the_value():
         return values + md.astype(index, jnp.float32)
     e, h = _explain_vs_hlo(fn, md.Mesh({"x": 8}), md.Layout({"b": "x"}), x, objective="bytes")
     assert e == h and e == {"all-gather": 7 * 8 * 2 * 4}
+
+
+def test_explain_sees_a_gather_inside_a_custom_derivative_as_the_same_gather():
+    """Differentiated, the gather of ``stop_gradient(x)`` runs inside a ``custom_vjp`` call (its
+    primal) and the gather of ``x`` outside one; XLA inlines the call and merges the two, and
+    explain counts one (fuzz seed 44, gradients)."""
+    x = md.param(md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 8, 16)), jnp.float32), "c d b"))
+    rng = np.random.default_rng(1)
+    kernels = [md.named((rng.normal(size=s) * 0.3).astype(np.float32), n)
+               for s, n in [((16, 16, 32), "a b e"), ((16, 16, 32), "a b e"), ((16, 32, 16), "a e b")]]
+
+    def grads(x):
+        def loss(x):
+            _, index = md.top_k(md.stop_gradient(x), "b", k=2, out="choice")
+            return md.sum(md.expert_ffn(x, index, kernels, experts="a", distinct=True)).array
+        return jax.grad(loss)(x)
+    e, h = _explain_vs_hlo(grads, md.Mesh({"x": 8}), md.Layout({"b": "x"}), x, objective="bytes")
+    assert e == h and e["all-gather"] == 7 / 8 * 8 * 8 * 16 * 4

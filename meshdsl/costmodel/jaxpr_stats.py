@@ -15,6 +15,8 @@ import math
 import re
 from collections import Counter
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -28,10 +30,8 @@ SCOPES = r"mdc\d+"   # the name scopes of recorded collectives (meshdsl.rewrite.
 def sub_jaxprs(eqn):
     for value in eqn.params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jcore.Jaxpr):
-                yield v
+            if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                yield v.jaxpr if isinstance(v, jcore.ClosedJaxpr) else v
 
 
 def _trip_count(eqn) -> int:
@@ -39,14 +39,10 @@ def _trip_count(eqn) -> int:
 
 
 def nbytes(aval) -> int:
-    shape = getattr(aval, "shape", None)
-    dtype = getattr(aval, "dtype", None)
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
-    try:
-        return math.prod(shape) * np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes (PRNG keys)
-        return math.prod(shape) * 8
+    return math.prod(shape) * (8 if jnp.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype).itemsize)   # (PRNG keys: 8)
 
 
 def matmul_flops(jaxpr) -> float:
@@ -68,8 +64,6 @@ def matmul_flops(jaxpr) -> float:
 
 # ops whose result is their operand's buffer (no copy)
 ALIASES = frozenset(("pvary", "name", "reshape", "squeeze", "expand_dims", "stop_gradient", "optimization_barrier"))
-
-
 _READS_PART = frozenset(("dynamic_slice", "slice", "gather"))
 _WRITES_PART = frozenset(("dynamic_update_slice", "scatter", "scatter-add", "scatter_add"))
 
@@ -92,12 +86,10 @@ def bytes_accessed(jaxpr) -> float:
             continue
         if eqn.primitive.name in _READS_PART:   # reads the part it returns
             total += 2 * sum(nbytes(v.aval) for v in eqn.outvars if v in kept)
-            continue
-        if eqn.primitive.name in _WRITES_PART:   # in place: reads and writes the update's rows
+        elif eqn.primitive.name in _WRITES_PART:   # in place: reads and writes the update's rows
             total += 2 * nbytes(eqn.invars[-1].aval)
-            continue
-        total += sum(nbytes(v.aval) for v in eqn.invars if isinstance(v, jcore.Var) and v in kept)
-        total += sum(nbytes(v.aval) for v in eqn.outvars if v in kept)
+        else:
+            total += sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if isinstance(v, jcore.Var) and v in kept)
     return total
 
 
@@ -143,10 +135,9 @@ def inner_body(closed):
 
 def live(jaxpr):
     """``jaxpr`` without the computations whose results are never used and without repeated
-    identical computations (as the compiler drops them: DCE and CSE). Dead code goes first: a
-    computation repeated by an aborted trace (``md.scan`` retrying a step, its records rolled back)
-    must not stand in for the live one it repeats (explain matches collectives by name scope).
-    The latest program's answer is kept (the planner and explain both ask for it)."""
+    identical ones (the compiler's DCE and CSE). Dead code goes first: a computation repeated by
+    an aborted trace (``md.scan`` retrying a step) must not stand in for the live one it repeats
+    (explain matches collectives by name scope). The latest program's answer is cached."""
     return _live(getattr(jaxpr, "jaxpr", jaxpr))
 
 
@@ -220,6 +211,10 @@ def _canonical(eqn, keys, params):
 _IDEMPOTENT = frozenset(("max", "min", "and", "or"))   # op(x, x) is x to XLA's simplifier
 
 
+def _side_effects(eqn) -> bool:   # (a collective's named-axis effect is none)
+    return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
+
+
 def cse(jaxpr):
     """``jaxpr`` with each pure equation that repeats an earlier one (same primitive, parameters and
     inputs) replaced by the earlier one's results: a program that computes one value twice (two
@@ -255,7 +250,7 @@ def _cse(jaxpr):
 
     for eqn in jaxpr.eqns:
         invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
-        if any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):  # real side effects stay
+        if _side_effects(eqn):  # real side effects stay
             eqns.append(eqn.replace(invars=invars))
             continue
         cases = eqn.invars[1:]
@@ -283,15 +278,20 @@ def _cse(jaxpr):
     return jaxpr.replace(eqns=eqns, outvars=outvars), selects
 
 
+_INLINED = ("pjit", "jit", "custom_vjp_call", "custom_jvp_call")
+
+
 def inline(jaxpr):
-    """``jaxpr`` with its nested jits of plain equations (``jnp.where``'s ``_where``, ...) spliced
-    in, so that :func:`cse` sees through them as XLA does (``where(p, x, x)`` inside a jit is
-    ``x``). Jits holding a collective's scope or sub-programs stay as they are (counted as before)."""
+    """``jaxpr`` with its nested jits of plain equations, and custom-derivative calls of one (their
+    primal, what runs: a recorded collective's), spliced in, so that :func:`cse` sees through them
+    as XLA does (``where(p, x, x)`` in a jit is ``x``; a gather in a custom_vjp and one outside it
+    are one gather). Other calls stay as they are (the liveness model is measured on them)."""
     subst, eqns, changed = {}, [], False
     for eqn in jaxpr.eqns:
         invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
-        closed = called_jaxpr(eqn) if eqn.primitive.name in ("pjit", "jit") else None
-        if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or eqn.effects or \
+        closed = called_jaxpr(eqn) if eqn.primitive.name in _INLINED else None
+        closed = closed if eqn.primitive.name in _INLINED[:2] or closed is None or len(closed.jaxpr.eqns) == 1 else None
+        if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or _side_effects(eqn) or \
                 re.search(SCOPES, str(eqn.source_info.name_stack)) or any(next(sub_jaxprs(e), None) is not None for e in closed.jaxpr.eqns):
             eqns.append(eqn.replace(invars=invars))
             continue

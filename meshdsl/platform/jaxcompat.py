@@ -217,9 +217,13 @@ def scan_parts(params) -> ScanParts:
 
 
 def called_jaxpr(eqn):
-    """The closed jaxpr a ``jit`` (``pjit``) or ``shard_map`` equation calls; ``None`` for others."""
+    """The closed jaxpr a ``jit`` (``pjit``) or ``shard_map`` equation calls, or the primal program
+    of a ``custom_vjp_call`` / ``custom_jvp_call`` (what runs: its rules only made the derivative);
+    ``None`` for others."""
     if eqn.primitive.name in ("pjit", "jit", "shard_map"):
         return eqn.params.get("jaxpr")
+    if eqn.primitive.name in ("custom_vjp_call", "custom_jvp_call"):
+        return eqn.params.get("call_jaxpr")
     return None
 
 

@@ -233,6 +233,25 @@ def test_a_search_counts_each_layouts_optimizer_state_and_offloads_it_only_where
     assert "optimizer state to the device and back" in best.why
 
 
+def test_a_search_streams_the_parameters_from_host_memory_only_where_the_state_offloaded_is_not_enough():
+    """With 6 MiB, no layout fits even with AdamW's state in host memory (the parameters and their
+    gradients, 2 MiB each, replicated, are over it with the step's activations); ``offload=True``
+    then costs each layout again with its parameters in host memory too, each layer's slice brought
+    to the device where used: the best fits, paying explain's trips (2x the parameters in, their
+    gradients out) and the update's (the parameters and gradients in, the parameters out), and
+    the state's. Where the state's offload alone fits (11 MiB), the parameters stay."""
+    assert not _search("6MiB", optimizer_state=2.0).candidates
+    best = _search("6MiB", optimizer_state=2.0, offload=True).best
+    params = 2 * 2 ** 20   # per device, replicated
+    assert str(best.layout) == "batch:data | offload optimizer,params"
+    assert best.memory["peak"] * 1.1 <= 6 * 2 ** 20
+    assert best.memory["host"] == params + 2 * params     # the parameters and the state
+    assert best.report.memory["transfers"] == {"to device": 2 * params, "to host": params}
+    assert best.host_s == pytest.approx((3 * params + 3 * params + 2 * 2 * params) / 64e9)
+    assert "parameters (each layer's slice as it is used) and optimizer state to the device and back" in best.why
+    assert "params" not in _search("11MiB", optimizer_state=2.0, offload=True).best.layout.offload
+
+
 def test_offload_auto_without_a_layout_search_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*TINY, "--out", str(tmp_path / "x"), "--steps", "1", "--offload", "auto"])

@@ -43,7 +43,7 @@ class Candidate:
     memory: dict = dataclasses.field(default_factory=dict)
     why: str = ""
     report: Report | None = dataclasses.field(default=None, repr=False)
-    host_s: float = 0.0   # of ``time``: the optimizer state's trips over the host link, where offloaded
+    host_s: float = 0.0   # of ``time``: the trips over the host link of what it offloads
 
     @property
     def key(self) -> tuple:
@@ -96,7 +96,18 @@ class Costing:
         self.rejected.append(cand)
 
     def cost(self, cand, program, held) -> Report | None:
-        """Cost ``cand`` (ranked or rejected); its report, or None when it was not traced."""
+        """Cost ``cand`` (ranked or rejected); its report, or None when it was not traced. Where
+        it is over the memory budget and ``offload`` allows, cost it again streaming its
+        parameters from host memory (with the optimizer state there too)."""
+        report = self._cost(cand, program, held)
+        if self.offload and cand.why.startswith("over the memory budget") and "params" not in cand.layout.offload:
+            layout = cand.layout
+            streamed = Layout(layout.rules, params=layout.param_rules, microbatches=layout.microbatches or None,
+                              offload=("optimizer", "params"))
+            self._cost(Candidate(streamed, cand.mesh, dict(cand.lower_kwargs), cand.choices), program, held)
+        return report
+
+    def _cost(self, cand, program, held) -> Report | None:
         try:
             floor = held.per_device(cand.mesh, cand.layout)
             state = self.state * held.param_bytes(cand.mesh, cand.layout)
@@ -135,6 +146,11 @@ class Costing:
         else:
             self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
+        if "params" in cand.layout.offload:   # the step's trips (explain's), and the update's: in 2x, out 1x
+            moved = report.memory.get("transfers", {})
+            params = held.param_bytes(cand.mesh, Layout(cand.layout.rules, params=cand.layout.param_rules))
+            cand.host_s = self.hw.host_seconds(moved.get("to device", 0) + moved.get("to host", 0) + 3 * params)
+            cand.time += cand.host_s
         if state:
             self._with_state(cand, state)
         if cand.memory["peak"] * (1 + self.margin) > self.budget:
@@ -151,15 +167,15 @@ class Costing:
         (``md.Layout(..., offload="optimizer")``), paying its trip to the device and back."""
         cand.memory["optimizer"] = state
         resident = cand.memory["peak"] + state
-        if not self.offload or resident * (1 + self.margin) <= self.budget:
+        if "optimizer" not in cand.layout.offload and (not self.offload or resident * (1 + self.margin) <= self.budget):
             cand.memory["peak"] = resident
             return
         layout = cand.layout
         cand.layout = Layout(layout.rules, params=layout.param_rules, microbatches=layout.microbatches or None,
-                             offload="optimizer")
+                             offload={"optimizer", *layout.offload})
         cand.memory["host"] = cand.memory.get("host", 0) + state
-        cand.host_s = 2 * self.hw.host_seconds(state)
-        cand.time += cand.host_s
+        cand.host_s += 2 * self.hw.host_seconds(state)
+        cand.time += 2 * self.hw.host_seconds(state)
 
 
 def _refused(e: MeshDSLError) -> str:
@@ -182,6 +198,7 @@ def _shape_of(cand, program) -> tuple:
         return [a for d, ax in sorted(rules.items()) for a in ax]
     layout = cand.layout
     shape = (id(program), tuple(sorted(cand.lower_kwargs.items())), tuple(sorted(layout.microbatches.items())),
+             tuple(sorted(layout.offload)),
              split(layout.rules), split(layout.param_rules), space.sharing(layout, lambda a: cand.mesh.shape[a]))
     return shape, axes(layout.rules) + axes(layout.param_rules)
 

@@ -82,8 +82,10 @@ class Held:
         self._kernel_s: dict = {}  # (hardware, dtype) -> their seconds at their FLOPs
 
     def per_device(self, mesh, layout) -> int:
-        """Bytes per device of the arguments and outputs; LayoutError where one cannot be placed."""
-        return sum(_placed_bytes(leaf, mesh, layout) for leaf in self.leaves)
+        """Bytes per device of the arguments and outputs (not the parameters and their gradients
+        where the layout keeps them in host memory); LayoutError where one cannot be placed."""
+        return sum(_placed_bytes(leaf, mesh, layout) for leaf in self.leaves
+                   if not ("params" in layout.offload and is_named(leaf) and leaf.is_param))
 
     def param_bytes(self, mesh, layout) -> int:
         """Bytes per device of the parameters among the arguments, as the layout stores them."""

@@ -36,6 +36,9 @@ for the budget less it. With ``offload=True`` a layout whose state does not fit 
 keeps it in host memory instead (``md.Layout(..., offload="optimizer")``, its plan solved for the
 whole budget) and pays its trip to the device and back each step at
 :attr:`~meshdsl.costmodel.hardware.Hardware.host_bandwidth`; where all fits it stays on the device.
+A layout over the budget even so is costed again with its parameters in host memory too
+(``offload=("optimizer", "params")``: each layer's slice brought to the device where used, the
+gradients sent back), paying what explain counts on the host link plus the update's trips.
 
 Each layout is planned under the memory budget (less the margin): the solver weighs each op's
 strategies by the step's time holding at most that, so a context-parallel layout (an
@@ -170,7 +173,7 @@ def search(fn: Callable, mesh_or_device_count: Mesh | int, *args: Any, memory_bu
             could rank (each is rejected, saying so); ``False`` costs every layout.
         optimizer_state: the optimizer state's bytes per parameter byte (AdamW: 2), held by each
             layout on the device as its parameters are stored (see the module doc).
-        offload: a layout whose state does not fit on the device keeps it in host memory.
+        offload: a layout over the budget keeps its state, or also its parameters, on the host.
         options: passed to :func:`meshdsl.explain` (``param_gather``, ``schedule``, ...) and
             returned in each candidate's ``lower_kwargs``.
     """
@@ -247,9 +250,14 @@ def _ranked(candidates) -> list:
 def _why(i, c, best) -> str:
     t = c.step_time
     text = (f"{fmt_s(t.compute_s)} compute + {fmt_s(t.communication_s)} communication "
-            f"({fmt_bytes(c.total_bytes)})" + (f" + {fmt_s(c.host_s)} optimizer state to the device and back "
-                                              f"({fmt_bytes(c.memory['optimizer'])} in host memory)" if c.host_s else "")
+            f"({fmt_bytes(c.total_bytes)})" + (f" + {fmt_s(c.host_s)} {_offloaded(c)} to the device and back "
+                                              f"({fmt_bytes(c.memory.get('host', 0))} in host memory)" if c.host_s else "")
             + f", peak {fmt_bytes(c.memory['peak'])}")
     if i == 0:
         return "fastest predicted: " + text
     return f"{c.time / best.time:.2f}x the best's time: " + text if best.time else text
+
+
+def _offloaded(c) -> str:
+    return "parameters (each layer's slice as it is used) and optimizer state" if "params" in c.layout.offload \
+        else "optimizer state"

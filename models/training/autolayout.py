@@ -115,7 +115,7 @@ def choose_for_run(args, config, enc_len: int, dec_len: int, say, tx=None) -> No
     args.offload = ",".join(sorted(layout.offload)) or None
     say(f"layout     auto: mesh {args.mesh}, layout {args.layout}"
         + (f", parameters stored {args.params_layout}" if args.params_layout else "") + f", remat {args.remat}"
-        + (f", {args.offload} state in host memory" if args.offload else ""))
+        + (f", in host memory: {args.offload.replace(',', ' and ')}" if args.offload else ""))
 
 
 def rules_text(rules) -> str:

@@ -295,7 +295,7 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
                 start_step=start, **data)
     baseline = runinfo.baselines(args, vocab, enc_len, dec_len)
     say(runinfo.summary(args, trainer.config, trainer.mesh, trainer.layout, enc_len, dec_len, baseline))
-    first = next(feed)
+    first, report = next(feed), None
     if not args.no_explain:
         report = trainer.explain(state, first)
         say(runinfo.explain_text(report, args.accum))
@@ -342,7 +342,7 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
         hf.save_pretrained(trainer.model(state["params"]), args.export_hf, vocab=vocab)
         say(f"exported   the model as a Hugging Face directory: {args.export_hf}")
     return {"records": records, "state": state, "trainer": trainer, "out": out, "baseline": baseline,
-            "wall_s": wall, "stopped": stopped}
+            "wall_s": wall, "stopped": stopped, "report": report}
 
 
 def cli(argv=None) -> int:

@@ -9,9 +9,11 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import meshdsl as md
 from meshdsl.costmodel import hlo_comm
+from meshdsl.models.loss import lm_loss
 
 
 def is_named(x) -> bool:
@@ -198,3 +200,25 @@ def gated_mlp_grads(remat):
         return md.sum(h * h).array
 
     return lambda w1, w2, x: jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+
+
+# -- decoder-only language models: a batch and a training step (test_llama, test_moe_decoder) ----------
+
+def lm_batch(vocab: int, batch: int = 8, length: int = 16, seed: int = 3) -> dict:
+    """A decoder-only batch: random targets in ``2 .. vocab-1``, their inputs shifted right after a
+    0, the last three positions unweighted; dims ``batch targets``."""
+    r = np.random.RandomState(seed)
+    targets = r.randint(2, vocab, (batch, length))
+    inputs = np.concatenate([np.zeros((batch, 1), int), targets[:, :-1]], 1)
+    weights = np.ones((batch, length), np.float32)
+    weights[:, -3:] = 0
+    return {"decoder_input_tokens": md.named(jax.numpy.asarray(inputs), "batch targets"),
+            "decoder_target_tokens": md.named(jax.numpy.asarray(targets), "batch targets"),
+            "decoder_loss_weights": md.named(jax.numpy.asarray(weights), "batch targets")}
+
+
+def lm_step(model, batch):
+    """``(loss, metrics, gradients)`` of :func:`meshdsl.models.loss.lm_loss` on ``batch``."""
+    (loss, metrics), grads = nnx.value_and_grad(lambda m: (lambda r: (r[0].array, r[1]))(lm_loss(m, batch)),
+                                                has_aux=True)(model)
+    return loss, metrics, grads

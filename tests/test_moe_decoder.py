@@ -18,10 +18,9 @@ from flax import nnx
 
 import meshdsl as md
 import meshdsl.models
-from helpers import assert_same
+from helpers import assert_same, lm_batch, lm_step
 from meshdsl.models.configs import LlamaConfig, config_from_dict, get_config
 from meshdsl.models.llama import Llama, count_params
-from meshdsl.models.loss import lm_loss
 
 VOCAB = 64
 CONFIG = get_config("mixtral-tiny").replace(d_model=32, d_ff=48, vocab=VOCAB)
@@ -35,19 +34,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def batch():
-    r = np.random.RandomState(3)
-    targets = r.randint(2, VOCAB, (8, 12))
-    inputs = np.concatenate([np.zeros((8, 1), int), targets[:, :-1]], 1)
-    weights = np.ones((8, 12), np.float32)
-    weights[:, -3:] = 0
-    return {"decoder_input_tokens": md.named(jnp.asarray(inputs), "batch targets"),
-            "decoder_target_tokens": md.named(jnp.asarray(targets), "batch targets"),
-            "decoder_loss_weights": md.named(jnp.asarray(weights), "batch targets")}
+    return lm_batch(VOCAB, length=12)
 
 
 def step(model, batch):
-    (loss, metrics), grads = nnx.value_and_grad(lambda m: (lambda r: (r[0].array, r[1]))(lm_loss(m, batch)),
-                                                has_aux=True)(model)
+    loss, metrics, grads = lm_step(model, batch)
     return loss, {k: v for k, v in metrics.items() if k.startswith("moe/")}, grads
 
 

@@ -355,16 +355,19 @@ def _exchanged(exchange, factor=None):
     return f
 
 
+@pytest.mark.parametrize("layout", [{"batch": "data", "experts": "data"},
+                                    {"batch": "data", "seq": "model", "experts": ("model", "data")}],
+                         ids=["one axis", "two axes"])
 @pytest.mark.parametrize("same_experts", [False, True])
-def test_the_ragged_exchange_computes_the_unsharded_values_and_gradients(same_experts):
+def test_the_ragged_exchange_computes_the_unsharded_values_and_gradients(same_experts, layout):
     """``exchange="ragged"`` on XLA:CPU (which has no ragged all-to-all: the padding is zeroed and
     the blocks go whole): values and gradients are the unsharded ones, also when every token
-    picks the same experts."""
+    picks the same experts, with the experts over one mesh axis or two."""
     x, index, ws = _inputs(same_experts=same_experts)
     f = _exchanged("ragged")
     grads = lambda x, index, *ws: jax.grad(lambda x, *ws: md.sum(md.square(f(x, index, *ws))).array,   # noqa: E731
                                            argnums=(0, 1, 2, 3))(x, *ws)
-    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data", "experts": "data"})
+    mesh, layout = md.Mesh({"data": 4, "model": 2}), md.Layout(layout)
     tensors = {r.tensor for r in md.explain(grads, mesh, layout, x, index, *ws, objective="bytes").collectives}
     assert "[batch seq choice] rows sent to their experts" in tensors        # (exchanged, not gathered)
     assert_same(md.lower(f, mesh, layout, objective="bytes")(x, index, *ws), _ffn(x, index, *ws))

@@ -22,6 +22,20 @@ def _vector(n, seed=0):
 
 
 
+def test_an_operand_local_map_gathers_is_one_copy_with_another_readers():
+    """``local_map`` gathers its operand whole; a cumsum of the same value may read that copy
+    (then sum locally) instead of exchanging block totals: one all-gather, 24 B, gspmd's plan
+    too (local_map's entry placements are the planner's, as any op's: fuzz seed 45)."""
+    x = md.named(_vector(8), "d")
+    mesh, layout = md.Mesh({"x": 2, "y": 4}), md.Layout({"d": "y"})
+
+    def fn(x):
+        s = md.sin(x)
+        total = md.cumsum(s, "d")   # (first: the copy local_map makes later is its to read)
+        return md.local_map(lambda a: a * 2.0, s, out="d"), md.sigmoid(total)
+    _kept(fn, mesh, layout, x, moved={"all-gather": 3 / 4 * 8 * 4})   # the 8 floats gathered over y:4
+
+
 def test_swapping_two_splits_is_a_redistribution_not_a_gather():
     """A swap of two splits is a redistribution by two ppermute rounds of half blocks (2048 B;
     gspmd: all-to-all + permute, 3072 B), not a gather and an all-to-all (5120 B)."""

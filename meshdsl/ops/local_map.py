@@ -24,7 +24,7 @@ from .registry import op
 __all__ = ["local_map"]
 
 
-@op("local_map")
+@op("local_map", gathers=True)
 def local_map(ctx, fn, *xs, out, keep=()) -> NamedArray:
     """``fn(*arrays) -> array`` with dims ``out``; dims in ``keep`` may stay split (see module doc)."""
     if not callable(fn):

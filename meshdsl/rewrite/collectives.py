@@ -36,7 +36,8 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from ..platform.jaxcompat import differentiated, pricing, varying_axes
 
 __all__ = ["psum", "pmax", "pmin", "cast", "cast_gathered", "psum_scatter", "all_gather", "take_block",
-           "all_to_all", "ragged_all_to_all", "ragged_arguments", "RAGGED_PLATFORMS", "ppermute", "axis_index", "replicate", "attributed_vjp", "KINDS"]
+           "all_to_all", "ragged_all_to_all", "ragged_arguments", "RAGGED_PLATFORMS", "ppermute", "axis_index",
+           "replicate", "attributed_vjp", "KINDS"]
 
 # the kinds of collective, each the checkpoint_name of its results (remat policies keep them by name)
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")

@@ -23,11 +23,8 @@ from __future__ import annotations
 from bench import common  # noqa: F401 - sets up devices first
 
 import argparse  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-
-import jax  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 from bench.common import write  # noqa: E402
@@ -86,12 +83,7 @@ def _memory(r) -> dict:
     """Device peak and host bytes per device (explain's, the state's and parameters' added where
     they live) and the bytes the step moves over the host link, both ways."""
     trainer, state, report = r["trainer"], r["state"], r["report"]
-    shardings = trainer.state_shardings(state)
-
-    def per_device(part):
-        return float(sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
-                         zip(jax.tree_util.tree_leaves(state[part]), jax.tree_util.tree_leaves(shardings[part]))))
-    opt, offload = per_device("opt_state"), trainer.layout.offload
+    opt, offload = trainer.bytes_per_device(state, "opt_state"), trainer.layout.offload
     device = report.memory["peak"] + (0.0 if "optimizer" in offload else opt)
     host = report.memory.get("host", 0.0) + (opt if "optimizer" in offload else 0.0)
     return {"device_peak": device, "host": host, "moved": sum(t["bytes"] for t in trainer.transfers(state))}

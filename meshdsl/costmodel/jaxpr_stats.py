@@ -134,10 +134,9 @@ def inner_body(closed):
 
 
 def live(jaxpr):
-    """``jaxpr`` without the computations whose results are never used and without repeated
-    identical ones (the compiler's DCE and CSE). Dead code goes first: a computation repeated by
-    an aborted trace (``md.scan`` retrying a step) must not stand in for the live one it repeats
-    (explain matches collectives by name scope). The latest program's answer is cached."""
+    """``jaxpr`` without what is never used and without repeats (the compiler's DCE and CSE). Dead
+    code goes first: a computation repeated by an aborted trace (``md.scan`` retrying a step) must
+    not stand in for the live one (explain matches collectives by name scope). Cached (the latest)."""
     return _live(getattr(jaxpr, "jaxpr", jaxpr))
 
 
@@ -278,7 +277,7 @@ def _cse(jaxpr):
     return jaxpr.replace(eqns=eqns, outvars=outvars), selects
 
 
-_INLINED = ("pjit", "jit", "custom_vjp_call", "custom_jvp_call")
+_JITS, _CUSTOM_CALLS = ("pjit", "jit"), ("custom_vjp_call", "custom_jvp_call")
 
 
 def inline(jaxpr):
@@ -289,8 +288,9 @@ def inline(jaxpr):
     subst, eqns, changed = {}, [], False
     for eqn in jaxpr.eqns:
         invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
-        closed = called_jaxpr(eqn) if eqn.primitive.name in _INLINED else None
-        closed = closed if eqn.primitive.name in _INLINED[:2] or closed is None or len(closed.jaxpr.eqns) == 1 else None
+        closed = called_jaxpr(eqn) if eqn.primitive.name in _JITS + _CUSTOM_CALLS else None
+        if eqn.primitive.name in _CUSTOM_CALLS and closed is not None and len(closed.jaxpr.eqns) != 1:
+            closed = None
         if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or _side_effects(eqn) or \
                 re.search(SCOPES, str(eqn.source_info.name_stack)) or any(next(sub_jaxprs(e), None) is not None for e in closed.jaxpr.eqns):
             eqns.append(eqn.replace(invars=invars))

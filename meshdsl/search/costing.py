@@ -44,6 +44,7 @@ class Candidate:
     why: str = ""
     report: Report | None = dataclasses.field(default=None, repr=False)
     host_s: float = 0.0   # of ``time``: the trips over the host link of what it offloads
+    over_budget: bool = False   # rejected for the memory budget (not as invalid)
 
     @property
     def key(self) -> tuple:
@@ -91,8 +92,8 @@ class Costing:
             return math.inf
         return sorted(c.time for c in self.ranked)[top - 1]
 
-    def reject(self, cand, why: str) -> None:
-        cand.why = why
+    def reject(self, cand, why: str, over_budget: bool = False) -> None:
+        cand.why, cand.over_budget = why, over_budget
         self.rejected.append(cand)
 
     def cost(self, cand, program, held) -> Report | None:
@@ -100,7 +101,7 @@ class Costing:
         it is over the memory budget and ``offload`` allows, cost it again streaming its
         parameters from host memory (with the optimizer state there too)."""
         report = self._cost(cand, program, held)
-        if self.offload and cand.why.startswith("over the memory budget") and "params" not in cand.layout.offload:
+        if self.offload and cand.over_budget and "params" not in cand.layout.offload:
             layout = cand.layout
             streamed = Layout(layout.rules, params=layout.param_rules, microbatches=layout.microbatches or None,
                               offload=("optimizer", "params"))
@@ -109,8 +110,8 @@ class Costing:
 
     def _cost(self, cand, program, held) -> Report | None:
         try:
-            floor = held.per_device(cand.mesh, cand.layout)
-            state = self.state * held.param_bytes(cand.mesh, cand.layout)
+            floor, params = held.per_device(cand.mesh, cand.layout), held.param_bytes(cand.mesh, cand.layout)
+            state = self.state * params
         except LayoutError as e:
             return self.reject(cand, f"invalid: {str(e).splitlines()[0]}")
         if state and not self.offload:   # held on the device through the step: the plan has the rest
@@ -118,14 +119,15 @@ class Costing:
             cand.lower_kwargs = {**cand.lower_kwargs, "memory_budget": cand.lower_kwargs["memory_budget"] - state}
         if floor * (1 + self.margin) > self.budget:
             return self.reject(cand, f"over the memory budget before costing: its arguments and outputs alone take "
-                                     f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}")
+                                     f"{fmt_bytes(floor)} per device + {self.margin:.0%} > {fmt_bytes(self.budget)}",
+                               True)
         most = {d: max(ms) for d, ms in self.counts.items() if ms}   # a pipeline's most microbatches
         least = held.screen(cand.mesh, cand.layout, floor, most) if self.screen else floor
         if least > self.budget:   # (no margin: the screen errs low, or high by less than the margin)
             return self.reject(cand, f"over the memory budget before costing (screen): its arguments and outputs "
                                      f"({fmt_bytes(floor)}) and the unsharded program's temporaries as it could split "
                                      f"them take ~{fmt_bytes(least)} per device > {fmt_bytes(self.budget)}; "
-                                     f"screen=False costs it")
+                                     f"screen=False costs it", True)
         shape, rename = _shape_of(cand, program)
         known = self.traced.get(shape) if cand.mesh.is_abstract else None
         report = None if known is None else _renamed(known, rename, cand)
@@ -135,27 +137,26 @@ class Costing:
                 report = explain(program, cand.mesh, cand.layout, *self.args, hardware=self.hw, **cand.lower_kwargs)
             except MeshDSLError as e:
                 self.traced[shape] = (rename, e)
-                return self.reject(cand, _refused(e))
+                return self.reject(cand, _refused(e), isinstance(e, MemoryBudgetError))
             finally:
                 forget_staged()   # the next layout traces other local shapes
                 gcpause.collect_young()
             self.traced.setdefault(shape, (rename, report))
         elif isinstance(report, MeshDSLError):
             self.retimed += 1
-            return self.reject(cand, _refused(report))
+            return self.reject(cand, _refused(report), isinstance(report, MemoryBudgetError))
         else:
             self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
         if "params" in cand.layout.offload:   # the step's trips (explain's), and the update's: in 2x, out 1x
             moved = report.memory.get("transfers", {})
-            params = held.param_bytes(cand.mesh, Layout(cand.layout.rules, params=cand.layout.param_rules))
             cand.host_s = self.hw.host_seconds(moved.get("to device", 0) + moved.get("to host", 0) + 3 * params)
             cand.time += cand.host_s
         if state:
             self._with_state(cand, state)
         if cand.memory["peak"] * (1 + self.margin) > self.budget:
             self.reject(cand, f"over the memory budget: peak {fmt_bytes(cand.memory['peak'])} per device "
-                              f"+ {self.margin:.0%} > {fmt_bytes(self.budget)}")
+                              f"+ {self.margin:.0%} > {fmt_bytes(self.budget)}", True)
         else:
             self.ranked.append(cand)
         return report
@@ -174,8 +175,8 @@ class Costing:
         cand.layout = Layout(layout.rules, params=layout.param_rules, microbatches=layout.microbatches or None,
                              offload={"optimizer", *layout.offload})
         cand.memory["host"] = cand.memory.get("host", 0) + state
-        cand.host_s += 2 * self.hw.host_seconds(state)
-        cand.time += 2 * self.hw.host_seconds(state)
+        trips = 2 * self.hw.host_seconds(state)
+        cand.host_s, cand.time = cand.host_s + trips, cand.time + trips
 
 
 def _refused(e: MeshDSLError) -> str:

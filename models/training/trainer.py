@@ -248,14 +248,18 @@ class Trainer:
         trips = {"optimizer": ("opt_state", "optimizer state", (1, 1)), "params": ("params", "parameters", (4, 2))}
         for name in sorted(self.layout.offload):
             part, what, (ins, outs) = trips[name]
-            shardings = jax.tree_util.tree_leaves(self.state_shardings(state)[part])
-            arrays = jax.tree_util.tree_leaves(state[part])
-            per_device = float(sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-                                   for a, s in zip(arrays, shardings)))
+            per_device = self.bytes_per_device(state, part)
             for direction, times in (("host to device", ins), ("device to host", outs)):
                 out.append({"what": what, "direction": direction, "bytes": times * per_device,
                             "seconds": hw.host_seconds(times * per_device)})
         return out
+
+    def bytes_per_device(self, state, part: str) -> float:
+        """Bytes one device holds of ``state[part]`` (``"params"``, ``"opt_state"``), as the layout
+        stores it."""
+        shardings = jax.tree_util.tree_leaves(self.state_shardings(state)[part])
+        return float(sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                         for a, s in zip(jax.tree_util.tree_leaves(state[part]), shardings)))
 
     def explain(self, state, batches) -> md.Report:
         """md.explain of one microbatch's loss-and-gradient program (the collectives of a step)."""

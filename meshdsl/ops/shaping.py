@@ -20,7 +20,7 @@ from ..names.errors import ShapeError
 from ..rewrite.relayout import relayout_bytes
 from .common import align, as_named, names_in, rows_gathered, where_
 from .elementwise import add
-from ..names.named import NamedArray
+from ..names.named import NamedArray, Placement
 from .registry import op
 
 __all__ = ["concat", "slice", "pad"]
@@ -269,6 +269,7 @@ def _windows_of(ctx, pieces, name, size, what):
     ppermutes (:func:`_windows`)."""
     results, windowed = [], {}
     for x, start in pieces:
+        x = _reduced_copy(ctx, x)
         n = x.dims[name].size
         keep = ctx.pending(x)
         out = Shape(Dim(name, size) if d.name == name else d for d in x.dims)
@@ -297,6 +298,17 @@ def _windows_of(ctx, pieces, name, size, what):
         y = _windows(ctx, parts, first.names.index(name), axes[name], size, f"[{first.dims}] {what} of {name}")
         results.append(ctx.out(y, out, axes, keep))
     return functools.reduce(add, results)
+
+
+def _reduced_copy(ctx, x):
+    """``x``, or its copy with its pending sums reduced where this trace made that copy already
+    (another reader reduced it): reading the copy moves nothing, where the window read from ``x``
+    would be reduced again downstream."""
+    pl = ctx.placement(x) if ctx.explicit else None
+    if pl is None or not pl.pending or not ctx.relaid(x, pl.axes):
+        return x
+    copy = ctx.local(x, dict(zip(x.names, pl.axes)), frozenset(a for ax in pl.axes for a in ax))
+    return NamedArray(copy, x.dims, is_param=x.is_param, placement=Placement(pl.axes))
 
 
 @op("pad", gathers=True)

@@ -12,6 +12,7 @@ import pytest
 
 import meshdsl as md
 from meshdsl.lowering import program
+from meshdsl.ops import registry
 from fuzz_replay import parse
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
 
@@ -352,3 +353,35 @@ def test_the_graph_prices_a_training_step_as_its_trace_counts_it(monkeypatch):
     graph = prog.solved.graph
     assert graph.moved([0] * len(graph.nodes)) == pytest.approx(program._moved(closed, ctx), rel=1e-5)
     assert prog.plan is None and len(traced) == 1
+
+
+@pytest.mark.parametrize("error, surfaces", [(md.LayoutError, False), (KeyError, True)])
+def test_a_rule_refuses_a_candidate_with_a_meshdsl_error_and_any_other_exception_surfaces(error, surfaces):
+    """The planner runs an op's rule from each candidate entry placement. A rule that cannot
+    compute from one says so with a :class:`md.MeshDSLError` (what it would tell a user): that
+    entry is no candidate, the program lowers and computes the unsharded values. Any other
+    exception there (an assertion, a ``KeyError``) is a bug in the rule: it surfaces, never read as
+    a missing candidate."""
+    name = f"_refuses_reduced_{error.__name__}"
+    tried = []
+
+    @registry.op(name)
+    def refuses(ctx, x):
+        tried.append(ctx.pending(x) if ctx.explicit else None)
+        if ctx.explicit and not ctx.pending(x):   # the candidate with the sum reduced first
+            raise error("this rule reads its operand only as a pending sum")
+        return md.sin(x)
+
+    try:
+        mesh, layout = md.Mesh({"data": 2, "model": 4}), md.Layout({"d": "model"})
+        fn = lambda v: refuses(md.sum(v, "d"))   # noqa: E731 - a pending sum over model
+        v = _normal((16, 8), "b d")
+        lowered = md.lower(fn, mesh, layout, **BYTES)
+        if surfaces:
+            with pytest.raises(error):
+                lowered(v)
+        else:
+            assert_same(lowered(v), md.sin(md.sum(v, "d")))
+        assert any(p == frozenset() for p in tried), tried   # the reduced entry was tried
+    finally:
+        del registry.RULES[name]

@@ -141,10 +141,11 @@ def reshape(ctx, x, dims) -> NamedArray:
         return ctx.out(jnp.reshape(x.raw, new.sizes), new, is_param=x.is_param)
     current = dict(zip(x.names, pl.axes))
     src_target, out_axes = _reshape_plan(ctx, x, new, groups, current, pl.pending)
-    vary = ctx.vary(src_target.values(), [x], pl.pending, out_size=x.size)
-    local = ctx.local(x, src_target, vary, keep_pending=pl.pending)
+    keep = pl.pending - {a for axes in src_target.values() for a in axes}   # reduced where a dim takes the axis
+    vary = ctx.vary(src_target.values(), [x], keep, out_size=x.size)
+    local = ctx.local(x, src_target, vary, keep_pending=keep)
     local_shape = [d.size // ctx.axes_size(out_axes[d.name]) for d in new]
-    return ctx.out(jnp.reshape(local, local_shape), new, out_axes, pl.pending, is_param=x.is_param)
+    return ctx.out(jnp.reshape(local, local_shape), new, out_axes, keep, is_param=x.is_param)
 
 
 def _reshape_plan(ctx, x, new, groups, current, pending):

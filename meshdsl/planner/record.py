@@ -308,13 +308,15 @@ def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
 
 
 def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
-    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache): the strategy it shows, or None if the rule refuses it."""
+    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache): the strategy
+    it shows, or None if the rule refuses it with a :class:`MeshDSLError` (what it would tell a
+    user who placed the operands there). Any other exception is a bug in the rule and surfaces."""
     mark = ctx.checkpoint()
     try:
         with ctx.rec.sandboxed(), apart():
             return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
-    except (MeshDSLError, ValueError, TypeError, KeyError, IndexError, AssertionError):
-        return None   # the rule cannot compute from there: not a candidate
+    except MeshDSLError:
+        return None   # the rule refuses that entry: not a candidate
     finally:
         ctx.rollback(mark)
 

@@ -76,7 +76,8 @@ def memory(jaxpr) -> dict:
     """Per-device bytes of one run of ``jaxpr``: ``arguments``, ``outputs``, ``temporaries`` (the
     peak of the buffers neither, as ``memory_analysis`` splits them), ``peak`` (their sum), and
     ``breakdown``: the temporaries live at the peak by what made them; all in device memory.
-    ``host``: what it holds in host memory (values an offloading remat policy moved there)."""
+    ``host``: what it holds in host memory: its arguments there (offloaded parameters) and the
+    values it puts there (their gradients, the residuals an offloading remat policy keeps)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     args = sum(nbytes(v.aval) for v in jaxpr.invars)
     outs = sum(nbytes(v.aval) for v in jaxpr.outvars if isinstance(v, jcore.Var))
@@ -85,7 +86,8 @@ def memory(jaxpr) -> dict:
     for b in live:
         breakdown[b.kind] = breakdown.get(b.kind, 0) + b.size
     return {"arguments": args, "outputs": outs, "temporaries": temps, "peak": args + outs + temps,
-            "breakdown": dict(sorted(breakdown.items(), key=lambda kv: -kv[1])), "host": _host_held(jaxpr)}
+            "breakdown": dict(sorted(breakdown.items(), key=lambda kv: -kv[1])),
+            "host": sum(_bytes(v.aval) for v in jaxpr.invars if in_host_memory(v.aval)) + _host_held(jaxpr)}
 
 
 def host_transfers(jaxpr) -> dict:

@@ -133,8 +133,9 @@ class LoweredFunction:
 
     def _arrays(self, prog, leaves, place: bool):
         arrays = [leaf.raw if is_named(leaf) else leaf for leaf in leaves]
-        if not place:
-            return arrays
+        if not place:   # (to lower: a parameter the layout offloads is lowered as it will enter, in host memory)
+            return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if host and not isinstance(a, jax.core.Tracer)
+                    else a for a, s, host in zip(arrays, getattr(prog, "shardings", [None] * len(arrays)), prog.host)]
         return [a if isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) else _put(a, s)
                 for a, s in zip(arrays, prog.shardings)]
 

@@ -385,3 +385,30 @@ def test_a_rule_refuses_a_candidate_with_a_meshdsl_error_and_any_other_exception
         assert any(p == frozenset() for p in tried), tried   # the reduced entry was tried
     finally:
         del registry.RULES[name]
+
+
+A_MASK_AND_A_WHERE_READ_ONE_CAST = """mesh={'x': 2, 'y': 2, 'z': 2} layout={'c': ('y',), 'd': ('x', 'z')} params={} param_gather=regather dtype=float32
+  v0 = input [e] float param
+  v1 = input [b] float param
+  v2 = input [d] float
+  v3 = rename(v2; {'mapping': {'d': 'c'}}) -> [c]
+  v4 = unary(v3; {'f': 'abs'}) -> [c]
+  v5 = compare(v1, v4; {'f': 'greater'}) -> [b c]
+  v6 = shift(v5; {'dim': 'c', 'offset': -1, 'wrap': False}) -> [b c]
+  return v4, v6"""
+
+
+def test_a_cast_a_reader_needs_for_its_own_split_is_charged_to_it_when_the_maker_leaves_it_out():
+    """``where(greater(w, v), w, v)`` over ``[b c:x+z]``, ``w`` a parameter: the mask casts ``w``
+    to vary over ``x+z`` (its gradient's all-reduce, 96 B) and the where reads that cast. A
+    candidate of the mask computing replicated and taking its block makes no cast, but its result
+    is still split over ``x+z``: the where then casts ``w`` itself. The plan prices that (it had
+    priced the where's read free, solved to 158 B, and traced a plan moving more than the rules'
+    own): its price is no less than what the program it emits moves."""
+    program = parse(A_MASK_AND_A_WHERE_READ_ONE_CAST)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    fn, args, kw = program.grads_inside(), program.args(), dict(param_gather=program.param_gather, **BYTES)
+    _, _, prog = md.lower(fn, mesh, layout, **kw).trace(*args)
+    emitted = md.explain(fn, mesh, layout, *args, **kw).total_bytes
+    assert prog.solved.solution.bytes >= emitted, (prog.solved.solution.bytes, emitted)
+    assert_same(md.lower(fn, mesh, layout, **kw)(*args), jax.jit(fn)(*args))

@@ -199,16 +199,30 @@ def _share_copies(graph, node_of, found) -> None:
     only where that op takes a strategy making them (it may take one that does not: a cast its
     default makes and the plan's candidate leaves out). A reader computing from the maker's
     results follows the maker's choice (an op reading what an op left uncast computed is not
-    cast either: :meth:`meshdsl.rewrite.explicit.ExplicitContext.vary`): its copy stays free."""
+    cast either: :meth:`meshdsl.rewrite.explicit.ExplicitContext.vary`): its copy stays free -
+    unless the copy is a cast over axes the reader itself splits over, which it needs whatever
+    the maker took (a maker computing replicated and taking its block leaves its result split)."""
     reader = len(graph.nodes) - 1
     for s, f in enumerate(found):
         for maker, cost, copy in f.reads:
-            if maker not in node_of or not cost or _reads_from(graph, reader, node_of[maker]):
+            if maker not in node_of or not cost:
+                continue
+            if _reads_from(graph, reader, node_of[maker]) and not _cast_over_own_split(f, copy):
                 continue
             m = node_of[maker]
             makers = frozenset(i for i, st in enumerate(graph.nodes[m].strategies) if copy in st.detail.makes)
             if len(makers) < len(graph.nodes[m].strategies):
                 graph.shared.append(SharedCopy(reader, s, m, makers, cost))
+
+
+def _cast_over_own_split(found, copy) -> bool:
+    """Is ``copy`` (``(source id, key)``) a cast to varying over mesh axes that strategy
+    ``found`` splits its operands or results over?"""
+    key = copy[1]
+    if not (isinstance(key, tuple) and key and key[0] == "cast"):
+        return False
+    split = {a for pl in (*found.entry, *found.gives) if pl is not None for axes in pl.axes for a in axes}
+    return set(key[1]) <= split
 
 
 def _reads_from(graph, reader: int, maker: int) -> bool:

@@ -412,3 +412,20 @@ def test_a_cast_a_reader_needs_for_its_own_split_is_charged_to_it_when_the_maker
     emitted = md.explain(fn, mesh, layout, *args, **kw).total_bytes
     assert prog.solved.solution.bytes >= emitted, (prog.solved.solution.bytes, emitted)
     assert_same(md.lower(fn, mesh, layout, **kw)(*args), jax.jit(fn)(*args))
+
+
+def test_a_copy_two_ops_candidates_make_is_paid_once():
+    """The same program: gspmd computes the ``[b c]`` block on ``c:y`` (the layout's), where
+    ``w``'s gradient is summed over 2 devices, not 4 (216 B against 224). The mask's and the
+    where's candidates on ``c:y`` each cast ``w`` over ``y`` in a sandbox of their own; the
+    emitted program casts it once and the where reads it. The plan pays that copy once where
+    either is taken (a CommonCopy), so it finds gspmd's plan: no more bytes than gspmd, explain
+    equal to the compiled program, the unsharded gradients (fuzz seed 47)."""
+    program = parse(A_MASK_AND_A_WHERE_READ_ONE_CAST)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    fn, args, kw = program.grads_inside(), program.args(), dict(param_gather=program.param_gather, **BYTES)
+    b = moved_by_backend(fn, mesh, layout, *args, **kw)
+    assert b["explicit"] <= b["gspmd"], b
+    e, h = explain_vs_hlo(fn, mesh, layout, *args, **kw)
+    assert e == h, (e, h)
+    assert_same(md.lower(fn, mesh, layout, **kw)(*args), jax.jit(fn)(*args))

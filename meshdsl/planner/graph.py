@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable
 
-__all__ = ["Strategy", "Node", "Graph", "SharedCopy"]
+__all__ = ["Strategy", "Node", "Graph", "SharedCopy", "CommonCopy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,16 @@ class SharedCopy:
     cost: float
 
 
+@dataclasses.dataclass(frozen=True)
+class CommonCopy:
+    """A copy (a relayout or cast of one value) that strategies of several nodes make, each in
+    its own sandbox (``members``: (node, strategy) pairs): made once where any of them is taken,
+    for ``cost`` (which their own costs leave out)."""
+
+    cost: float
+    members: frozenset
+
+
 class Graph:
     """Nodes in program order; ``relay(value, src, dst)`` prices moving a value between keys."""
 
@@ -102,6 +112,7 @@ class Graph:
         self.producer: dict = {}    # value id -> (node index, result slot)
         self.consumers: dict = {}   # value id -> [(node index, operand slot)]
         self.shared: list[SharedCopy] = []
+        self.common: list[CommonCopy] = []
         self._relay_cache: dict = {}
         self._time_cache: dict = {}
         self.rate = 0.0             # bytes per second of the link time is priced at (0: bytes alone)
@@ -161,7 +172,8 @@ class Graph:
             src = self.nodes[p].strategies[choice[p]].gives[slot]
             wanted = {self.nodes[c].strategies[choice[c]].needs[j] for c, j in self.consumers.get(v, ())}
             total += sum(relay(v, src, t) for t in wanted)
-        return total + sum(c.cost for c in self.shared if choice[c.reader] == c.strategy and choice[c.maker] not in c.makers)
+        return total + sum(c.cost for c in self.shared if choice[c.reader] == c.strategy and choice[c.maker] not in c.makers) \
+            + sum(c.cost for c in self.common if any(choice[k] == s for k, s in c.members))
 
     def live_range(self, v) -> tuple[int, int]:
         """``(first, last)`` node index where value ``v`` is held: from its producer to its last
@@ -219,6 +231,10 @@ class Graph:
                 parent[find(c)] = find(p)
         for c in self.shared:
             parent[find(c.reader)] = find(c.maker)
+        for c in self.common:
+            first = min(k for k, _ in c.members)
+            for k, _ in c.members:
+                parent[find(k)] = find(first)
         groups: dict = {}
         for k in range(len(self.nodes)):
             groups.setdefault(find(k), []).append(k)

@@ -19,7 +19,7 @@ import math
 from ..costmodel.cost import element_bytes, moved_bytes
 from ..costmodel.hardware import Hardware
 from ..rewrite.relayout import relayout_bytes
-from .graph import Graph, Node, SharedCopy, Strategy
+from .graph import CommonCopy, Graph, Node, SharedCopy, Strategy
 from .remat import value_bytes
 from .solve import Solution, solve
 
@@ -152,6 +152,8 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
         for s, (maker, makers), cost in later:   # the copy is made once: free where its first reader makes it
             graph.shared.append(SharedCopy(node_of[k], s, maker, frozenset(makers), cost))
         _share_copies(graph, node_of, op.strategies)
+    body = set().union(*(op.inner for op in recording.ops))
+    _common_copies(graph, {n for n, k in nodes.items() if not recording.ops[k].inner and k not in body})
     for v, pl in recording.sinks:
         if v in graph.producer:
             _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
@@ -213,6 +215,29 @@ def _share_copies(graph, node_of, found) -> None:
             makers = frozenset(i for i, st in enumerate(graph.nodes[m].strategies) if copy in st.detail.makes)
             if len(makers) < len(graph.nodes[m].strategies):
                 graph.shared.append(SharedCopy(reader, s, m, makers, cost))
+
+
+def _common_copies(graph, plain) -> None:
+    """Copies that strategies of several nodes make, each in its own sandbox (one value cast or
+    relaid the same way: a parameter cast to vary over the axes two ops' candidates both split
+    over): paid once where any of those strategies is taken (a
+    :class:`~meshdsl.planner.graph.CommonCopy`), not by each - the emitted program makes the copy
+    once and the later op reads it. Only ops of ``plain`` (graph nodes neither a loop nor in a
+    loop's body, whose copies a loop's candidate counts again as its own) take part."""
+    makers: dict = {}
+    for k, node in enumerate(graph.nodes):
+        for s, st in enumerate(node.strategies if k in plain else ()):
+            for copy, cost in getattr(st.detail, "made", ()):
+                if cost > 0:
+                    makers.setdefault((copy, cost), set()).add((k, s))
+    for (_, cost), members in makers.items():
+        if len({k for k, _ in members}) < 2:
+            continue
+        for k, s in members:
+            st = graph.nodes[k].strategies[s]
+            graph.nodes[k].strategies[s] = dataclasses.replace(
+                st, cost=max(st.cost - cost, 0.0), own_time=None if st.own_time is None else max(st.own_time - cost, 0.0))
+        graph.common.append(CommonCopy(cost, frozenset(members)))
 
 
 def _cast_over_own_split(found, copy) -> bool:

@@ -180,11 +180,12 @@ class Recording:
         if self._forced and (maker, cost, copy) not in self._forced[-1][2]:
             self._forced[-1][2].append((maker, cost, copy))
 
-    def made(self, copy) -> None:
-        """The rule running now made ``copy`` (a key): a later op reading it reads it free where
-        this op takes a strategy that makes it."""
+    def made(self, copy, cost: float = 0.0) -> None:
+        """The rule running now made ``copy`` (a key) for ``cost`` bytes: a later op reading it
+        reads it free where this op takes a strategy that makes it, and strategies of several ops
+        making it pay it once (:func:`meshdsl.planner.plan.build`)."""
         if self._forced:
-            self._forced[-1][3].append(copy)
+            self._forced[-1][3].append((copy, cost))
 
     def option(self, ctx, count: int) -> int:
         """The candidate the next decision point of the rule running now takes (0: the rule's
@@ -223,6 +224,7 @@ class Found:
     regathered: int = 0       # a loop's: parameters its backward gathers again by the plan's choice
     host: float = 0.0         # a loop's: bytes per device its remat policy moves to host memory and back
     beside: tuple = ()        # a loop's: its body's work (as ``work``), which those moves overlap
+    made: tuple = ()          # (copy key, bytes) of each copy it made (``makes`` with their prices)
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -254,9 +256,9 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     runs = _runs(ctx.rec.records[start[0]:], ctx.rec.casts[start[1]:])
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
-                         tuple(reads), frozenset(makes), emitted, duals, runs,
+                         tuple(reads), frozenset(c for c, _ in makes), emitted, duals, runs,
                          tuple(map(sum, zip(*ctx.rec.work[start[2]:]))), tuple(map(sum, zip(*ctx.rec.held[start[3]:]))),
-                         gathers=tuple(ctx.rec.gathers[start[4]:]))
+                         gathers=tuple(ctx.rec.gathers[start[4]:]), made=tuple(makes))
 
 
 def _runs(records, casts) -> tuple:

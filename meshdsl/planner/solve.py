@@ -10,8 +10,9 @@ relay between the consumers that read a value in the same placement:
 
     z[c]     in [0, 1]   a shared copy's reader makes it: z >= x[reader, s] - sum of x[maker, s']
                          over the maker's strategies s' that make it
+    w[c]     in [0, 1]   a copy strategies of several nodes make is made: w >= x[k, s] for each
 
-    minimise  sum x * own bytes  +  sum y * relay(v, gives(s), T)  +  sum z * copy bytes
+    minimise  sum x * own bytes  +  sum y * relay(v, gives(s), T)  +  sum (z + w) * copy bytes
 
 A relay is shared by every consumer needing the same placement. With ``x`` integral, ``y`` is
 ``x[producer] * (some consumer needs T)`` at the optimum, so the optimum of the program is the
@@ -180,6 +181,11 @@ def _solve_part(graph: Graph, part: list, time_limit: float, memory_budget: floa
         if c.reader in members:
             z = prog.var(c.cost, integer=False, upper=1.0)
             prog.row({z: 1.0, x[c.reader][c.strategy]: -1.0, **{x[c.maker][s]: 1.0 for s in c.makers}}, 0.0, np.inf)
+    for c in graph.common:   # w >= x[k][s] for each (node, strategy) making the copy: made once
+        if any(k in members for k, _ in c.members):
+            w = prog.var(c.cost, integer=False, upper=1.0)
+            for k, s in c.members:
+                prog.row({w: 1.0, x[k][s]: -1.0}, 0.0, np.inf)
     for coefs in _memory_rows(graph, x, memory_budget) if memory_budget is not None else ():
         prog.row(coefs, -np.inf, memory_budget)
     res = prog.run(prog.bytes, time_limit=time_limit)

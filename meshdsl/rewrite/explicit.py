@@ -311,7 +311,7 @@ class ExplicitContext(LayoutContext):
                 cost = sum(r.total_bytes for r in made) + (dual_bytes(made) if differentiated(source) else 0.0) \
                     + sum(b for b, *_ in self.rec.casts[n_casts:])
                 self._copies[(id(source), shared)] = (self.planner.current, cost)
-                self.planner.made((id(source), shared))
+                self.planner.made((id(source), shared), cost)
 
             self._keepalive.append((source, owner))  # ids stay unique while the cache lives
         return hit

@@ -4,9 +4,7 @@
 
 * **FLOPs**: ``2 * prod(result) * prod(contracted)`` per ``dot_general``, times loop trip counts
   (``scan`` lengths); the backward pass is included when ``fn`` takes gradients.
-* which values XLA keeps in memory (:func:`materialized`; the memory model is
-  :mod:`meshdsl.costmodel.liveness`).
-"""
+* which values XLA keeps in memory (:func:`materialized`; the memory model: :mod:`.liveness`)."""
 
 from __future__ import annotations
 
@@ -133,16 +131,17 @@ def inner_body(closed):
     return jaxpr
 
 
-def live(jaxpr):
-    """``jaxpr`` without what is never used and without repeats (the compiler's DCE and CSE). Dead
-    code goes first: a computation repeated by an aborted trace (``md.scan`` retrying a step) must
-    not stand in for the live one (explain matches collectives by name scope). Cached (the latest)."""
-    return _live(getattr(jaxpr, "jaxpr", jaxpr))
+def live(jaxpr, platform: str | None = None):
+    """``jaxpr`` without what is never used and without repeats (the compiler's DCE and CSE, on
+    ``platform``: :func:`cse`). Dead code goes first: a computation repeated by an aborted trace
+    (``md.scan`` retrying a step) must not stand in for the live one (explain matches collectives by
+    name scope). Cached (the latest)."""
+    return _live(getattr(jaxpr, "jaxpr", jaxpr), platform != "cpu")   # (XLA:CPU: bf16 math runs in f32)
 
 
 @functools.lru_cache(maxsize=1)   # a jaxpr is immutable and hashed by identity
-def _live(jaxpr):
-    merged, predicates_dropped = _cse(dce(inline(jaxpr)))
+def _live(jaxpr, folds_bf16: bool = True):
+    merged, predicates_dropped = _cse(dce(inline(jaxpr)), folds_bf16)
     return dce(merged) if predicates_dropped else merged   # else merging left nothing dead
 
 
@@ -214,18 +213,18 @@ def _side_effects(eqn) -> bool:   # (a collective's named-axis effect is none)
     return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
 
 
-def cse(jaxpr):
+def cse(jaxpr, folds_bf16: bool = True):
     """``jaxpr`` with each pure equation that repeats an earlier one (same primitive, parameters and
     inputs) replaced by the earlier one's results: a program that computes one value twice (two
     identical einsums and their all-reduces) runs it once once XLA has merged them. A select
-    between one value and itself is that value (XLA's simplifier: the predicate, and whatever
-    only it needed, is dropped); so is ``max``/``min``/``and``/``or`` of it and itself, or its ``stop_gradient``."""
-    return _cse(jaxpr)[0]
+    between one value and itself is that value (XLA's simplifier: the predicate, and whatever only
+    it needed, is dropped); so is ``max``/``min``/``and``/``or`` of it and itself, or its
+    ``stop_gradient`` - but in bfloat16 under ``folds_bf16=False`` (XLA:CPU keeps them)."""
+    return _cse(jaxpr, folds_bf16)[0]
 
 
-def _cse(jaxpr):
-    """:func:`cse`, and whether a select's predicate went unused (merging equations leaves none
-    dead: a repeat reads what the equation it repeats reads)."""
+def _cse(jaxpr, folds_bf16: bool = True):
+    """:func:`cse`, and whether a select's predicate went unused (else merging leaves none dead)."""
     subst, seen, eqns, selects = {}, {}, [], False
 
     def key_of(v):
@@ -253,13 +252,14 @@ def _cse(jaxpr):
             eqns.append(eqn.replace(invars=invars))
             continue
         cases = eqn.invars[1:]
-        if eqn.primitive.name == "select_n" and len({key_of(v) for v in cases}) == 1 and \
+        folds = folds_bf16 or eqn.outvars[0].aval.dtype != jnp.bfloat16
+        if folds and eqn.primitive.name == "select_n" and len({key_of(v) for v in cases}) == 1 and \
                 not isinstance(cases[0], jcore.Literal):
             subst[eqn.outvars[0]] = subst.get(cases[0], cases[0])  # where(p, x, x) is x: p unused
             selects = True
             continue
-        if (eqn.primitive.name in _IDEMPOTENT and len({key_of(v) for v in eqn.invars}) == 1 or eqn.primitive.name ==
-                "stop_gradient") and not isinstance(eqn.invars[0], jcore.Literal):   # (no op to XLA)
+        if (folds and eqn.primitive.name in _IDEMPOTENT and len({key_of(v) for v in eqn.invars}) == 1 or
+                eqn.primitive.name == "stop_gradient") and not isinstance(eqn.invars[0], jcore.Literal):   # (no op to XLA)
             subst[eqn.outvars[0]] = subst.get(eqn.invars[0], eqn.invars[0])   # max(x, x) is x
             continue
         key = _canonical(eqn, [key_of(v) for v in eqn.invars],
@@ -282,9 +282,9 @@ _JITS, _CUSTOM_CALLS = ("pjit", "jit"), ("custom_vjp_call", "custom_jvp_call")
 
 def inline(jaxpr):
     """``jaxpr`` with its nested jits of plain equations, and custom-derivative calls of one (their
-    primal, what runs: a recorded collective's), spliced in, so that :func:`cse` sees through them
-    as XLA does (``where(p, x, x)`` in a jit is ``x``; a gather in a custom_vjp and one outside it
-    are one gather). Other calls stay as they are (the liveness model is measured on them)."""
+    primal: a recorded collective's), spliced in, so that :func:`cse` sees through them as XLA does
+    (a gather in a custom_vjp and one outside it are one). Other calls stay (the liveness model is
+    measured on them)."""
     subst, eqns, changed = {}, [], False
     for eqn in jaxpr.eqns:
         invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]

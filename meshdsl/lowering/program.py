@@ -347,7 +347,7 @@ def _no_plan_fits(budget, least: str) -> MemoryBudgetError:
 def _moved(closed, ctx) -> float:
     """Bytes a traced program moves per device, as :func:`meshdsl.explain` counts them: its
     recorded collectives, as often as the live program runs each (dead ones dropped)."""
-    runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))
+    runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform))
     return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)
 
 
@@ -377,7 +377,7 @@ def _peak(closed) -> float:
 def _seconds(closed, ctx, hardware) -> float:
     """A traced program's predicted step time on ``hardware`` (:mod:`meshdsl.costmodel.step_time`): its
     kernels and its recorded collectives, as often as the live program runs each."""
-    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform)
     runs = jaxpr_stats.name_scopes(body)
     collectives = [dataclasses.replace(r, count=runs[r.tag]) for r in ctx.rec.records if runs[r.tag]]
     program = types.SimpleNamespace(mesh=ctx.mesh, collectives=collectives, flops=0.0, bytes_accessed=0.0,

@@ -223,7 +223,8 @@ def _common_copies(graph, plain) -> None:
     over): paid once where any of those strategies is taken (a
     :class:`~meshdsl.planner.graph.CommonCopy`), not by each - the emitted program makes the copy
     once and the later op reads it. Only ops of ``plain`` (graph nodes neither a loop nor in a
-    loop's body, whose copies a loop's candidate counts again as its own) take part."""
+    loop's body, whose copies a loop's candidate counts again as its own) take part. Under the
+    time objective the copy is priced as its bytes on the reference link (its axes are not kept)."""
     makers: dict = {}
     for k, node in enumerate(graph.nodes):
         for s, st in enumerate(node.strategies if k in plain else ()):

@@ -209,7 +209,6 @@ class Found:
     vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
     points: tuple = ()     # candidates of each decision point the rule met, in order
     reads: tuple = ()      # (op number, bytes, copy) of the copies other ops made that the rule read
-    makes: frozenset = frozenset()   # the copies (keys) the rule made
     collectives: tuple = ()   # (kind, mesh axes, bytes) of each collective the rule emitted, forward
     duals: tuple = ()         # (mesh axes, bytes) of what its backward moves (the part priced ahead)
     runs: tuple = ()          # (mesh axes, forward runs, backward runs) of each collective it emits
@@ -224,7 +223,12 @@ class Found:
     regathered: int = 0       # a loop's: parameters its backward gathers again by the plan's choice
     host: float = 0.0         # a loop's: bytes per device its remat policy moves to host memory and back
     beside: tuple = ()        # a loop's: its body's work (as ``work``), which those moves overlap
-    made: tuple = ()          # (copy key, bytes) of each copy it made (``makes`` with their prices)
+    made: tuple = ()          # (copy key, bytes) of each copy the rule made
+
+    @property
+    def makes(self) -> frozenset:
+        """The copies (keys) the rule made."""
+        return frozenset(c for c, _ in self.made)
 
 
 def _run(ctx, rule, leaves, tree, named, xs, entry, options):
@@ -256,7 +260,7 @@ def _run(ctx, rule, leaves, tree, named, xs, entry, options):
     runs = _runs(ctx.rec.records[start[0]:], ctx.rec.casts[start[1]:])
     return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
                          _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
-                         tuple(reads), frozenset(c for c, _ in makes), emitted, duals, runs,
+                         tuple(reads), emitted, duals, runs,
                          tuple(map(sum, zip(*ctx.rec.work[start[2]:]))), tuple(map(sum, zip(*ctx.rec.held[start[3]:]))),
                          gathers=tuple(ctx.rec.gathers[start[4]:]), made=tuple(makes))
 

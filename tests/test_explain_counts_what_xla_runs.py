@@ -397,3 +397,27 @@ def test_a_bfloat16_select_of_two_equal_values_stays_on_cpu():
     e, h = explain_vs_hlo(program.fn, mesh, layout, *program.args(), param_gather=program.param_gather,
                           objective="bytes")
     assert e == h, (e, h)
+
+
+A_BF16_SELECT_ON_A_CONSTANT_PREDICATE = """mesh={'x': 2, 'y': 4} layout={'d': ('x', 'y'), 'e': ('x', 'y'), 'm64': ('y', 'x'), 'm128': ('y',), 'p4': ('x',), 'q4': ('x', 'y'), 'p2': ('x',), 'k4': ('y', 'x')} params={} param_gather=keep dtype=bfloat16
+  v0 = input [b c d] float
+  v1 = input [a e c] float
+  v2 = input [d c] int
+  v3 = dyn_read(v1; {'dim': 'c', 'start': 8}) -> [a e]
+  v4 = unary(v3; {'f': 'square'}) -> [a e]
+  v5 = compare(v4, v4; {'f': 'greater'}) -> [a e]
+  v6 = attention(v5, v5, v4; {'length': 'e', 'features': 'a', 'causal': False, 'block': 2}) -> [e a]
+  v7 = binary(v6, v6; {'f': 'multiply'}) -> [e a]
+  return v4, v7"""
+
+
+def test_a_select_on_a_constant_predicate_is_the_case_it_picks_in_every_dtype():
+    """Attention reading a comparison as its keys selects, on a broadcast ``True``, between the
+    values and themselves: XLA picks the case (bfloat16 on CPU included, where it keeps a select
+    of one value on a computed predicate), so the keys' gather is the values' (one all-gather of
+    1792 B; explain counted two: fuzz seed 51)."""
+    program = parse(A_BF16_SELECT_ON_A_CONSTANT_PREDICATE)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    e, h = explain_vs_hlo(program.fn, mesh, layout, *program.args(), param_gather=program.param_gather,
+                          objective="bytes")
+    assert e == h == {"all-gather": 1792.0}, (e, h)

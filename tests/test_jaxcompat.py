@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 
 import meshdsl as md
 from meshdsl.platform import jaxcompat
-from meshdsl.costmodel import jaxpr_stats, liveness
+from meshdsl.costmodel import jaxpr_stats, liveness, simplify
 
 
 class _FlatTree:
@@ -108,7 +108,7 @@ def test_a_scan_reads_the_same_from_either_params_form():
 def test_explain_and_the_memory_model_read_jax_0_11_scans_as_jax_0_10_ones():
     lowered, args = _scan_program()
     closed, _, _ = lowered.trace(*args)
-    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+    body = simplify.live(jaxpr_stats.inner_body(closed))
     body = getattr(body, "jaxpr", body)
     new = _as_jax_0_11(body)
     assert any(True for _ in _scans(body)) and all("ft_in" in e.params for e in _scans(new))

@@ -13,6 +13,7 @@ import pytest
 import meshdsl as md
 from meshdsl.lowering import program
 from meshdsl.ops import registry
+from meshdsl.planner.plan import Unread
 from fuzz_replay import parse
 from helpers import assert_same, explain_vs_hlo, moved_by_backend, promises_kept
 
@@ -355,28 +356,53 @@ def test_the_graph_prices_a_training_step_as_its_trace_counts_it(monkeypatch):
     assert prog.plan is None and len(traced) == 1
 
 
-def test_a_rule_refuses_a_candidate_with_a_meshdsl_error():
+@pytest.mark.parametrize("error, surfaces", [(md.LayoutError, False), (KeyError, True)])
+def test_a_rule_refuses_a_candidate_with_a_meshdsl_error_and_any_other_exception_surfaces(error, surfaces):
     """The planner runs an op's rule from each candidate entry placement. A rule that cannot
     compute from one says so with a :class:`md.MeshDSLError` (what it would tell a user): that
-    entry is no candidate, and the program lowers and computes the unsharded values."""
-    name = "_refuses_the_reduced_entry"
+    entry is no candidate, and the program lowers and computes the unsharded values. Any other
+    exception there (an assertion, a ``KeyError``) is a bug in the rule: it surfaces, never read as
+    a missing candidate."""
+    name = f"_refuses_reduced_{error.__name__}"
     tried = []
 
     @registry.op(name)
     def refuses(ctx, x):
         tried.append(ctx.pending(x) if ctx.explicit else None)
         if ctx.explicit and not ctx.pending(x):   # the candidate with the sum reduced first
-            raise md.LayoutError("this rule reads its operand only as a pending sum")
+            raise error("this rule reads its operand only as a pending sum")
         return md.sin(x)
 
     try:
         mesh, layout = md.Mesh({"data": 2, "model": 4}), md.Layout({"d": "model"})
         fn = lambda v: refuses(md.sum(v, "d"))   # noqa: E731 - a pending sum over model
         v = _normal((16, 8), "b d")
-        assert_same(md.lower(fn, mesh, layout, **BYTES)(v), md.sin(md.sum(v, "d")))
+        if surfaces:
+            with pytest.raises(error):
+                md.lower(fn, mesh, layout, **BYTES)(v)
+        else:
+            assert_same(md.lower(fn, mesh, layout, **BYTES)(v), md.sin(md.sum(v, "d")))
         assert any(p == frozenset() for p in tried), tried   # the reduced entry was tried
     finally:
         del registry.RULES[name]
+
+
+A_RETURNED_CUMSUM_OF_A_RESHAPED_PARAMETER = """mesh={'x': 2, 'y': 2, 'z': 2} layout={'b': ('x', 'y', 'z'), 'q4': ('y',)} params={} param_gather=auto
+  v0 = input [b] float param
+  v1 = reshape(v0; {'dims': 'p4:4 q4:4'}) -> [p4 q4]
+  v2 = cumsum(v1; {'dim': 'q4'}) -> [p4 q4]
+  return v2"""
+
+
+def test_a_cumsum_wanted_in_the_layout_computes_from_every_candidate_entry():
+    """``cumsum(reshape(w[b:x+y+z], p4 q4), q4)`` returned with ``q4:y``: from the entry where the
+    reshape put ``p4`` on ``x+y``, the cumsum may not take ``y`` for ``q4`` as well (it did, and
+    relayout asserted on a placement holding ``y`` twice; the planner's sandbox read that as a
+    missing candidate). Every entry computes; the program keeps the three promises."""
+    program = parse(A_RETURNED_CUMSUM_OF_A_RESHAPED_PARAMETER)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    for fn in (program.fn, program.grads_inside()):
+        promises_kept(fn, mesh, layout, *program.args(), param_gather=program.param_gather)
 
 
 A_MASK_AND_A_WHERE_READ_ONE_CAST = """mesh={'x': 2, 'y': 2, 'z': 2} layout={'c': ('y',), 'd': ('x', 'z')} params={} param_gather=regather dtype=float32
@@ -421,3 +447,49 @@ def test_a_copy_two_ops_candidates_make_is_paid_once():
     e, h = explain_vs_hlo(fn, mesh, layout, *args, **kw)
     assert e == h, (e, h)
     assert_same(md.lower(fn, mesh, layout, **kw)(*args), jax.jit(fn)(*args))
+
+
+A_LOSS_OF_A_SPLIT_AND_A_REPLICATED_TERM = """mesh={'x': 8} layout={'e': ('x',)} params={} param_gather=keep
+  v0 = input [e] float
+  v1 = input [a] float param
+  v2 = input [e] float param
+  v3 = input [d] int
+  v4 = create(v2; {'f': 'arange', 'dim': 'e'}) -> [e]
+  v5 = binary(v1, v4; {'f': 'multiply'}) -> [a e]
+  v6 = take(v1, v3; {'dim': 'a'}) -> [d]
+  return v5, v6"""
+
+
+def test_a_loss_of_a_split_and_a_replicated_term_moves_what_its_gradient_needs():
+    """``jax.grad`` of ``sum(tanh(w[a] * arange[e:x])) + sum(tanh(take(w, ids)))``: the first sum
+    is pending over ``x``, the second whole. The compiler drops the loss's forward value, so
+    whatever reduces it there moves nothing; the plan prices those ops by their backward alone
+    (:mod:`meshdsl.planner.unread`), and the whole term joins the pending sum from one device
+    (the additive rule's candidate), so the gradient's one all-reduce of ``w`` (112 B) is all
+    that moves (it cast the loss's partial sum and all-reduced its cotangent as well: 119 B where
+    gspmd moves 112; fuzz seed 50)."""
+    program = parse(A_LOSS_OF_A_SPLIT_AND_A_REPLICATED_TERM)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    promises_kept(program.grads_inside(), mesh, layout, *program.args(), param_gather=program.param_gather,
+                  moved={"all-reduce": 112})
+
+
+def test_the_planner_finds_the_forward_values_a_gradient_program_never_reads():
+    """In ``jax.grad(loss)`` the loss's final sums and the reads of their values are unread
+    (the compiler drops their forward); in ``jax.value_and_grad`` the value is returned, so
+    nothing is."""
+    program = parse(A_LOSS_OF_A_SPLIT_AND_A_REPLICATED_TERM)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    floats = tuple(program.float_inputs())
+
+    def loss(*args):
+        return md.sum(md.tanh(program.fn(*args)[0])).array + md.sum(md.tanh(program.fn(*args)[1])).array
+
+    for fn, dropped in ((jax.grad(loss, argnums=floats), True), (jax.value_and_grad(loss, argnums=floats), False)):
+        _, _, prog = md.lower(fn, mesh, layout, param_gather="keep", **BYTES).trace(*program.args())
+        graph = prog.solved.graph
+        sinks = [n.name for n in graph.nodes if n.name.startswith("unread")]
+        ops = [n.name for n in graph.nodes if any(isinstance(p, Unread) for p in n.strategies[0].needs)]
+        ops = [name.split(" at ")[0] for name in ops if not name.startswith("unread")]
+        # the two sums and the two reads of their values (the last ops of the loss)
+        assert (ops, len(sinks)) == ((["sum", "sum"], 2) if dropped else ([], 0)), (ops, sinks)

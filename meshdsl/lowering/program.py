@@ -24,7 +24,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..platform import gcpause, jaxcompat
-from ..costmodel import jaxpr_stats, liveness, roofline
+from ..costmodel import jaxpr_stats, liveness, roofline, simplify
 from ..rewrite import param_gather
 from ..rewrite.contexts import GspmdContext
 from ..names.errors import LayoutError, MemoryBudgetError, suggest
@@ -35,6 +35,7 @@ from ..names.named import NamedArray, Placement, is_named
 from ..planner.plan import choose
 from ..planner.solve import NoPlanFits
 from ..planner.record import Recording
+from ..planner.unread import unread
 from ..costmodel.step_time import predict
 from ..names.tracing import using
 from ..names.units import fmt_bytes
@@ -123,6 +124,7 @@ class Program:
         self._planned = True
         ctx, hw, budget = self.last_ctx, self.owner.hardware, self.owner.memory_budget
         recording, ctx.planner = ctx.planner, None
+        recording.unread = unread(closed, recording)   # forward values the program drops
         measure = (lambda c, x: _seconds(c, x, hw)) if self.owner.objective == "time" else _moved
         rules = _RulesTrace(closed, budget)   # its peak walked only where a budget needs it
         best = None          # (cost, trace, context, plan) of the best plan traced that fits
@@ -347,7 +349,7 @@ def _no_plan_fits(budget, least: str) -> MemoryBudgetError:
 def _moved(closed, ctx) -> float:
     """Bytes a traced program moves per device, as :func:`meshdsl.explain` counts them: its
     recorded collectives, as often as the live program runs each (dead ones dropped)."""
-    runs = jaxpr_stats.name_scopes(jaxpr_stats.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform))
+    runs = jaxpr_stats.name_scopes(simplify.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform))
     return sum(r.bytes * runs[r.tag] for r in ctx.rec.records)
 
 
@@ -371,13 +373,13 @@ class _RulesTrace:
 
 def _peak(closed) -> float:
     """A traced program's peak bytes per device, as :func:`meshdsl.explain` reports it."""
-    return liveness.memory(jaxpr_stats.live(jaxpr_stats.inner_body(closed)))["peak"]
+    return liveness.memory(simplify.live(jaxpr_stats.inner_body(closed)))["peak"]
 
 
 def _seconds(closed, ctx, hardware) -> float:
     """A traced program's predicted step time on ``hardware`` (:mod:`meshdsl.costmodel.step_time`): its
     kernels and its recorded collectives, as often as the live program runs each."""
-    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform)
+    body = simplify.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform)
     runs = jaxpr_stats.name_scopes(body)
     collectives = [dataclasses.replace(r, count=runs[r.tag]) for r in ctx.rec.records if runs[r.tag]]
     program = types.SimpleNamespace(mesh=ctx.mesh, collectives=collectives, flops=0.0, bytes_accessed=0.0,

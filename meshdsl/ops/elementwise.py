@@ -6,7 +6,9 @@ operands already are (see :mod:`meshdsl.rewrite.placement`): ``x * scale`` of a 
 Pending partial sums stay pending through linear ops, so they are reduced once, late:
 
 * ``a + b`` / ``a - b`` of two partial sums over the same axes is a partial sum (one psum for
-  the two einsums that produced them, not two);
+  the two einsums that produced them, not two); of a partial sum and a whole value, the planner
+  may have the whole value join the sum from one device of its group (a candidate: a loss summed
+  from a split and a replicated term then moves nothing forward);
 * ``a * c``, ``c * a`` and ``a / c`` with only ``a`` pending scale each partial sum;
 * ``-a``, ``astype`` between float types and ``stop_gradient`` keep it;
 * but not through a broadcast: pending operands smaller than the result (a scalar times a
@@ -24,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ..rewrite import collectives as C
 from .common import align, as_named, union_dims
 from .creation import full
 from ..names.named import NamedArray
@@ -49,20 +52,28 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve", out_dtype=None):
     xs = [as_named(ctx, a, f"operand {i + 1}") for i, a in enumerate(args)]
     dims = union_dims(ctx, xs)
     pend = [ctx.pending(x) for x in xs]
-    keep = frozenset()
+    keep, join = frozenset(), False
     if pending_rule == "additive" and pend[0] and all(p == pend[0] for p in pend):
         keep = pend[0]
+    elif pending_rule == "additive" and len({p for p in pend if p}) == 1 and ctx.rec.multiplier == 1 and ctx.option(2):
+        # candidate 1: the others join the pending sum from one device of its group (no reduction;
+        # where the sum is only read by the backward pass - a loss - nothing moves at all). Not
+        # in a loop body: a carry left pending there settles the loop's types, priced apart
+        keep, join = next(p for p in pend if p), True
     elif pending_rule in ("scale", "product"):
         holders = [i for i, p in enumerate(pend) if p]
         if len(holders) == 1 and (pending_rule == "product" or holders == [0]):
             keep = pend[holders[0]]
-    if keep and sum(x.size for x, p in zip(xs, pend) if p) < math.prod(dims.sizes):
+    if keep and not join and sum(x.size for x, p in zip(xs, pend) if p) < math.prod(dims.sizes):
         keep = frozenset()   # a broadcast: reducing the smaller operands' sums moves fewer bytes
     out_dtype = out_dtype or _result_dtype(fn, tuple(x.dtype for x in xs))
     axes = ctx.plan(dims, xs, keep_pending=keep, cheapest=True, out_dtype=out_dtype)
     keep = keep - {a for ax in axes.values() for a in ax}
     vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(dims.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]
+    if join and keep:
+        first = C.axis_index(tuple(a for a in ctx.mesh.factor_axes if a in keep)) == 0
+        local = [arr if pend[i] else jnp.where(first, arr, jnp.zeros((), arr.dtype)) for i, arr in enumerate(local)]
     return ctx.out(fn(*local), dims, axes, keep)
 
 

@@ -124,7 +124,9 @@ def cumsum(ctx, x, dim) -> NamedArray:
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     pos = x.names.index(name)
     wanted = ctx.canonical(x.dims) if ctx.explicit else None
-    if wanted is not None and axes[name] and axes[name] != wanted[pos] and ctx.result_relaid([x], wanted):
+    others = {a for n, held in axes.items() if n != name for a in held}
+    if wanted is not None and axes[name] and axes[name] != wanted[pos] and not set(wanted[pos]) & others \
+            and ctx.result_relaid([x], wanted):
         # split off the layout and wanted in its placement later (returned): moving x there now
         # moves as much as moving the result later, and saves the block totals
         axes[name] = wanted[pos]

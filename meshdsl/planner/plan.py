@@ -23,7 +23,7 @@ from .graph import CommonCopy, Graph, Node, SharedCopy, Strategy
 from .remat import value_bytes
 from .solve import Solution, solve
 
-__all__ = ["build", "choose", "decisions", "Plan", "OBJECTIVES"]
+__all__ = ["build", "choose", "decisions", "Plan", "Unread", "OBJECTIVES"]
 
 
 
@@ -44,7 +44,17 @@ class Plan:
 
 
 OBJECTIVES = ("time", "bytes")
-def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) -> float:
+
+
+@dataclasses.dataclass(frozen=True)
+class Unread:
+    """A placement a consumer whose forward the program never reads needs its operand in (the
+    loss of ``jax.grad``: :mod:`meshdsl.planner.unread`): relaying there moves only the backward."""
+
+    placement: object
+
+
+def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float, forward: bool = True) -> float:
     """The op's compute per device under strategy ``found``, as the bytes the slowest link moves
     in that time (``rate``: its bandwidth): the local contractions its rule emitted there
     (``found.work``: an einsum's blocks, an attention's kernel, as often as they run), each pass
@@ -52,7 +62,8 @@ def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) 
     backward's where the op is differentiated (``grad``). A loop's body ops are priced apart: a loop
     pays only what its remat policy recomputes (``found.again``) and what it offloads, to the host
     in the forward pass and back in the backward over the host link (``found.host``), each way
-    beyond the compute of its pass (``found.beside``), which the transfer overlaps."""
+    beyond the compute of its pass (``found.beside``), which the transfer overlaps. ``forward``:
+    the program reads its forward pass (:mod:`meshdsl.planner.unread`), else the compiler drops it."""
     def seconds(flops, nbytes):
         return max(flops / hw.matmul_peak(dtype) / hw.matmul_efficiency,
                    nbytes / hw.hbm_bandwidth / hw.memory_efficiency)
@@ -68,7 +79,8 @@ def _compute_cost(op, found, grad: bool, dtype: str, hw: Hardware, rate: float) 
     if not found.work:
         return 0.0
     forward_flops, forward_bytes, backward_flops, backward_bytes = found.work
-    total = seconds(forward_flops, forward_bytes) + (seconds(backward_flops, backward_bytes) if grad else 0.0)
+    total = (seconds(forward_flops, forward_bytes) if forward else 0.0) + \
+        (seconds(backward_flops, backward_bytes) if grad else 0.0)
     return total * rate
 
 
@@ -122,6 +134,7 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
         graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered", memory=(held(v, pl),))]))
         graph.saved.add(v)   # an argument's buffer is held throughout
     live, grads = _live(recording), _differentiated(recording)
+    unread_ops, unread_sinks = recording.unread
     node_of = {}
     orphans: dict = {}   # a copy whose maker the compiler drops -> (graph node, strategies) of its first live reader
     for k, op in enumerate(recording.ops):
@@ -139,9 +152,12 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
         for s, f in enumerate(op.strategies):
             reads = _dead_reads(f, s, node, live, orphans, later)
             own = f if k in grads else dataclasses.replace(f, backward=0.0, runs=tuple((a, n, 0) for a, n, _ in f.runs))
+            if k in unread_ops:   # the compiler drops its forward pass: its backward alone moves
+                own = dataclasses.replace(own, forward=0.0, runs=tuple((a, 0, b) for a, _, b in own.runs))
             strategies.append(Strategy(
-                f.entry, f.gives, own.forward + own.backward + reads, detail=f, label=_label(ctx, recording, op, f),
-                work=_compute_cost(op, f, k in grads, dtype, hw, rate) if rate else 0.0,
+                tuple(Unread(p) for p in f.entry) if k in unread_ops else f.entry, f.gives,
+                own.forward + own.backward + reads, detail=f, label=_label(ctx, recording, op, f),
+                work=_compute_cost(op, f, k in grads, dtype, hw, rate, k not in unread_ops) if rate else 0.0,
                 own_time=prices.own(own) + reads if rate else None,
                 memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives)),
                 **_beyond(f, k in grads)))
@@ -154,10 +170,14 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
         _share_copies(graph, node_of, op.strategies)
     body = set().union(*(op.inner for op in recording.ops))
     _common_copies(graph, {n for n, k in nodes.items() if not recording.ops[k].inner and k not in body})
-    for v, pl in recording.sinks:
-        if v in graph.producer:
-            _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
-            graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
+    for i, (v, pl) in enumerate(recording.sinks):
+        if v not in graph.producer:
+            continue
+        if i in unread_sinks:   # the block read there is never read: nothing moves forward for it
+            graph.add(Node(f"unread {v}", [v], [], [Strategy((Unread(pl),), (), label="needed, unread")]))
+            continue
+        _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
+        graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
     return graph, nodes
 
 
@@ -354,9 +374,11 @@ def _relay_bytes(ctx, value, src, dst, price=None) -> float:
     """Bytes (or, with ``price``, what its steps cost) of relaying ``value`` from ``src`` to
     ``dst``, forward and, differentiated, back, as often as the value's trace runs."""
     dims, dtype, executions, grad = value
+    read = not isinstance(dst, Unread)   # else the compiler drops the forward relayout
+    dst = dst if read else dst.placement
     if not dst.pending <= src.pending:
         return math.inf   # no collective creates a pending sum
     itemsize = element_bytes(dtype, ctx.mesh.platform)
-    forward = relayout_bytes(ctx, dims, itemsize, src.axes, src.pending, dst.axes, dst.pending, price)
+    forward = relayout_bytes(ctx, dims, itemsize, src.axes, src.pending, dst.axes, dst.pending, price) if read else 0.0
     backward = relayout_bytes(ctx, dims, itemsize, dst.axes, frozenset(), src.axes, price=price) if grad else 0.0
     return (forward + backward) * executions

@@ -24,15 +24,19 @@ import collections
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from ..costmodel.cost import dual_bytes
 from ..names.errors import MeshDSLError
-from ..platform.jaxcompat import apart, differentiated, pricing, varying_axes
+from ..platform.jaxcompat import apart, differentiated, pricing, primal_var, varying_axes
 from ..names.named import NamedArray, Placement, is_named
+from ..rewrite import collectives as C
 from . import remat
 from .candidates import loop_tries, op_tries
 
-__all__ = ["Recording", "OpRecord", "Found"]
+__all__ = ["Recording", "OpRecord", "Found", "OP_SCOPE"]
+
+OP_SCOPE = "mdop"   # the name scope of outermost op number k in the planning trace: mdop<k>
 
 _PINNED = {"scan"}   # ops whose candidates the planner does not explore (its loop_tries instead)
 
@@ -64,6 +68,10 @@ class Recording:
         self.gives: dict = {}      # value id -> the other placements its op's strategies give it
         self.read_at: dict = {}    # value id -> the placements the ops reading it so far may read it in
         self.sinks: list = []      # (value id, placement needed): outputs and x.array reads
+        self.sink_vars: list = []  # per sink: the jaxpr variable the block read there is (or None)
+        self.vars: dict = {}       # value id -> the jaxpr variable it is in the planning trace (or None)
+        self.unread = (frozenset(), frozenset())   # (op numbers, sink indices) whose forward values the
+        #                            program never reads (:mod:`meshdsl.planner.unread`), once traced
         self.count = 0             # outermost ops so far
         self.ended = 0             # records made when the latest op recorded ended
         self._forced: list = []    # (options, candidates per decision point met, copies read, copies made) of the rules running now
@@ -80,6 +88,7 @@ class Recording:
             v = self._ids[key] = len(self.values)
             self._keep.append(x.raw)
             self.values[v] = (x.dims, x.dtype, ctx.rec.executions_of(x.raw), differentiated(x.raw))
+            self.vars[v] = primal_var(x.raw)
             self.placed[v] = ctx.placement(x)
             if not made:
                 self.entered[v] = self.placed[v]
@@ -94,7 +103,13 @@ class Recording:
         if self.emit:
             return self.planned_sinks.pop(0).axes if self.planned_sinks else axes
         self.sinks.append((self.vid(ctx, x), Placement(tuple(map(tuple, axes)))))
+        self.sink_vars.append(None)
         return axes
+
+    def sank(self, ctx, block) -> None:
+        """``block`` is what the latest sink reads (its placement's block, sums reduced)."""
+        if ctx.frame is None and not self.emit and self.sink_vars:
+            self.sink_vars[-1] = primal_var(block)
 
     # -- ops -------------------------------------------------------------------------------------
 
@@ -105,12 +120,12 @@ class Recording:
         self.count, n_ops, n_sinks = mark
         del self.ops[n_ops:]
         del self.sinks[n_sinks:]
+        del self.sink_vars[n_sinks:]
 
     def apply(self, ctx, name, rule, args, kwargs):
         """Run ``rule`` for the outermost op ``name``: recorded (with its other strategies
         explored), or with its operands first relaid where the plan puts them."""
-        k = self.count
-        self.count += 1
+        k, self.count = self.count, self.count + 1
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_named)
         named = [i for i, leaf in enumerate(leaves) if is_named(leaf)]
         xs = [leaves[i] for i in named]
@@ -133,7 +148,8 @@ class Recording:
             loop_tries(ctx, rule, xs) if xs and ctx.frame is None else []
         others = _try_all(ctx, rule, leaves, tree, named, xs, tries)
         before = ctx.checkpoint()
-        result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(ctx.placement(x) for x in xs), {})
+        with jax.named_scope(f"{OP_SCOPE}{k}"):   # what it computes, found by the planner in the trace
+            result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(map(ctx.placement, xs)), {})
         if explore:   # decision points the rule met but does not declare (whether to widen a type), with each strategy
             declared = len(getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs))
             with ctx.as_at(before):   # priced without the copies the default made
@@ -304,26 +320,33 @@ def _distinct(strategies) -> list:
 
 def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
     """``x`` relaid to placement ``pl`` (pending sums outside ``pl.pending`` reduced). A sum
-    ``pl`` keeps pending that ``x`` does not hold (its producer took another candidate than the
-    plan's) stays reduced: a placement never claims a sum its block does not carry."""
-    pl = Placement(pl.axes, pl.pending & ctx.pending(x))
+    ``pl`` keeps pending that ``x`` does not hold (a candidate of its producer leaves it pending,
+    the trace's reduced it) is, in a sandbox, made so: the block on the first device of the sum's
+    group, zeros elsewhere (what the consumer computes from, and moves, is then what it would
+    from the producer's candidate). Outside a sandbox it stays reduced: a placement never claims
+    a sum its block does not carry."""
+    made = pl.pending - ctx.pending(x) if ctx.rec.sandbox is not None else frozenset()
+    if made & ctx.placement(x).split_axes() or made & {a for axes in pl.axes for a in axes}:
+        made = frozenset()
+    pl = Placement(pl.axes, pl.pending & (ctx.pending(x) | made))
     if ctx.placement(x) == pl:
         return x
-    arr = ctx.local(x, dict(zip(x.names, pl.axes)), keep_pending=pl.pending)
+    arr = ctx.local(x, dict(zip(x.names, pl.axes)), keep_pending=pl.pending - made)
+    if made:
+        first = C.axis_index(tuple(a for a in ctx.mesh.factor_axes if a in made)) == 0
+        arr = jnp.where(first, arr, jnp.zeros((), arr.dtype))
     return NamedArray(arr, x.dims, is_param=x.is_param, placement=pl)
 
 
 def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
     """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache): the strategy
-    it shows, or None if the rule refuses it (a :class:`MeshDSLError`: what it would tell a user
-    who placed the operands there; or, until the known relayout bug is fixed, an internal error)."""
+    it shows, or None if the rule refuses it with a :class:`MeshDSLError` (what it would tell a
+    user who placed the operands there). Any other exception is a bug in the rule: it surfaces."""
     mark = ctx.checkpoint()
     try:
         with ctx.rec.sandboxed(), apart():
             return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
-    except (MeshDSLError, ValueError, TypeError, KeyError, IndexError, AssertionError):
-        # the rule refuses that entry: not a candidate. (Only a MeshDSLError should: fuzz seed 50
-        # still meets a relayout AssertionError here, a bug to fix before the catch narrows.)
+    except MeshDSLError:   # the rule refuses that entry: not a candidate
         return None
     finally:
         ctx.rollback(mark)

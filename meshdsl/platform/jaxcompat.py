@@ -1,11 +1,12 @@
 """Every use of jax internals (``jax._src``) in meshdsl, in one small module.
 
-The rewriter needs five things public jax does not offer: the trace being built now and the
+The rewriter needs six things public jax does not offer: the trace being built now and the
 traces enclosing it (to hoist the relayout of a value a ``md.scan`` step captures out of the
 loop), running code in an enclosing trace, a trace built apart and thrown away (the planner
 prices a candidate there, undifferentiated), dead-code elimination of a jaxpr (``md.explain``
-drops collectives the compiler drops), and whether a value is being differentiated (an einsum
-weighs its backward collectives too). A jax upgrade that moves them breaks this file only.
+drops collectives the compiler drops), whether a value is being differentiated (an einsum
+weighs its backward collectives too), and the variable a traced value is (the planner asks which
+forward values the program never reads). A jax upgrade that moves them breaks this file only.
 
 Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`` type of a value).
 
@@ -31,7 +32,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "varying_axes", "differentiated", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
+           "varying_axes", "differentiated", "primal_var", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
            "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory", "host_resident",
            "not_transfers_nor_casts"]
 
@@ -172,6 +173,16 @@ def in_trace(trace):
     """Build what runs inside into ``trace`` (an enclosing trace) instead of the current one."""
     with _core.set_current_trace(trace):
         yield
+
+
+def primal_var(value):
+    """The jaxpr variable that ``value`` (a tracer, of ``jax.grad``'s forward pass or not) is in
+    the program being traced - its primal's - or None (a constant; a value of an inner trace)."""
+    while isinstance(value, (_ad.JVPTracer, _ad.LinearizeTracer)):
+        value = value.primal
+    if isinstance(value, _pe.DynamicJaxprTracer) and isinstance(value.val, _core.Var):
+        return value.val
+    return None
 
 
 def dce(jaxpr):

@@ -269,6 +269,8 @@ class ExplicitContext(LayoutContext):
         if extra:
             arr = self.cached(arr, ("replicate", extra), lambda: C.replicate(
                 self, arr, extra, f"[{leaf.dims}] replicated value typed varying over {self.mesh.axes_text(extra)}"))
+        if self.planner is not None:
+            self.planner.sank(self, arr)
         return arr
 
     # -- per-trace cache -------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import math
 
 import jax
 
-from ..costmodel import jaxpr_stats, liveness, roofline
+from ..costmodel import jaxpr_stats, liveness, roofline, simplify
 from ..costmodel.step_time import kernel_seconds
 from ..rewrite.contexts import DimsRecorder
 from ..platform.jaxcompat import fresh
@@ -157,12 +157,12 @@ class Held:
             try:
                 with remats.auto_as("full" if self.remat_auto else None):
                     closed, ctx, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
-                body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+                body = simplify.live(jaxpr_stats.inner_body(closed))
                 self._temporaries = liveness.at_peak(body)
                 if self.remat_auto:
                     with remats.auto_as("none"):
                         closed, ctx, _ = lower(self.fn, mesh, Layout({})).trace(*self.args)
-                    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed))
+                    body = simplify.live(jaxpr_stats.inner_body(closed))
                 self._kernels = roofline.program_kernels(body, ctx.attentions)
             except Exception:   # noqa: BLE001 - a program that cannot run unsplit: not screened
                 self._temporaries = []

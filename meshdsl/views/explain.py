@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.extend
 
-from ..costmodel import jaxpr_stats, liveness, roofline
+from ..costmodel import jaxpr_stats, liveness, roofline, simplify
 from ..costmodel.cost import KINDS
 from ..lowering.lower import lower
 from ..names.named import is_named
@@ -179,7 +179,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
               attention=attention, unused_rules=unused_rules, objective=objective, hardware=hardware,
               memory_budget=memory_budget)
     closed, ctx, prog = f.trace(*args)
-    body = jaxpr_stats.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform)
+    body = simplify.live(jaxpr_stats.inner_body(closed), ctx.mesh.platform)
     runs = jaxpr_stats.name_scopes(body)
     kept = []
     for r in ctx.rec.records:  # as often as the program runs it: dead ones dropped, replays counted

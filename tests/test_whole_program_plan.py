@@ -493,3 +493,28 @@ def test_the_planner_finds_the_forward_values_a_gradient_program_never_reads():
         ops = [name.split(" at ")[0] for name in ops if not name.startswith("unread")]
         # the two sums and the two reads of their values (the last ops of the loss)
         assert (ops, len(sinks)) == ((["sum", "sum"], 2) if dropped else ([], 0)), (ops, sinks)
+
+
+A_LOSS_WHOSE_WHOLE_TERM_MAY_BE_LEFT_INVARIANT = """mesh={'x': 2, 'y': 4} layout={'a': ('x', 'y'), 'b': ('y',), 'd': ('y',), 'e': ('x',), 'm128': ('x',), 'm256': ('y', 'x'), 'm512': ('x',), 'p4': ('x', 'y')} params={} param_gather=auto
+  v0 = input [c a] float param
+  v1 = input [c] float param
+  v2 = input [b] float param
+  v3 = input [b] int
+  v4 = input [c] int
+  v5 = transpose(v2; {'order': 'b'}) -> [b]
+  v6 = softmax(v2; {'f': 'softmax', 'dim': 'b'}) -> [b]
+  v7 = create(v5; {'f': 'full', 'dim': 'b'}) -> [b]
+  v8 = take(v1, v4; {'dim': 'c'}) -> [c]
+  return v7, v8"""
+
+
+def test_a_whole_term_joins_a_pending_loss_free_only_where_it_is_typed_varying_there():
+    """``jax.grad`` of a loss summing a term pending over ``y`` and a whole term computed from
+    ``take(w, ids)``: the take may widen ``w`` to vary over ``y`` (its result typed varying) or
+    not. The whole term joins the pending sum for free only when typed varying; where the take
+    leaves it invariant the join casts it (its gradient's all-reduce), and the plan prices that,
+    back along the ops that follow the take's type (it took the join free and the unwidened take
+    and moved 6 B where gspmd moves nothing; fuzz seed 52)."""
+    program = parse(A_LOSS_WHOSE_WHOLE_TERM_MAY_BE_LEFT_INVARIANT)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    promises_kept(program.grads_inside(), mesh, layout, *program.args(), param_gather=program.param_gather)

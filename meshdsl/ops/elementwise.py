@@ -26,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ..costmodel.cost import array_bytes, moved_bytes
+from ..platform.jaxcompat import differentiated, varying_axes
 from ..rewrite import collectives as C
 from .common import align, as_named, union_dims
 from .creation import full
@@ -72,6 +74,11 @@ def _apply(ctx, fn, args, pending_rule: str = "resolve", out_dtype=None):
     vary = ctx.vary(axes.values(), xs, keep, out_size=math.prod(dims.sizes))
     local = [align(ctx.local(x, axes, vary, keep_pending=keep), x.dims, dims) for x in xs]
     if join and keep:
+        for x, p, arr in zip(xs, pend, local):   # read as typed varying: a plan leaving it otherwise casts it
+            if not p and ctx.planner is not None and keep <= varying_axes(x.raw) and differentiated(x.raw):
+                nbytes = array_bytes(arr.shape, arr.dtype, ctx.mesh.platform)
+                ctx.planner.varies(ctx, x, keep, moved_bytes("all-reduce", nbytes, nbytes, ctx.axes_size(tuple(keep)))
+                                   * ctx.rec.multiplier)
         first = C.axis_index(tuple(a for a in ctx.mesh.factor_axes if a in keep)) == 0
         local = [arr if pend[i] else jnp.where(first, arr, jnp.zeros((), arr.dtype)) for i, arr in enumerate(local)]
     return ctx.out(fn(*local), dims, axes, keep)

@@ -205,7 +205,7 @@ def _dead_reads(found, s, node, live, orphans, later) -> float:
     does (``later``: ``(strategy, (first reader, its strategies), bytes)``, a shared copy)."""
     reads = 0.0
     for maker, cost, copy in found.reads:
-        if maker in live or not cost:
+        if maker in live or not cost or copy[0] == "varies":
             continue
         first = orphans.setdefault(copy, (node, set()))
         if first[0] == node:
@@ -227,6 +227,8 @@ def _share_copies(graph, node_of, found) -> None:
     reader = len(graph.nodes) - 1
     for s, f in enumerate(found):
         for maker, cost, copy in f.reads:
+            if copy[0] == "varies" and cost:
+                _typed_varying(graph, reader, s, copy, cost)
             if maker not in node_of or not cost:
                 continue
             if _reads_from(graph, reader, node_of[maker]) and not _cast_over_own_split(f, copy):
@@ -235,6 +237,37 @@ def _share_copies(graph, node_of, found) -> None:
             makers = frozenset(i for i, st in enumerate(graph.nodes[m].strategies) if copy in st.detail.makes)
             if len(makers) < len(graph.nodes[m].strategies):
                 graph.shared.append(SharedCopy(reader, s, m, makers, cost))
+
+
+def _typed_varying(graph, reader, s, copy, cost) -> None:
+    """Strategy ``s`` of node ``reader`` reads a value as typed varying over mesh axes (``copy``:
+    ``("varies", value, axes)``), as the planning trace leaves it: where the op deciding that type
+    takes a strategy leaving it otherwise (a parameter left unwidened), the reader casts it, for
+    ``cost`` (a :class:`~meshdsl.planner.graph.SharedCopy` that op's varying strategies make). The
+    deciding op is the value's producer, or - where every strategy of the producer varies because
+    an operand does (an elementwise op follows its operands' types) - that operand's, back along
+    the one operand whose type it follows."""
+    _, v, axes = copy
+
+    def varies(st, slot):
+        return st.detail is not None and bool(st.detail.vary) and axes <= st.detail.vary[slot] | st.gives[slot].used_axes()
+
+    seen = set()
+    while v in graph.producer and v not in seen:
+        seen.add(v)
+        p, slot = graph.producer[v]
+        strategies = graph.nodes[p].strategies
+        makers = frozenset(i for i, st in enumerate(strategies) if varies(st, slot))
+        if len(makers) < len(strategies):
+            graph.shared.append(SharedCopy(reader, s, p, makers, cost))
+            return
+        if strategies[0].gives[slot].used_axes() & axes:
+            return   # split or pending there: varying by its placement, whatever it reads
+        follows = [w for w in graph.nodes[p].operands
+                   if varies(graph.nodes[graph.producer[w][0]].strategies[0], graph.producer[w][1])]
+        if len(follows) != 1:
+            return
+        v = follows[0]
 
 
 def _common_copies(graph, plain) -> None:

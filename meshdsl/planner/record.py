@@ -196,6 +196,15 @@ class Recording:
         if self._forced and (maker, cost, copy) not in self._forced[-1][2]:
             self._forced[-1][2].append((maker, cost, copy))
 
+    def varies(self, ctx, x: NamedArray, axes: frozenset, cost: float) -> None:
+        """The rule running now reads ``x`` as typed varying over mesh ``axes`` (as its producer's
+        strategy in this trace leaves it) without casting it: a plan where the producer leaves it
+        typed otherwise casts it here, for ``cost`` bytes (the cast's backward all-reduce)."""
+        if self._forced and not self.emit:
+            read = (-1, cost, ("varies", self.vid(ctx, x), frozenset(axes)))
+            if read not in self._forced[-1][2]:
+                self._forced[-1][2].append(read)
+
     def made(self, copy, cost: float = 0.0) -> None:
         """The rule running now made ``copy`` (a key) for ``cost`` bytes: a later op reading it
         reads it free where this op takes a strategy that makes it, and strategies of several ops

@@ -518,3 +518,26 @@ def test_a_whole_term_joins_a_pending_loss_free_only_where_it_is_typed_varying_t
     program = parse(A_LOSS_WHOSE_WHOLE_TERM_MAY_BE_LEFT_INVARIANT)
     mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
     promises_kept(program.grads_inside(), mesh, layout, *program.args(), param_gather=program.param_gather)
+
+
+A_LOSS_TERM_TYPED_BY_A_CONTRACTION_OF_ONE_VALUE_THRICE = """mesh={'x': 8, 'y': 1} layout={'b': ('y', 'x'), 'm512': ('x', 'y'), 'p4': ('y', 'x'), 'q4': ('x', 'y'), 'k2': ('x',)} params={} param_gather=keep dtype=bfloat16
+  v0 = input [d b c] float
+  v1 = input [a] float param
+  v2 = input [c d] int
+  v3 = input [c] int
+  v4 = einsum3(v0, v1, v1; {'out': 'c'}) -> [c]
+  v5 = compare(v1, v4; {'f': 'logical_and'}) -> [a c]
+  v6 = einsum(v5, v5; {'out': 'a'}) -> [a]
+  v7 = einsum3(v6, v6, v6; {'out': 'a'}) -> [a]
+  v8 = scale(v0; {'c': 0.5, 'b': 0.0}) -> [d b c]
+  return v7, v8"""
+
+
+def test_the_type_a_joining_term_follows_is_traced_through_an_op_reading_one_value_thrice():
+    """The whole loss term comes from ``einsum3(v, v, v)``, which is typed as ``v`` is: the op
+    deciding that type is found through it (one value, read three times), so the join that
+    needs it varying pays the cast where that op leaves it invariant (63 B where gspmd moves 56;
+    fuzz seed 53)."""
+    program = parse(A_LOSS_TERM_TYPED_BY_A_CONTRACTION_OF_ONE_VALUE_THRICE)
+    mesh, layout = md.Mesh(program.mesh), md.Layout(program.layout, params=program.params)
+    promises_kept(program.grads_inside(), mesh, layout, *program.args(), param_gather=program.param_gather)

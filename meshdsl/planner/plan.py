@@ -246,7 +246,7 @@ def _typed_varying(graph, reader, s, copy, cost) -> None:
     ``cost`` (a :class:`~meshdsl.planner.graph.SharedCopy` that op's varying strategies make). The
     deciding op is the value's producer, or - where every strategy of the producer varies because
     an operand does (an elementwise op follows its operands' types) - that operand's, back along
-    the one operand whose type it follows."""
+    the one value whose type it follows (where several make it vary, the reader pays the cast)."""
     _, v, axes = copy
 
     def varies(st, slot):
@@ -263,11 +263,12 @@ def _typed_varying(graph, reader, s, copy, cost) -> None:
             return
         if strategies[0].gives[slot].used_axes() & axes:
             return   # split or pending there: varying by its placement, whatever it reads
-        follows = [w for w in graph.nodes[p].operands
-                   if varies(graph.nodes[graph.producer[w][0]].strategies[0], graph.producer[w][1])]
-        if len(follows) != 1:
+        follows = {w for w in graph.nodes[p].operands
+                   if varies(graph.nodes[graph.producer[w][0]].strategies[0], graph.producer[w][1])}
+        if len(follows) != 1:   # several operands make it vary: the reader pays the cast
+            graph.shared.append(SharedCopy(reader, s, p, frozenset(), cost))
             return
-        v = follows[0]
+        v = follows.pop()
 
 
 def _common_copies(graph, plain) -> None:

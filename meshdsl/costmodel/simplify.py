@@ -14,6 +14,7 @@ import functools
 import re
 
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from ..platform.jaxcompat import called_jaxpr, dce, dot_dims
@@ -110,8 +111,7 @@ _KEEPS_FILL = frozenset(("broadcast_in_dim", "pvary", "copy", "copy_p", "reshape
 def _filled(v, filled):
     """The constant every element of ``v`` holds (a literal, or a broadcast of one), else None."""
     if isinstance(v, jcore.Literal):
-        return v.val.item() if hasattr(v.val, "item") and getattr(v.val, "size", 1) == 1 else \
-            (v.val if isinstance(v.val, (bool, int, float)) else None)
+        return np.asarray(v.val).item() if np.size(v.val) == 1 else None
     return filled.get(v)
 
 

@@ -19,6 +19,9 @@ import numpy as np
 import pytest
 
 import meshdsl as md
+from jax.extend import core as jcore
+from meshdsl.costmodel import jaxpr_stats
+from meshdsl.platform import jaxcompat
 from meshdsl.models.cli.train import main
 from meshdsl.models.families.configs import get_config
 from meshdsl.models.training.optim import make_optimizer
@@ -120,9 +123,10 @@ def test_parameters_in_host_memory_train_exactly_as_on_the_device(runs, streamed
 
 def test_a_stack_in_host_memory_is_fetched_layer_by_layer_and_priced_so():
     """``offload="params"``: md.place keeps the parameters in host memory; a scan brings each
-    layer's slice to the device in the forward pass and again in the backward pass (never the
-    whole stack, never kept there), sends each layer's gradient back, and explain counts it: the
-    device holds neither the parameters nor their gradients, the host link carries them."""
+    layer's slice to the device one layer ahead in the forward pass and again in the backward pass
+    (never the whole stack, never kept there; each pass's last step fetches one slice no step
+    uses), sends each layer's gradient back, and explain counts it: the device holds neither the
+    parameters nor their gradients, the host link carries them."""
     args, mesh = gated_mlp_stack(layers=8, batch=8, seq=16, d_model=64, d_ff=256), md.Mesh({"data": 8})
     on_device, offloaded = md.Layout({"batch": "data"}), md.Layout({"batch": "data"}, offload="params")
     placed = md.place(args, mesh, offloaded)
@@ -133,10 +137,79 @@ def test_a_stack_in_host_memory_is_fetched_layer_by_layer_and_priced_so():
         assert g.raw.sharding.memory_kind == "pinned_host"
     params = sum(a.raw.nbytes for a in args[:2])
     report = md.explain(gated_mlp_grads("none"), mesh, offloaded, *placed)
-    assert report.memory["transfers"] == {"to device": 2 * params, "to host": params}
+    layers = args[0].raw.shape[0]
+    assert report.memory["transfers"] == {"to device": 2 * params * (layers + 1) // layers, "to host": params}
     assert report.memory["host"] == 2 * params   # the parameters, and their gradients sent back
     kept = md.explain(gated_mlp_grads("none"), mesh, on_device, *args).memory["peak"]
     assert report.memory["peak"] <= kept - 2 * params     # neither the parameters nor their gradients
+
+
+def _fetches(jaxpr):
+    """Per scan body reading a slice from host memory (outermost first): the values it brings to
+    the device, and whether any op of that body reads them."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            body = jaxcompat.scan_parts(eqn).body
+            moved = [e.outvars[0] for e in body.eqns if e.primitive.name == "device_put"
+                     and jaxcompat.in_host_memory(e.invars[0].aval) and not jaxcompat.in_host_memory(e.outvars[0].aval)]
+            if moved:
+                read = {v for e in body.eqns for v in e.invars if isinstance(v, jcore.Var)}
+                found.append((moved, [v in read for v in moved], [v in body.outvars for v in moved]))
+        for sub in jaxpr_stats.sub_jaxprs(eqn):
+            found.extend(_fetches(sub))
+    return found
+
+
+def _layered_grads(reverse):
+    """Gradients (of ``w1``, ``w2``, ``x``) of a gated MLP stack scanned over ``layers`` (backwards
+    where ``reverse``), each layer scaled by its layer number (an integer stack on the device) and
+    returning a per-layer value (``ys``)."""
+    def loss(w1, w2, x, k):
+        def step(h, ws):
+            a, b, i = ws
+            u = md.einsum(h, a, out="batch seq d_ff")
+            h = h + md.einsum(md.tanh(u) * md.sigmoid(u), b, out="batch seq d_model") * (1.0 + 0.1 * i.astype(jnp.float32))
+            return h, md.sum(h)
+        h, ys = md.scan(step, x, (w1, w2, k), dim="layers", reverse=reverse)
+        return (md.sum(h * h) + md.sum(ys * ys)).array / x.size
+    return lambda w1, w2, x, k: jax.grad(loss, argnums=(0, 1, 2))(w1, w2, x, k)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_each_layer_is_fetched_while_the_layer_before_computes(reverse):
+    """A scan over a stack in host memory brings step ``j + 1``'s slice to the device during step
+    ``j`` (the transfer is carried to the next step; no op of the step waiting on it), in the
+    forward loop and in the backward loop, which runs the layers the other way round; values and
+    gradients are those of the program on one device, with ``ys``, an integer stack on the device
+    and a scan run backwards."""
+    w1, w2, x = gated_mlp_stack(layers=4, batch=8, seq=8, d_model=32, d_ff=64)
+    args = (w1, w2, x, md.named(jnp.arange(4), "layers"))
+    mesh, layout = md.Mesh({"data": 8}), md.Layout({"batch": "data"}, offload="params")
+    placed = md.place(args, mesh, layout)
+    lowered = md.lower(_layered_grads(reverse), mesh, layout)
+    for g, w in zip(lowered(*placed), _layered_grads(reverse)(*args)):
+        np.testing.assert_allclose(np.asarray(g.array), np.asarray(w.array), rtol=1e-4, atol=1e-5)
+    closed, _, _ = lowered.trace(*placed)
+    loops = _fetches(jaxpr_stats.inner_body(closed))
+    assert len(loops) == 2   # the forward loop and the backward loop
+    for moved, read, carried in loops:
+        assert len(moved) == 2 and not any(read) and all(carried)
+
+
+def test_the_backward_pass_makes_again_what_it_computes_from_a_fetched_slice():
+    """Under ZeRO-3 storage in host memory each layer's slice is gathered after it is fetched; the
+    backward pass gathers it again from the slice it fetches rather than keeping every layer's
+    gathered weights: the compiled program's temporaries are under the gathered stack (and the
+    values are the single device's)."""
+    args, mesh = gated_mlp_stack(layers=8, batch=8, seq=16, d_model=64, d_ff=256), md.Mesh({"data": 8})
+    layout = md.Layout({"batch": "data"}, params={"d_model": "data"}, offload="params")
+    placed = md.place(args, mesh, layout)
+    for g, w in zip(md.lower(gated_mlp_grads("full"), mesh, layout)(*placed), gated_mlp_grads("full")(*args)):
+        np.testing.assert_allclose(np.asarray(g.array), np.asarray(w.array), rtol=1e-4, atol=1e-5)
+    gathered = sum(a.raw.nbytes for a in args[:2])   # every layer's weights, whole on each device
+    compiled = md.explain(gated_mlp_grads("full"), mesh, layout, *args).compiled_memory()
+    assert compiled["temporaries"] < gathered / 2
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
@@ -255,17 +328,19 @@ def test_a_search_streams_the_parameters_from_host_memory_only_where_the_state_o
     """With 6 MiB, no layout fits even with AdamW's state in host memory (the parameters and their
     gradients, 2 MiB each, replicated, are over it with the step's activations); ``offload=True``
     then costs each layout again with its parameters in host memory too, each layer's slice brought
-    to the device where used: the best fits, paying explain's trips (2x the parameters in, their
-    gradients out) and the update's (the parameters and gradients in, the parameters out), and
-    the state's. Where the state's offload alone fits (11 MiB), the parameters stay."""
+    to the device one layer ahead of its use: the best fits, paying explain's trips (2x the
+    parameters in, and the one layer each pass fetches ahead of none, their gradients out) and the
+    update's (the parameters and gradients in, the parameters out), and the state's. Where the
+    state's offload alone fits (11 MiB), the parameters stay."""
     assert not _search("6MiB", optimizer_state=2.0).candidates
     best = _search("6MiB", optimizer_state=2.0, offload=True).best
     params = 2 * 2 ** 20   # per device, replicated
     assert str(best.layout) == "batch:data | offload optimizer,params"
     assert best.memory["peak"] * 1.1 <= 6 * 2 ** 20
     assert best.memory["host"] == 2 * params + 2 * params     # the parameters, their gradients and the state
-    assert best.report.memory["transfers"] == {"to device": 2 * params, "to host": params}
-    assert best.host_s == pytest.approx((3 * params + 3 * params + 2 * 2 * params) / 64e9)
+    ahead = 2 * params // 4   # one of the 4 layers' slices each pass, fetched ahead of no layer
+    assert best.report.memory["transfers"] == {"to device": 2 * params + ahead, "to host": params}
+    assert best.host_s == pytest.approx((3 * params + ahead + 3 * params + 2 * 2 * params) / 64e9)
     assert "parameters (each layer's slice as it is used) and optimizer state to the device and back" in best.why
     assert "params" not in _search("11MiB", optimizer_state=2.0, offload=True).best.layout.offload
 

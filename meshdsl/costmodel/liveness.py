@@ -13,7 +13,8 @@
   ``stop_gradient`` is its operand's buffer; so is a call's result that passes an input through;
 * **in place**: a ``scatter``, a ``dynamic_update_slice`` or an elementwise op writes into an
   operand of its size where that operand dies (never an argument or a result: those hold their
-  values to the end); a transpose read only by matmuls is folded into them (no copy), but a
+  values to the end); a transpose read only by matmuls is folded into them (no copy), and so
+  is the transpose that alone reads a matmul's result (the matmul writes that layout), but a
   matmul reads a transposed copy of an operand whose dims are not batch dims first, then its
   free and contracted dims one group after the other (:func:`_copied`);
   ``add(x, scatter(0, i, u))`` (a row lookup's gradient added to another) is
@@ -110,13 +111,19 @@ def _transfers(jaxpr, times: int, out: dict) -> None:
             _transfers(sub, times * trips, out)
 
 
+_HOST_VIEWS = ("dynamic_slice", "slice", "squeeze", "reshape")
+
+
 def _host_held(jaxpr) -> int:
     """Bytes of the values ``jaxpr`` (and the calls in it) holds in host memory, each counted
     once: all live at once between the forward pass that offloads them and the backward that
     brings them back."""
     seen, total = set(), 0
     for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
+        # a call's results are counted where it makes them; a slice of a host value read by a
+        # transfer to the device is not a buffer of its own (a DMA of that part of the value)
+        made = () if eqn.primitive.name in _CALLS or eqn.primitive.name in _HOST_VIEWS else eqn.outvars
+        for v in made:
             if isinstance(v, jcore.Var) and in_host_memory(v.aval) and v not in seen:
                 seen.add(v)
                 total += _bytes(v.aval)
@@ -280,12 +287,13 @@ def _owners(jaxpr) -> tuple[dict, set]:
     owner: dict = {}
     zeros: set = set()
     root = lambda v: owner.get(v, v)   # noqa: E731
-    uses, readers = {}, {}
+    uses, readers, made_by = {}, {}, {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
                 uses[v] = k
-                readers.setdefault(v, set()).add(eqn.primitive.name)
+                readers.setdefault(v, []).append(eqn.primitive.name)
+        made_by.update((v, eqn.primitive.name) for v in eqn.outvars)
     ends: dict = {}   # root -> last use of any value in its buffer
     # arguments and the program's results are never overwritten (a result's buffer holds it to the end)
     results = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
@@ -306,7 +314,10 @@ def _owners(jaxpr) -> tuple[dict, set]:
 
     for k, eqn in enumerate(jaxpr.eqns):
         name, ins = eqn.primitive.name, [v for v in eqn.invars if isinstance(v, jcore.Var)]
-        folded = name == "transpose" and readers.get(eqn.outvars[0]) == {"dot_general"}
+        # a transpose read only by matmuls is folded into them; the only reader of a matmul's
+        # result, into that matmul (it writes the transposed layout)
+        folded = name == "transpose" and (set(readers.get(eqn.outvars[0], ())) == {"dot_general"} or (
+            ins and made_by.get(ins[0]) == "dot_general" and readers.get(ins[0]) == ["transpose"]))
         if (name in _ALIASES or folded) and len(eqn.invars) == 1 and ins and \
                 nbytes(ins[0].aval) == nbytes(eqn.outvars[0].aval):
             share(eqn.outvars[0], ins[0])

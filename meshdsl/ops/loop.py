@@ -10,6 +10,8 @@
   entry with a pending sum enters the loop pending; where the steps reduce its slices and other
   readers reduce it again, the planner prices the loop with it reduced before (once, where made).
 * Values the step captures from outside are relaid and cast outside the loop, once.
+* Stacked xs kept in host memory (offloaded parameters) make the loop :mod:`meshdsl.ops.streamed`'s:
+  each step's slice fetched during the step before.
 
 :mod:`meshdsl.ops.scan` (a plain scan) and :mod:`meshdsl.ops.pipeline` (a scan over a split dim)
 run their steps through :func:`run`.
@@ -27,6 +29,7 @@ from ..names.errors import ShapeError
 from ..platform.jaxcompat import host_resident, to_memory, varying_axes
 from ..names.named import NamedArray, Placement, is_named as _is_named
 from ..rewrite.relayout import relayout_bytes
+from . import streamed
 from .restructure import transpose
 
 __all__ = ["run", "Widen", "order"]
@@ -93,10 +96,11 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
             y_templates.append(y_tree)
             return out_c, [y.raw if _is_named(y) else y for y in y_leaves]
 
-    if any(map(host_resident, x_arrays)):   # a slice in host memory: fetched again for the backward pass,
-        body = jax.checkpoint(body, policy=jaxcompat.not_transfers_nor_casts)   # never kept on the device
     with jaxcompat.fresh():   # a step traced again (a retry, another candidate) runs its rules again
-        c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
+        if any(map(host_resident, x_arrays)):   # slices in host memory: fetched one step ahead, and again
+            c_out, y_arrays = streamed.scan(body, c_arrays, x_arrays, reverse, unroll)   # for the backward pass
+        else:
+            c_out, y_arrays = jax.lax.scan(body, c_arrays, x_arrays, reverse=reverse, unroll=unroll)
     y_tree = y_templates.pop()
     return _rebuild(c_tree, c_out, c_templates), _stack_ys(dim, length, y_tree, y_arrays, y_templates)
 

@@ -1,12 +1,14 @@
 """Every use of jax internals (``jax._src``) in meshdsl, in one small module.
 
-The rewriter needs six things public jax does not offer: the trace being built now and the
+The rewriter needs seven things public jax does not offer: the trace being built now and the
 traces enclosing it (to hoist the relayout of a value a ``md.scan`` step captures out of the
 loop), running code in an enclosing trace, a trace built apart and thrown away (the planner
 prices a candidate there, undifferentiated), dead-code elimination of a jaxpr (``md.explain``
 drops collectives the compiler drops), whether a value is being differentiated (an einsum
 weighs its backward collectives too), and the variable a traced value is (the planner asks which
-forward values the program never reads). A jax upgrade that moves them breaks this file only.
+forward values the program never reads), and which outputs of a jaxpr do not depend on given inputs, replayed
+alone (a streamed loop's backward pass makes again what it computes from a fetched slice). A jax
+upgrade that moves them breaks this file only.
 
 Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`` type of a value).
 
@@ -32,9 +34,9 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
+           "free_of", "replay",
            "varying_axes", "differentiated", "primal_var", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
-           "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory", "host_resident",
-           "not_transfers_nor_casts"]
+           "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory", "host_resident"]
 
 _APART: dict = {}   # id(trace built apart) -> the trace it stands in for
 
@@ -190,6 +192,24 @@ def dce(jaxpr):
     return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
+def free_of(closed, inputs) -> list:
+    """Per output of the closed jaxpr ``closed``: is it computed without the inputs the mask
+    ``inputs`` selects (read by no equation it depends on)?"""
+    jaxpr = closed.jaxpr
+    tainted = {v for v, t in zip(jaxpr.invars, inputs) if t}
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, _core.Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not (isinstance(v, _core.Var) and v in tainted) for v in jaxpr.outvars]
+
+
+def replay(closed, keep, args) -> list:
+    """The outputs the mask ``keep`` selects of the closed jaxpr ``closed`` on ``args`` (its
+    inputs), running only the equations they need."""
+    jaxpr, used = _pe.dce_jaxpr(closed.jaxpr, list(keep))
+    return _core.eval_jaxpr(jaxpr, closed.consts, *[a for a, u in zip(args, used) if u])
+
+
 # -- jaxpr equations' parameters, in each jax version's form ------------------------------------------
 
 
@@ -275,23 +295,6 @@ def to_memory(tree, where: str):
     its split (a host <-> device transfer XLA schedules; no collective)."""
     space = {"device": jax.memory.Space.Device, "host": jax.memory.Space.Host}[where]
     return jax.device_put(tree, space)
-
-
-_CASTS = frozenset(("pvary", "pcast"))
-
-
-def not_transfers_nor_casts(prim, *_, **params) -> bool:
-    """A remat policy: save any value but a copy between memories (``device_put``: a slice fetched
-    from host memory) and a free cast (``pvary``/``pcast``, or a ``custom_vjp`` of only those, as
-    :func:`meshdsl.rewrite.collectives.cast` makes): the backward pass makes them again (fetching
-    the slice again) rather than keep them on the device."""
-    if prim.name == "device_put" or prim.name in _CASTS:
-        return False
-    if prim.name == "custom_vjp_call":
-        body = params.get("call_jaxpr")
-        eqns = getattr(getattr(body, "jaxpr", body), "eqns", None)
-        return not (eqns and all(e.primitive.name in _CASTS for e in eqns))
-    return True
 
 
 def host_resident(array) -> bool:

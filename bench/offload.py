@@ -92,7 +92,7 @@ def _memory(r) -> dict:
     device = report.memory["peak"] + (0.0 if "optimizer" in offload else opt)
     host = report.memory.get("host", 0.0) + (opt if "optimizer" in offload else 0.0)
     compiled = report.compiled_memory()   # the loss-and-gradients program's, host buffers among its own
-    return {"device_peak": device, "host": host, "moved": sum(t["bytes"] for t in trainer.transfers(state)),
+    return {"device_peak": device, "host": host, "moved": sum(t["bytes"] for t in trainer.transfers(state, report=report)),
             "compiled": compiled["arguments"] + compiled["outputs"] + compiled["temporaries"],
             "explained": report.memory["peak"] + report.memory.get("host", 0.0)}
 

@@ -13,8 +13,7 @@
   ``stop_gradient`` is its operand's buffer; so is a call's result that passes an input through;
 * **in place**: a ``scatter``, a ``dynamic_update_slice`` or an elementwise op writes into an
   operand of its size where that operand dies (never an argument or a result: those hold their
-  values to the end); a transpose read only by matmuls is folded into them (no copy), and so
-  is the transpose that alone reads a matmul's result (the matmul writes that layout), but a
+  values to the end); a transpose read only by matmuls is folded into them (no copy), but a
   matmul reads a transposed copy of an operand whose dims are not batch dims first, then its
   free and contracted dims one group after the other (:func:`_copied`);
   ``add(x, scatter(0, i, u))`` (a row lookup's gradient added to another) is
@@ -287,13 +286,12 @@ def _owners(jaxpr) -> tuple[dict, set]:
     owner: dict = {}
     zeros: set = set()
     root = lambda v: owner.get(v, v)   # noqa: E731
-    uses, readers, made_by = {}, {}, {}
+    uses, readers = {}, {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
                 uses[v] = k
-                readers.setdefault(v, []).append(eqn.primitive.name)
-        made_by.update((v, eqn.primitive.name) for v in eqn.outvars)
+                readers.setdefault(v, set()).add(eqn.primitive.name)
     ends: dict = {}   # root -> last use of any value in its buffer
     # arguments and the program's results are never overwritten (a result's buffer holds it to the end)
     results = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
@@ -314,10 +312,7 @@ def _owners(jaxpr) -> tuple[dict, set]:
 
     for k, eqn in enumerate(jaxpr.eqns):
         name, ins = eqn.primitive.name, [v for v in eqn.invars if isinstance(v, jcore.Var)]
-        # a transpose read only by matmuls is folded into them; the only reader of a matmul's
-        # result, into that matmul (it writes the transposed layout)
-        folded = name == "transpose" and (set(readers.get(eqn.outvars[0], ())) == {"dot_general"} or (
-            ins and made_by.get(ins[0]) == "dot_general" and readers.get(ins[0]) == ["transpose"]))
+        folded = name == "transpose" and readers.get(eqn.outvars[0]) == {"dot_general"}
         if (name in _ALIASES or folded) and len(eqn.invars) == 1 and ins and \
                 nbytes(ins[0].aval) == nbytes(eqn.outvars[0].aval):
             share(eqn.outvars[0], ins[0])

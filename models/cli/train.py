@@ -302,7 +302,7 @@ def _train(args, trainer, state, start, ckpts, record, vocab, lengths, val_batch
     t0 = time.perf_counter()
     compiled = trainer.compile(state, first)
     say(f"compiled   one step in {time.perf_counter() - t0:.1f}s; {runinfo.hlo_text(compiled)}")
-    for line in runinfo.transfers_text(trainer.transfers(state)):
+    for line in runinfo.transfers_text(trainer.transfers(state, report=report, accum=args.accum)):
         say(line)
 
     if lead:

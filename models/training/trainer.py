@@ -236,22 +236,31 @@ class Trainer:
                     totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64) * n
         return {k: v / max(tokens, 1.0) for k, v in totals.items()} | {"tokens": tokens}
 
-    def transfers(self, state, hardware=None) -> list[dict]:
+    def transfers(self, state, hardware=None, report=None, accum: int = 1) -> list[dict]:
         """The host <-> device transfers of one step, per device: ``{"what", "direction", "bytes",
         "seconds"}`` (an offloaded optimizer state comes to the device and goes back: its bytes
         each way), the seconds on ``hardware``'s host link (a :class:`md.Hardware` or a profile's
-        name; default: the profile of the mesh's platform)."""
+        name; default: the profile of the mesh's platform). ``report``: the step's
+        :meth:`explain` (of one of ``accum`` microbatches), whose transfers are the streamed
+        parameters' exactly (each pass's slice fetched ahead of no layer included); without it,
+        the parameters twice to the device and their gradients once back."""
         hw, out = md.Hardware.of(hardware, self.mesh), []
         # what moves each way per step: the optimizer state (in, out); parameters streamed to the
         # forward and again to the backward pass, their gradients out, both in for the update and
         # the updated parameters out
-        trips = {"optimizer": ("opt_state", "optimizer state", (1, 1)), "params": ("params", "parameters", (4, 2))}
+        trips = {"optimizer": ("opt_state", "optimizer state", (1, 1)), "params": ("params", "parameters", (2, 1))}
         for name in sorted(self.layout.offload):
             part, what, (ins, outs) = trips[name]
             per_device = self.bytes_per_device(state, part)
-            for direction, times in (("host to device", ins), ("device to host", outs)):
-                out.append({"what": what, "direction": direction, "bytes": times * per_device,
-                            "seconds": hw.host_seconds(times * per_device)})
+            moved = {"host to device": ins * per_device, "device to host": outs * per_device}
+            if name == "params":   # the step's (explain's, or twice in and once out), and the update's
+                step = (report.memory["transfers"] if report is not None else
+                        {"to device": 2 * per_device, "to host": per_device})
+                moved["host to device"] += accum * step["to device"]
+                moved["device to host"] += accum * step["to host"]
+            for direction, nbytes in moved.items():
+                out.append({"what": what, "direction": direction, "bytes": nbytes,
+                            "seconds": hw.host_seconds(nbytes)})
         return out
 
     def bytes_per_device(self, state, part: str) -> float:

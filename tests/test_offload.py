@@ -121,6 +121,27 @@ def test_parameters_in_host_memory_train_exactly_as_on_the_device(runs, streamed
     assert moves[("parameters", "device to host")] == 2 * per_device
 
 
+def test_activations_in_host_memory_train_exactly_as_on_the_device(runs, tmp_path):
+    """``--offload activations``: what each layer keeps for its backward pass waits in host memory
+    (``--remat offload``); 20 steps give the same losses and parameters, which stay on the device."""
+    device = runs[0]
+    acts = main([*TINY, "--out", str(tmp_path / "acts"), "--steps", str(STEPS), "--ckpt-every", "-1",
+                 "--offload", "activations"])
+    assert acts["trainer"].remat == "offload" and not acts["trainer"].layout.offload
+    np.testing.assert_allclose([float(r["loss"]) for r in acts["records"]],
+                               [float(r["loss"]) for r in device["records"]], rtol=1e-5)
+    for a, b in zip(_leaves(acts["state"]["params"]), _leaves(device["state"]["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert _kinds(acts["state"]["params"]) == _kinds(acts["state"]["opt_state"]) == {"device"}
+
+
+def test_offloading_activations_and_a_remat_policy_that_decides_otherwise_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([*TINY, "--out", str(tmp_path / "x"), "--steps", "1", "--offload", "activations", "--remat", "full"])
+    assert "--offload activations keeps everything each layer saves for its backward pass in host memory " \
+           "(--remat offload), which --remat full decides otherwise: drop one of them" in capsys.readouterr().err
+
+
 def test_a_stack_in_host_memory_is_fetched_layer_by_layer_and_priced_so():
     """``offload="params"``: md.place keeps the parameters in host memory; a scan brings each
     layer's slice to the device one layer ahead in the forward pass and again in the backward pass

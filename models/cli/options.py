@@ -31,13 +31,16 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 
 
+OFFLOAD = (*md.OFFLOAD, "activations")   # --offload's names: a layout's storage, and the layers' residuals
+
+
 def _offload(text: str) -> str:
-    """``--offload``: ``auto`` or names of :data:`meshdsl.OFFLOAD`, comma-separated."""
+    """``--offload``: ``auto`` or names of :data:`OFFLOAD`, comma-separated."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if text == "auto" or (names and all(n in md.OFFLOAD for n in names)):
+    if text == "auto" or (names and all(n in OFFLOAD for n in names)):
         return text if text == "auto" else ",".join(names)
     raise argparse.ArgumentTypeError(f"{text!r}: name what to keep in host memory, comma-separated, from "
-                                     f"{', '.join(md.OFFLOAD)}; or auto (with --layout auto)")
+                                     f"{', '.join(OFFLOAD)}; or auto (with --layout auto)")
 
 def _int_at_least(low: int):
     def parse(text: str) -> int:
@@ -140,7 +143,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
       help="keep in host memory between steps (comma-separated): optimizer (the optimizer state, split as its "
            "parameter is stored; brought to the device for the update and sent back each step); params (the "
            "parameters: each layer's brought to the device where it runs, forward and backward, its gradient sent "
-           "back, the update on the device); auto (with --layout auto): "
+           "back, the update on the device); activations (what each layer keeps for its backward pass, "
+           "in host memory until then: --remat offload); auto (with --layout auto): "
            "the search keeps each layout's optimizer state on the device where it fits --memory-budget, else "
            "in host memory, paying its trip over the host link")
     a("--microbatches", type=POSITIVE, default=None,
@@ -290,6 +294,19 @@ def _checked(values: dict, source: str) -> dict:
             except argparse.ArgumentTypeError as e:
                 raise UsageError(f"{source}: {dest}: {e}") from None
     return values
+
+
+def offload_activations(args) -> None:
+    """``--offload activations``: the layers' residuals in host memory (``--remat offload``); the
+    rest of ``--offload`` stays the layout's storage."""
+    names = (args.offload or "").split(",")
+    if "activations" not in names:
+        return
+    if args.remat not in ("none", "offload"):
+        raise UsageError(f"--offload activations keeps everything each layer saves for its backward pass in host "
+                         f"memory (--remat offload), which --remat {args.remat} decides otherwise: drop one of them")
+    args.remat = "offload"
+    args.offload = ",".join(n for n in names if n != "activations") or None
 
 
 def overrides(items) -> dict:

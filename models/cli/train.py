@@ -167,7 +167,8 @@ def _run(args) -> dict:
     enc_len, dec_len = runinfo.lengths(args, random_spans_helper)
     if args.offload == "auto" and args.layout != "auto":
         raise UsageError("--offload auto is the layout search's choice: pass --layout auto (and --memory-budget), "
-                         f"or name what to offload: --offload {' or '.join(md.OFFLOAD)} (or both, comma-separated)")
+                         f"or name what to offload: --offload {', '.join(options.OFFLOAD)} (comma-separated)")
+    options.offload_activations(args)
     if args.layout == "auto":
         from meshdsl.models.training import autolayout
         autolayout.choose_for_run(args, config, enc_len, dec_len, say,

@@ -218,6 +218,51 @@ def test_each_layer_is_fetched_while_the_layer_before_computes(reverse):
         assert len(moved) == 2 and not any(read) and all(carried)
 
 
+_PASSING_ON = {"device_put", "dynamic_slice", "slice", "squeeze", "reshape", "scan", "while", "jit", "pjit",
+               "custom_vjp_call", "closed_call", "remat", "checkpoint"}
+
+
+def _host_readers(jaxpr) -> set:
+    """The primitives reading a value in host memory, in ``jaxpr`` and the programs it calls."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jcore.Var) and jaxcompat.in_host_memory(v.aval) for v in eqn.invars):
+            found.add(eqn.primitive.name)
+        for sub in jaxpr_stats.sub_jaxprs(eqn):
+            found |= _host_readers(sub)
+    return found
+
+
+def test_nothing_computes_on_a_value_in_host_memory():
+    """Parameters in host memory, read inside a scan and outside it (a weight multiplying the
+    input first), are only ever moved to the device, sliced on the way or passed on to a loop or
+    call: no arithmetic runs on a host array (XLA would run it on the host, slowly, unasked).
+    Values and gradients are the single device's."""
+    w1, w2, x = gated_mlp_stack(layers=4, batch=8, seq=8, d_model=32, d_ff=64)
+    w0 = md.param(md.named(jnp.eye(32) + 0.01, "d_model d_out"))
+
+    def grads(w0, w1, w2, x):
+        def loss(w0, w1, w2, x):
+            h = md.rename(md.einsum(x, w0, out="batch seq d_out"), {"d_out": "d_model"})
+            def step(h, ws):
+                u = md.einsum(h, ws[0], out="batch seq d_ff")
+                return h + md.einsum(md.tanh(u), ws[1], out="batch seq d_model"), None
+            h, _ = md.scan(step, h, (w1, w2), dim="layers")
+            return md.sum(h * h).array
+        return jax.grad(loss, argnums=(0, 1, 2))(w0, w1, w2, x)
+
+    args, mesh = (w0, w1, w2, x), md.Mesh({"data": 8})
+    layout = md.Layout({"batch": "data"}, params={"d_model": "data"}, offload="params")
+    placed = md.place(args, mesh, layout)
+    assert [a.raw.sharding.memory_kind for a in placed[:3]] == ["pinned_host"] * 3
+    lowered = md.lower(grads, mesh, layout)
+    for g, w in zip(lowered(*placed), grads(*args)):
+        np.testing.assert_allclose(np.asarray(g.array), np.asarray(w.array), rtol=1e-4, atol=1e-5)
+    closed, _, _ = lowered.trace(*placed)
+    readers = _host_readers(jaxpr_stats.inner_body(closed))
+    assert "device_put" in readers and readers <= _PASSING_ON, readers - _PASSING_ON
+
+
 def test_the_backward_pass_makes_again_what_it_computes_from_a_fetched_slice():
     """Under ZeRO-3 storage in host memory each layer's slice is gathered after it is fetched; the
     backward pass gathers it again from the slice it fetches rather than keeping every layer's

@@ -38,7 +38,7 @@ def scan(body, carry, xs, reverse, unroll):
     first = [jax.lax.stop_gradient(w) for w in _fetch(stacks, n - 1 if reverse else 0)]
     example = _merge(host, first, [x[0] for x, h in zip(xs, host) if not h])
     fn, consts = jax.closure_convert(body, carry, example)
-    step = _Step(fn, host, carry, example, consts)
+    step = _Step(fn, carry, example, consts)
 
     def loop(c, w0, hs, ds, cs, keep):
         def one(state, j):
@@ -87,13 +87,12 @@ class _Step:
     """The traced step ``fn(carry, xs, *consts) -> (carry, ys)`` and its derivative, split into the
     residuals a forward step keeps and those a backward step makes again from its slices."""
 
-    def __init__(self, fn, host, carry, xs, consts):
-        self.fn, self.host, self.tree = fn, host, None
-        closed = jax.make_jaxpr(lambda c, x, cs: jax.tree_util.tree_leaves(self._vjp(c, x, cs)[2]))(
+    def __init__(self, fn, carry, xs, consts):
+        self.fn, self.tree = fn, None
+        self.closed = jax.make_jaxpr(lambda c, x, cs: jax.tree_util.tree_leaves(self._vjp(c, x, cs)[2]))(
             list(carry), list(xs), list(consts))
-        self.closed = closed
         # a residual no carried value flows into is made again from the slices and the constants
-        self.free = jaxcompat.free_of(closed, [True] * len(carry) + [False] * (len(xs) + len(consts)))
+        self.free = jaxcompat.free_of(self.closed, [True] * len(carry) + [False] * (len(xs) + len(consts)))
         self.n_carry = len(carry)
 
     def _vjp(self, c, x, cs):

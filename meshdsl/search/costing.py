@@ -43,7 +43,7 @@ class Candidate:
     memory: dict = dataclasses.field(default_factory=dict)
     why: str = ""
     report: Report | None = dataclasses.field(default=None, repr=False)
-    host_s: float = 0.0   # of ``time``: the trips over the host link of what it offloads
+    host_s: float = 0.0   # of ``time``: the trips over the host link of what it offloads (not hidden by compute)
     over_budget: bool = False   # rejected for the memory budget (not as invalid)
 
     @property
@@ -148,9 +148,12 @@ class Costing:
         else:
             self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
-        if "params" in cand.layout.offload:   # the step's trips (explain's), and the update's: in 2x, out 1x
+        if "params" in cand.layout.offload:
+            # the step's trips (explain's), each layer's fetched while the layer before computes: what
+            # the step's compute does not cover; and the update's (in 2x, out 1x), after the step
             moved = report.memory.get("transfers", {})
-            cand.host_s = self.hw.host_seconds(moved.get("to device", 0) + moved.get("to host", 0) + 3 * params)
+            streamed = self.hw.host_seconds(moved.get("to device", 0) + moved.get("to host", 0))
+            cand.host_s = max(0.0, streamed - cand.step_time.compute_s) + self.hw.host_seconds(3 * params)
             cand.time += cand.host_s
         if state:
             self._with_state(cand, state)

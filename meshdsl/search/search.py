@@ -259,5 +259,6 @@ def _why(i, c, best) -> str:
 
 
 def _offloaded(c) -> str:
-    return "parameters (each layer's slice as it is used) and optimizer state" if "params" in c.layout.offload \
-        else "optimizer state"
+    if "params" in c.layout.offload:
+        return "parameters (each layer's slice fetched while the layer before computes) and optimizer state"
+    return "optimizer state"

@@ -5,6 +5,7 @@ and from md.explain.
                     bandwidth) + a launch each   (a hand-made report: flops / peak + bytes / bandwidth)
     communication = sum of latency(link) x count + total_bytes / bandwidth(link)
     total         = compute + communication - overlap x min(compute, communication)
+                    + max(0, host link seconds - compute)
 """
 
 import dataclasses
@@ -64,6 +65,24 @@ def test_overlap_hides_the_shorter_of_compute_and_communication():
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="overlap is a fraction in"):
             predict(report, TOY, overlap=bad)
+
+
+def test_host_transfers_run_beside_the_compute_and_only_what_outlasts_it_adds():
+    """Bytes over the host link (an offloaded stack fetched a layer ahead, offloaded residuals)
+    move while the step computes: the step takes the longer of the two, communication added."""
+    report = toy_report([record("all-gather", ("data",), 2e6, 1)])
+    plain = predict(report, TOY)
+    for host_bandwidth, moved in ((1e12, 1e9), (1e9, 1e7), (1e11, 0.0)):   # hidden, outlasting, none
+        hw = dataclasses.replace(TOY, host_bandwidth=host_bandwidth)
+        report.memory["transfers"] = {"to device": 0.75 * moved, "to host": 0.25 * moved}
+        t = predict(report, hw)
+        assert t.host_s == pytest.approx(moved / host_bandwidth)
+        assert t.total_s == pytest.approx(plain.total_s + max(0.0, t.host_s - plain.compute_s), rel=1e-12)
+        assert ("host link" in t.to_markdown()) == bool(moved)
+    assert predict(report, TOY).host_s == 0   # nothing moved: no host link needed
+    report.memory["transfers"] = {"to device": 1.0, "to host": 0.0}
+    with pytest.raises(md.MeshDSLError, match="hardware 'toy' has no host link bandwidth"):
+        predict(report, TOY)
 
 
 def test_no_collectives_is_compute_alone():

@@ -7,7 +7,9 @@ what it leaves out)::
                           bytes / (HBM bandwidth x memory_efficiency))      (a roofline)
     compute_s       = sum over kernels of kernel_s x runs + kernel_launch_s x runs
     communication_s = sum over collectives of  latency(link) x count + total_bytes / bandwidth(link)
+    host_s          = bytes over the host link (both ways) / host bandwidth
     total_s         = compute_s + communication_s - overlap x min(compute_s, communication_s)
+                      + max(0, host_s - compute_s)
 
 The kernels are the ones XLA runs (:mod:`meshdsl.costmodel.roofline`): a matmul each, an elementwise chain
 fused into one kernel with the reduction it feeds, loop bodies once per iteration, and each
@@ -18,7 +20,9 @@ kernels bound by their FLOPs, ``memory_s`` those bound by their bytes: recomputi
 matmul of its ``flops`` and one pass over its ``bytes_accessed`` (or else the bytes it holds:
 arguments + outputs + temporaries). A collective's link is the slowest of its axes' links
 (:meth:`Hardware.link`); its bytes already follow the ring formulas of :mod:`meshdsl.costmodel.cost`, so
-bytes / per-device link bandwidth is its transfer time.
+bytes / per-device link bandwidth is its transfer time. Transfers between device and host memory
+(offloaded parameters streamed a layer ahead, offloaded residuals) run beside the compute, which
+hides them up to its own length.
 
 Example:
     >>> import jax, jax.numpy as jnp, meshdsl as md
@@ -60,6 +64,7 @@ class StepTime:
     per_collective: list
     launch_s: float = 0.0   # kernel launches (Hardware.kernel_launch_s each)
     kernels: int = 0        # kernels run per step (0: a report priced without them)
+    host_s: float = 0.0     # the host link's transfers, beside the compute (what outlasts it adds)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,7 +75,8 @@ class StepTime:
         lines = [f"**step** {fmt_seconds(self.total_s)} per device on {self.hardware} · compute "
                  f"{fmt_seconds(self.compute_s)} (matmul {fmt_seconds(self.matmul_s)}{at}, memory "
                  f"{fmt_seconds(self.memory_s)}{launches}) · communication {fmt_seconds(self.communication_s)} · overlap "
-                 f"{self.overlap:.0%}", "",
+                 f"{self.overlap:.0%}" + (f" · host link {fmt_seconds(self.host_s)} beside the compute"
+                                          if self.host_s else ""), "",
                  "| kind | axes | link | count | bytes/device | latency | transfer | time |",
                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['kind']} | {'+'.join(r['axes'])} | {r['link']} | {r['count']} | {fmt_bytes(r['bytes'])} "
@@ -124,10 +130,12 @@ def predict(report: object, hardware: Hardware, *, overlap: float = 0.0, dtype: 
         memory, launch = accessed / hardware.hbm_bandwidth, 0.0
     rows = [_collective(r, hardware, report.mesh) for r in report.collectives]
     compute, communication = matmul + memory + launch, sum(r["seconds"] for r in rows)
+    moved = (getattr(report, "memory", None) or {}).get("transfers", {})
+    host = hardware.host_seconds(sum(moved.values())) if any(moved.values()) else 0.0
     return StepTime(hardware=hardware.name, dtype=str(dtype or "per kernel"), matmul_s=matmul, memory_s=memory,
                     compute_s=compute, communication_s=communication, overlap=overlap,
-                    total_s=compute + communication - overlap * min(compute, communication), per_collective=rows,
-                    launch_s=launch, kernels=sum(k.count for k in kernels))
+                    total_s=compute + communication - overlap * min(compute, communication) + max(0.0, host - compute),
+                    per_collective=rows, launch_s=launch, kernels=sum(k.count for k in kernels), host_s=host)
 
 
 def kernel_seconds(kernel, hardware: Hardware, dtype=None) -> tuple[float, float]:

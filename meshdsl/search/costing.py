@@ -149,12 +149,11 @@ class Costing:
             self.retimed += 1
         _cost(cand, report, self.hw, self.dtype, self.overlap)
         if "params" in cand.layout.offload:
-            # the step's trips (explain's), each layer's fetched while the layer before computes: what
-            # the step's compute does not cover; and the update's (in 2x, out 1x), after the step
-            moved = report.memory.get("transfers", {})
-            streamed = self.hw.host_seconds(moved.get("to device", 0) + moved.get("to host", 0))
-            cand.host_s = max(0.0, streamed - cand.step_time.compute_s) + self.hw.host_seconds(3 * params)
-            cand.time += cand.host_s
+            # the step's trips (in its time: what its compute does not cover), and the update's
+            # (in 2x, out 1x), after the step
+            update = self.hw.host_seconds(3 * params)
+            cand.host_s = max(0.0, cand.step_time.host_s - cand.step_time.compute_s) + update
+            cand.time += update
         if state:
             self._with_state(cand, state)
         if cand.memory["peak"] * (1 + self.margin) > self.budget:

@@ -142,8 +142,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     a("--offload", default=None, type=_offload,
       help="keep in host memory between steps (comma-separated): optimizer (the optimizer state, split as its "
            "parameter is stored; brought to the device for the update and sent back each step); params (the "
-           "parameters: each layer's brought to the device where it runs, forward and backward, its gradient sent "
-           "back, the update on the device); activations (what each layer keeps for its backward pass, "
+           "parameters: each layer's brought to the device while the layer before runs, forward and backward, its "
+           "gradient sent back, the update on the device); activations (what each layer keeps for its backward pass, "
            "in host memory until then: --remat offload); auto (with --layout auto): "
            "the search keeps each layout's optimizer state on the device where it fits --memory-budget, else "
            "in host memory, paying its trip over the host link")

@@ -26,6 +26,7 @@ from meshdsl.models.cli.train import main
 from meshdsl.models.families.configs import get_config
 from meshdsl.models.training.optim import make_optimizer
 from meshdsl.ops import remat as remats
+import helpers
 from helpers import gated_mlp_grads, gated_mlp_stack
 from meshdsl.models.training import trainer as trainer_module
 
@@ -146,8 +147,9 @@ def test_a_stack_in_host_memory_is_fetched_layer_by_layer_and_priced_so():
     """``offload="params"``: md.place keeps the parameters in host memory; a scan brings each
     layer's slice to the device one layer ahead in the forward pass and again in the backward pass
     (never the whole stack, never kept there; each pass's last step fetches one slice no step
-    uses), sends each layer's gradient back, and explain counts it: the device holds neither the
-    parameters nor their gradients, the host link carries them."""
+    uses), sends each layer's gradient back, and explain counts it, each transfer by pass,
+    direction and the line of the scan: the device holds neither the parameters nor their
+    gradients, the host link carries them."""
     args, mesh = gated_mlp_stack(layers=8, batch=8, seq=16, d_model=64, d_ff=256), md.Mesh({"data": 8})
     on_device, offloaded = md.Layout({"batch": "data"}), md.Layout({"batch": "data"}, offload="params")
     placed = md.place(args, mesh, offloaded)
@@ -161,6 +163,14 @@ def test_a_stack_in_host_memory_is_fetched_layer_by_layer_and_priced_so():
     layers = args[0].raw.shape[0]
     assert report.memory["transfers"] == {"to device": 2 * params * (layers + 1) // layers, "to host": params}
     assert report.memory["host"] == 2 * params   # the parameters, and their gradients sent back
+    scan = next(f"helpers.py:{k + 1}" for k, text in enumerate(open(helpers.__file__).read().splitlines())
+                if "h, _ = md.scan(step, x, (w1, w2)" in text)   # where the program streams them
+    slices, one = 2 * (layers + 1), params / layers / 2   # both stacks per pass, and one fetched ahead of none
+    rows = sorted((r["phase"], r["direction"], r["line"], r["count"], r["bytes"])
+                  for r in report.memory["host_transfers"])
+    assert rows == [("backward", "to device", scan, slices, one), ("backward", "to host", scan, 2 * layers, one),
+                    ("forward", "to device", scan, slices, one)]
+    assert f"| backward | {scan} | to host | {2 * layers} |" in report.to_markdown()
     kept = md.explain(gated_mlp_grads("none"), mesh, on_device, *args).memory["peak"]
     assert report.memory["peak"] <= kept - 2 * params     # neither the parameters nor their gradients
 

@@ -99,15 +99,37 @@ def host_transfers(jaxpr) -> dict:
     return out
 
 
+def host_transfer_rows(jaxpr) -> list[dict]:
+    """Each host <-> device transfer of one run of ``jaxpr``, alike ones together: ``direction``
+    ("to device", "to host"), ``phase`` (forward, backward), ``line`` (the user's code that made
+    it), ``count`` (times per run), ``bytes`` (per device, each) and ``total``."""
+    rows: dict = {}
+    for direction, phase, line, nbytes, times in _moves(getattr(jaxpr, "jaxpr", jaxpr), 1):
+        row = rows.setdefault((direction, phase, line, nbytes), {"direction": direction, "phase": phase, "line": line,
+                                                                 "count": 0, "bytes": nbytes, "total": 0.0})
+        row["count"] += times
+        row["total"] += times * nbytes
+    return list(rows.values())
+
+
 def _transfers(jaxpr, times: int, out: dict) -> None:
+    for direction, _, _, nbytes, count in _moves(jaxpr, times):
+        out[direction] += count * nbytes
+
+
+def _moves(jaxpr, times: int, outer: str = ""):
+    """``(direction, phase, line, bytes, times)`` of each transfer between memories in ``jaxpr``
+    (a loop's as often as it runs; ``outer``: the name scopes of the equations calling it)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "device_put":
             for a, b in zip(eqn.invars, eqn.outvars):
                 if in_host_memory(a.aval) != in_host_memory(b.aval):
-                    out["to device" if in_host_memory(a.aval) else "to host"] += times * _bytes(b.aval)
+                    yield ("to device" if in_host_memory(a.aval) else "to host",
+                           "backward" if jaxcompat.backward(eqn, outer) else "forward",
+                           jaxcompat.user_line(eqn, outer), _bytes(b.aval), times)
         trips = scan_parts(eqn).length if eqn.primitive.name == "scan" else 1
         for sub in sub_jaxprs(eqn):
-            _transfers(sub, times * trips, out)
+            yield from _moves(sub, times * trips, jaxcompat.name_stack(eqn, outer))
 
 
 _HOST_VIEWS = ("dynamic_slice", "slice", "squeeze", "reshape")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 
+from ..platform import jaxcompat
 from ..rewrite import param_gather
 from ..rewrite.contexts import active
 from ..names.errors import LayoutError, ShapeError, user_line
@@ -88,6 +89,6 @@ def scan(step, carry, xs, dim: str = "layers", *, reverse: bool = False, unroll:
     run.remat = remat   # the planner prices the policies of "auto" (meshdsl.planner.remat)
     run.length = length   # steps: each keeps its carry for the backward pass
 
-    with ctx.at("scan", line):  # relayouts of the carry and xs are the scan's own
+    with ctx.at("scan", line), jaxcompat.line_scope(line):  # relayouts of the carry and xs are the scan's own
         carry, ys = ctx.apply("scan", run, (c_leaves, x_leaves), {})
     return (carry if head is None else pipeline_1f1b.head_value(head, carry, where)), ys

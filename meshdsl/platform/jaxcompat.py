@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
+from jax._src import source_info_util as _source_info
 from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "free_of", "replay",
+           "free_of", "replay", "line_scope", "name_stack", "user_line", "backward",
            "varying_axes", "differentiated", "primal_var", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
            "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory", "host_resident"]
 
@@ -185,6 +188,43 @@ def primal_var(value):
     if isinstance(value, _pe.DynamicJaxprTracer) and isinstance(value.val, _core.Var):
         return value.val
     return None
+
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the meshdsl package
+
+
+_LINE = re.compile(r"mdl\[([^\]]*)\]")   # the name scope of a user's line (:func:`line_scope`)
+
+
+def line_scope(line: str):
+    """A name scope saying that what is traced inside comes from the user's ``line``
+    (``file:line``), read back by :func:`user_line` (through jax's transpositions too)."""
+    return jax.named_scope(f"mdl[{line}]")
+
+
+def name_stack(eqn, outer: str = "") -> str:
+    """The name scopes around the jaxpr equation ``eqn``, after ``outer`` (those of the equations
+    calling the program it is in: a loop body's equations name only the scopes inside it)."""
+    return f"{outer}/{eqn.source_info.name_stack}"
+
+
+def user_line(eqn, outer: str = "") -> str:
+    """``file:line`` of the user's code that made the jaxpr equation ``eqn`` (in a program called
+    under the scopes ``outer``): the innermost :func:`line_scope` around it, else its innermost
+    frame outside jax and meshdsl, else ``"?"``."""
+    scoped = _LINE.findall(name_stack(eqn, outer))
+    if scoped:
+        return scoped[-1]
+    for frame in _source_info.user_frames(eqn.source_info.traceback):
+        if not os.path.abspath(frame.file_name).startswith(_OURS):
+            return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+    return "?"
+
+
+def backward(eqn, outer: str = "") -> bool:
+    """Did the jaxpr equation ``eqn`` (called under the scopes ``outer``) come from a
+    transposition (a backward pass)?"""
+    return "transpose(" in name_stack(eqn, outer)
 
 
 def dce(jaxpr):

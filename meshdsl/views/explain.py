@@ -121,8 +121,12 @@ class Report:
         moved = self.memory.get("transfers", {})
         if any(moved.values()):
             lines += [f"host memory {fmt_bytes(self.memory.get('host', 0))} per device; host link "
-                      f"{fmt_bytes(moved['to host'])} to the host and {fmt_bytes(moved['to device'])} back "
-                      f"per device (an offloading remat policy)", ""]
+                      f"{fmt_bytes(moved['to host'])} to the host and {fmt_bytes(moved['to device'])} to the device "
+                      f"per device", "", "| phase | line | direction | count | bytes/device | total |",
+                      "| --- | --- | --- | ---: | ---: | ---: |"]
+            lines += [f"| {r['phase']} | {r['line']} | {r['direction']} | {r['count']} | {fmt_bytes(r['bytes'])} "
+                      f"| {fmt_bytes(r['total'])} |" for r in self.memory.get("host_transfers", [])]
+            lines.append("")
         if self.pipeline:
             p = self.pipeline
             sched = p["schedule"] + (f", {p['repeats']} repeats" if "repeats" in p else "")
@@ -190,6 +194,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     memory = liveness.memory(body)
     memory["transfers"] = liveness.host_transfers(body)
+    memory["host_transfers"] = liveness.host_transfer_rows(body)
     memory["kinds"] = _kinds(args, prog, jaxpr_stats.inner_body(closed), body, memory)
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,

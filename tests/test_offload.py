@@ -271,6 +271,10 @@ def test_nothing_computes_on_a_value_in_host_memory():
     closed, _, _ = lowered.trace(*placed)
     readers = _host_readers(jaxpr_stats.inner_body(closed))
     assert "device_put" in readers and readers <= _PASSING_ON, readers - _PASSING_ON
+    # explain names the user's line of each transfer: the einsum's for w0, the scan's for the stacks
+    rows = md.explain(grads, mesh, layout, *placed).memory["host_transfers"]
+    lines = {r["line"] for r in rows}
+    assert len(lines) == 2 and all(line.startswith("test_offload.py:") for line in lines), rows
 
 
 def test_the_backward_pass_makes_again_what_it_computes_from_a_fetched_slice():

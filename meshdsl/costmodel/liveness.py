@@ -90,12 +90,12 @@ def memory(jaxpr) -> dict:
             "host": sum(_bytes(v.aval) for v in jaxpr.invars if in_host_memory(v.aval)) + _host_held(jaxpr)}
 
 
-def host_transfers(jaxpr) -> dict:
-    """Bytes per device one run of ``jaxpr`` moves between device and host memory, ``{"to host":
-    .., "to device": ..}`` (a loop's moves as often as it runs): what an offloading remat policy
-    sends to the host in the forward pass and brings back for the backward."""
+def host_transfers(rows) -> dict:
+    """Bytes per device the transfers ``rows`` (:func:`host_transfer_rows`) move between device
+    and host memory, ``{"to host": .., "to device": ..}``."""
     out = {"to host": 0.0, "to device": 0.0}
-    _transfers(getattr(jaxpr, "jaxpr", jaxpr), 1, out)
+    for row in rows:
+        out[row["direction"]] += row["total"]
     return out
 
 
@@ -112,11 +112,6 @@ def host_transfer_rows(jaxpr) -> list[dict]:
     return list(rows.values())
 
 
-def _transfers(jaxpr, times: int, out: dict) -> None:
-    for direction, _, _, nbytes, count in _moves(jaxpr, times):
-        out[direction] += count * nbytes
-
-
 def _moves(jaxpr, times: int, outer: str = ""):
     """``(direction, phase, line, bytes, times)`` of each transfer between memories in ``jaxpr``
     (a loop's as often as it runs; ``outer``: the name scopes of the equations calling it)."""
@@ -126,7 +121,7 @@ def _moves(jaxpr, times: int, outer: str = ""):
                 if in_host_memory(a.aval) != in_host_memory(b.aval):
                     yield ("to device" if in_host_memory(a.aval) else "to host",
                            "backward" if jaxcompat.backward(eqn, outer) else "forward",
-                           jaxcompat.user_line(eqn, outer), _bytes(b.aval), times)
+                           jaxcompat.scoped_line(eqn, outer), _bytes(b.aval), times)
         trips = scan_parts(eqn).length if eqn.primitive.name == "scan" else 1
         for sub in sub_jaxprs(eqn):
             yield from _moves(sub, times * trips, jaxcompat.name_stack(eqn, outer))

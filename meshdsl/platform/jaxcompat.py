@@ -1,14 +1,15 @@
 """Every use of jax internals (``jax._src``) in meshdsl, in one small module.
 
-The rewriter needs seven things public jax does not offer: the trace being built now and the
+The rewriter needs these things public jax does not offer: the trace being built now and the
 traces enclosing it (to hoist the relayout of a value a ``md.scan`` step captures out of the
 loop), running code in an enclosing trace, a trace built apart and thrown away (the planner
 prices a candidate there, undifferentiated), dead-code elimination of a jaxpr (``md.explain``
 drops collectives the compiler drops), whether a value is being differentiated (an einsum
 weighs its backward collectives too), and the variable a traced value is (the planner asks which
 forward values the program never reads), and which outputs of a jaxpr do not depend on given inputs, replayed
-alone (a streamed loop's backward pass makes again what it computes from a fetched slice). A jax
-upgrade that moves them breaks this file only.
+alone (a streamed loop's backward pass makes again what it computes from a fetched slice). Name
+scopes give each host transfer the user's line (:func:`line_scope`, read back through loop bodies
+and transpositions). A jax upgrade that moves them breaks this file only.
 
 Public-API helpers that belong with them: :func:`varying_axes` (the ``shard_map`` type of a value).
 
@@ -25,19 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
-from jax._src import source_info_util as _source_info
 from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = ["current_trace", "parent_trace", "enclosing_trace", "in_trace", "apart", "pricing", "fresh", "dce",
-           "free_of", "replay", "line_scope", "name_stack", "user_line", "backward",
+           "free_of", "replay", "line_scope", "name_stack", "scoped_line", "backward",
            "varying_axes", "differentiated", "primal_var", "forget_staged", "ScanParts", "scan_parts", "called_jaxpr", "dot_dims", "MATMULS", "matmul_groups",
            "HOST_MEMORY", "host_memory_kind", "to_memory", "in_host_memory", "host_resident"]
 
@@ -190,9 +189,6 @@ def primal_var(value):
     return None
 
 
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the meshdsl package
-
-
 _LINE = re.compile(r"mdl\[([^\]]*)\]")   # the name scope of a user's line (:func:`line_scope`)
 
 
@@ -208,17 +204,11 @@ def name_stack(eqn, outer: str = "") -> str:
     return f"{outer}/{eqn.source_info.name_stack}"
 
 
-def user_line(eqn, outer: str = "") -> str:
-    """``file:line`` of the user's code that made the jaxpr equation ``eqn`` (in a program called
-    under the scopes ``outer``): the innermost :func:`line_scope` around it, else its innermost
-    frame outside jax and meshdsl, else ``"?"``."""
+def scoped_line(eqn, outer: str = "") -> str:
+    """The user's ``file:line`` of the innermost :func:`line_scope` around the jaxpr equation
+    ``eqn`` (in a program called under the scopes ``outer``), else ``"?"``."""
     scoped = _LINE.findall(name_stack(eqn, outer))
-    if scoped:
-        return scoped[-1]
-    for frame in _source_info.user_frames(eqn.source_info.traceback):
-        if not os.path.abspath(frame.file_name).startswith(_OURS):
-            return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
-    return "?"
+    return scoped[-1] if scoped else "?"
 
 
 def backward(eqn, outer: str = "") -> bool:

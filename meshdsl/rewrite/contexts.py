@@ -22,7 +22,7 @@ from . import collectives as C
 from . import param_gather
 from ..names.layout import check_axes, effective, mesh_spec
 from ..names.named import NamedArray, is_named
-from ..platform.jaxcompat import differentiated, host_resident, to_memory
+from ..platform.jaxcompat import differentiated, host_resident, line_scope, to_memory
 from .recorder import Recorder
 from ..names.tracing import current
 
@@ -47,6 +47,12 @@ class GlobalContext:
 
     def at(self, name: str, line: str):
         return self.rec.at(name, line)
+
+    def fetch(self, array):
+        """``array`` (kept in host memory: offloaded parameters) brought to the device, under the
+        name scope of the line of the op using it (explain lists the transfer there)."""
+        with line_scope(self.op[1] if self.op else "?"):
+            return to_memory(array, "device")
 
     def apply(self, name: str, rule, args, kwargs):
         """Run the rule of the outermost op ``name`` (the explicit backend may plan it)."""
@@ -99,7 +105,7 @@ class GlobalContext:
         remembers results computed from parameters and constants alone."""
 
     def local(self, x: NamedArray, axes_by_name=None, vary=frozenset(), *, keep_pending=frozenset()):
-        return to_memory(x.raw, "device") if host_resident(x.raw) else x.raw   # (offloaded parameters)
+        return self.fetch(x.raw) if host_resident(x.raw) else x.raw   # (offloaded parameters)
 
     def out(self, array, dims, axes_by_name=None, pending=frozenset(), *, is_param=False) -> NamedArray:
         return NamedArray(array, dims, is_param=is_param)
@@ -111,7 +117,7 @@ class GlobalContext:
         return ()
 
     def read(self, x: NamedArray):
-        return to_memory(x.raw, "device") if host_resident(x.raw) else x.raw
+        return self.fetch(x.raw) if host_resident(x.raw) else x.raw
 
     def adopt(self, array, dims, where: str):
         return None

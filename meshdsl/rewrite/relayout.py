@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from . import collectives as C
 from . import redistribute
 from ..costmodel.cost import moved_bytes
-from ..platform.jaxcompat import host_resident, to_memory, varying_axes
+from ..platform.jaxcompat import host_resident, varying_axes
 from ..names.named import NamedArray, Placement
 
 __all__ = ["relayout", "relayout_bytes", "needs_gather"]
@@ -44,7 +44,7 @@ def relayout(ctx, x, target, vary, keep_pending):
     """Local block of NamedArray ``x`` with dim ``i`` split over ``target[i]``, the pending sums
     outside ``keep_pending`` resolved, and typed varying over ``vary``."""
     if host_resident(x.raw):   # a value kept in host memory (offloaded parameters) computes on the device
-        x = NamedArray(ctx.cached(x.raw, ("to device",), lambda: to_memory(x.raw, "device")), x.dims,
+        x = NamedArray(ctx.cached(x.raw, ("to device",), lambda: ctx.fetch(x.raw)), x.dims,
                        is_param=x.is_param, placement=x.placement)
     src = ctx.placement(x)
     vary = vary | {a for axes in target for a in axes} | (src.pending & keep_pending)

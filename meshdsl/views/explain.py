@@ -193,8 +193,8 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
             note = " (runs again in the backward pass)" if runs[r.tag] > r.count else " (hoisted out of the loop)"
             kept.append(dataclasses.replace(r, count=runs[r.tag], tensor=r.tensor + note))
     memory = liveness.memory(body)
-    memory["transfers"] = liveness.host_transfers(body)
     memory["host_transfers"] = liveness.host_transfer_rows(body)
+    memory["transfers"] = liveness.host_transfers(memory["host_transfers"])
     memory["kinds"] = _kinds(args, prog, jaxpr_stats.inner_body(closed), body, memory)
     return Report(mesh=str(mesh), layout=str(layout), collectives=kept,
                   flops=jaxpr_stats.matmul_flops(body), memory=memory,

@@ -421,3 +421,15 @@ def test_a_select_on_a_constant_predicate_is_the_case_it_picks_in_every_dtype():
     e, h = explain_vs_hlo(program.fn, mesh, layout, *program.args(), param_gather=program.param_gather,
                           objective="bytes")
     assert e == h == {"all-gather": 1792.0}, (e, h)
+
+
+def test_a_read_of_only_a_pads_fill_drops_what_made_the_padded_value():
+    """dynamic_slice(slice(pad(logsumexp(v[b c:x], c), b, 1, 7), b, 8, 16), b, 14) reads the pad's
+    zeros only (the index is clipped and wrapped on constants): XLA folds the read into the fill,
+    and the logsumexp's all-reduces, dead, go too. Explain folds the same constants."""
+    v = _normal((16, 8), "b c")
+
+    def fn(v):
+        padded = md.slice(md.pad(md.logsumexp(v, "c"), "b", 1, 7), "b", 8, 16)
+        return md.dynamic_slice(padded, "b", jnp.int32(14), None)
+    _kept(fn, md.Mesh({"x": 2, "y": 4}), md.Layout({"c": "x"}), v, moved={})

@@ -4,6 +4,8 @@
 * :func:`cse`: an equation repeating an earlier one is the earlier one (two identical gathers are
   one), with the simplifier's folds (a select between a value and itself, or on a constant
   predicate; ``max(x, x)``);
+* :func:`meshdsl.costmodel.constants.fold`: constants folded (an index computed from literals, a
+  slice reading only a pad's fill);
 * :func:`live`: dead code dropped, then repeats merged - the program :mod:`meshdsl.views.explain`
   and the planner count collectives, memory and FLOPs on.
 """
@@ -18,6 +20,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from ..platform.jaxcompat import called_jaxpr, dce, dot_dims
+from .constants import fold
 from .jaxpr_stats import SCOPES, sub_jaxprs
 
 __all__ = ["live", "cse", "inline"]
@@ -33,7 +36,7 @@ def live(jaxpr, platform: str | None = None):
 
 @functools.lru_cache(maxsize=1)   # a jaxpr is immutable and hashed by identity
 def _live(jaxpr, folds_bf16: bool = True):
-    merged, predicates_dropped = _cse(dce(inline(jaxpr)), folds_bf16)
+    merged, predicates_dropped = _cse(dce(fold(inline(jaxpr))), folds_bf16)
     return dce(merged) if predicates_dropped else merged   # else merging left nothing dead
 
 

@@ -310,6 +310,23 @@ def dot_dims(eqn) -> tuple:
     return eqn.params["dimension_numbers"]
 
 
+def pad_config(eqn) -> tuple:
+    """``((low, high, interior), ...)`` per axis of a ``pad`` equation, as ints."""
+    return tuple(tuple(int(x) for x in axis) for axis in eqn.params["padding_config"])
+
+
+def slice_window(eqn) -> tuple:
+    """``(starts, sizes)`` of a ``slice`` with unit strides (``starts`` ints) or of a
+    ``dynamic_slice`` (``starts`` ``None``: its operands), else ``None`` (a strided slice)."""
+    if eqn.primitive.name == "dynamic_slice":
+        return None, tuple(int(s) for s in eqn.params["slice_sizes"])
+    strides = eqn.params.get("strides")
+    if strides is not None and any(int(s) != 1 for s in strides):
+        return None
+    starts = tuple(int(s) for s in eqn.params["start_indices"])
+    return starts, tuple(int(b) - a for a, b in zip(starts, eqn.params["limit_indices"]))
+
+
 HOST_MEMORY = "pinned_host"   # the host memory kind offloaded state lives in (DMA-able, as MaxText's)
 
 

@@ -109,6 +109,18 @@ def test_zeros_of_a_slice_of_padding_are_placed_anywhere_without_moving():
     promises_kept(grad, mesh, layout, v1)
 
 
+def test_a_cumulative_sum_of_only_padding_moves_no_block_totals():
+    """cumsum over e (split over z) of slice(pad(v, c, 0, 16), c, 10, 8), all padding: zeros,
+    summed to zeros where they are. The block totals were gathered (512 B; gspmd folds the
+    constant and moves nothing: fuzz seed 56)."""
+    v = md.named(jnp.asarray(np.random.default_rng(0).standard_normal((8, 16, 32)), jnp.float32), "c a e")
+
+    def fn(v):
+        return md.transpose(md.log(md.cumsum(md.slice(md.pad(v, "c", 0, 16), "c", 10, 8), "e")), "a e c")
+    mesh, layout = md.Mesh({"x": 2, "y": 2, "z": 2}), md.Layout({"e": "z"})
+    promises_kept(fn, mesh, layout, v, moved={})
+
+
 def test_shift_or_pad_returned_whole_moves_only_the_rows_kept():
     """A parameter stored split on a, shifted along b (or padded) and returned
     whole: the rows the shift keeps (the pad's operand) are gathered, then

@@ -102,6 +102,13 @@ def whole_copy_made(ctx, x: NamedArray, axes, name: str) -> bool:
     return bool(axes[name]) and ctx.relaid(x, tuple(() if n == name else axes[n] for n in x.names))
 
 
+def known_zeros(ctx, x: NamedArray) -> bool:
+    """Is ``x`` zeros throughout, as the rewriter knows (a slice of a pad reading only its
+    padding: made of no pieces)? A linear op on it computes zeros and moves nothing."""
+    parts = ctx.padded_from(x)
+    return parts is not None and not parts[1]
+
+
 def align(local, from_dims, to_dims):
     """Transpose a local block from ``from_dims`` order to ``to_dims`` order, with size-1 axes for
     dims it lacks, so that it broadcasts against the result."""

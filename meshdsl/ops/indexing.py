@@ -19,7 +19,7 @@ from ..rewrite import collectives as C
 from ..names.dims import Dim, Shape
 from ..names.errors import LayoutError, ShapeError
 from ..names.named import NamedArray
-from .common import as_named, block_offset, new_dims, one_dim, rows_gathered, where_, whole_copy_made
+from .common import as_named, block_offset, known_zeros, new_dims, one_dim, rows_gathered, where_, whole_copy_made
 from .registry import op
 from .restructure import reshape
 
@@ -121,6 +121,9 @@ def cumsum(ctx, x, dim) -> NamedArray:
     """Inclusive cumulative sum along ``dim``."""
     x = as_named(ctx, x)
     name = one_dim(ctx, x, dim, "cumsum dim")
+    if known_zeros(ctx, x):   # sums of zeros: zeros where they are, no block totals
+        pl = ctx.placement(x)
+        return ctx.pieces(ctx.out(x.raw, x.dims, dict(zip(x.names, pl.axes)), pl.pending), name, [])
     axes = ctx.plan(x.dims, [x], keep_pending=ctx.pending(x))
     pos = x.names.index(name)
     wanted = ctx.canonical(x.dims) if ctx.explicit else None

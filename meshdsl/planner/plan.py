@@ -19,6 +19,7 @@ import math
 from ..costmodel.cost import element_bytes, moved_bytes
 from ..costmodel.hardware import Hardware
 from ..rewrite.relayout import relayout_bytes
+from .casts import follow_types
 from .graph import CommonCopy, Graph, Node, SharedCopy, Strategy
 from .remat import value_bytes
 from .solve import Solution, solve
@@ -161,8 +162,7 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
                 own_time=prices.own(own) + reads if rate else None,
                 memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives)),
                 **_beyond(f, k in grads)))
-        if k in grads:   # what a differentiated op reads, the backward pass reads again
-            graph.saved.update(v for v in op.operands if recording.values[v][3])
+        graph.saved.update(v for v in op.operands if k in grads and recording.values[v][3])   # read again backward
         node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
         nodes[node_of[k]] = k
         for s, (maker, makers), cost in later:   # the copy is made once: free where its first reader makes it
@@ -170,6 +170,7 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
         _share_copies(graph, node_of, op.strategies)
     body = set().union(*(op.inner for op in recording.ops))
     _common_copies(graph, {n for n, k in nodes.items() if not recording.ops[k].inner and k not in body})
+    follow_types(graph)   # a cast another operand's type makes: paid where its producer leaves that type
     for i, (v, pl) in enumerate(recording.sinks):
         if v not in graph.producer:
             continue

@@ -27,7 +27,8 @@ DOCS = ROOT / "docs"
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 MODULES_WITH_EXAMPLES = ["meshdsl.names.dims", "meshdsl.names.mesh", "meshdsl.names.layout", "meshdsl.names.errors", "meshdsl.costmodel.cost",
-                         "meshdsl.costmodel.hardware", "meshdsl.costmodel.step_time"]
+                         "meshdsl.costmodel.hardware", "meshdsl.costmodel.step_time", "meshdsl.costmodel.constants",
+                         "meshdsl.costmodel.schedule"]
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 PAGES_WITHOUT_EXAMPLES = {"api.md", "architecture.md"}  # generated from docstrings / a module map
 

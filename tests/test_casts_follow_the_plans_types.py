@@ -1,6 +1,6 @@
 """A cast an op makes because one operand is typed varying (its other operands cast to vary too,
 their gradients then summed over the axis) is priced only where the plan leaves that operand
-typed so (meshdsl/planner/casts.py): a producer's strategy that makes it invariant spares the
+typed so (meshdsl/planner/copies.py, follow_types): a producer's strategy that makes it invariant spares the
 cast, and the plan sees it."""
 
 import jax

@@ -3,7 +3,8 @@
 XLA's algebraic simplifier evaluates small computations on constants (an index clipped into
 range, a comparison of two literals) and folds a slice that reads only a pad's fill into a
 broadcast of the fill, after which whatever computed the padded value may be dead - an
-all-reduce included. :func:`fold` does the same on a jaxpr, one pass in program order:
+all-reduce included. :func:`fold` does the same on a jaxpr's own equations (not inside its loop
+bodies or calls), one pass in program order:
 
 * a result of at most :data:`SMALL` elements whose operands are all literals or such results is
   evaluated (:data:`_NUMPY`, ``convert_element_type``, ``select_n``);

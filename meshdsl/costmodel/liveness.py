@@ -163,8 +163,9 @@ def at_peak(jaxpr) -> list:
 def _temporaries(jaxpr) -> tuple[int, list]:
     """The peak bytes of ``jaxpr``'s temporaries and the buffers live there: the lesser of the
     program's order and a list schedule's (:mod:`meshdsl.costmodel.schedule`), as XLA's memory
-    scheduler takes the least of its schedulers'."""
-    return min((_peak(_host(*_timeline(jaxpr, 0, (), order))) for order in (False, True)), key=lambda p: p[0])
+    scheduler takes the least of its schedulers' (one order where it calls no sub-program)."""
+    orders = (False, True) if any(next(sub_jaxprs(e), None) is not None for e in jaxpr.eqns) else (False,)
+    return min((_peak(_host(*_timeline(jaxpr, 0, (), order))) for order in orders), key=lambda p: p[0])
 
 
 def _peak(buffers) -> tuple[int, list]:

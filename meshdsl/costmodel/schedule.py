@@ -50,7 +50,8 @@ def _graph(eqns) -> tuple[list, list]:
     for k, eqn in enumerate(eqns):
         deps = {maker[v] for v in eqn.invars if isinstance(v, jcore.Var) and v in maker}
         if _effectful(eqn):
-            deps |= set() if before is None else {before}
+            if before is not None:
+                deps.add(before)
             before = k
         waits[k] = len(deps)
         for d in deps:

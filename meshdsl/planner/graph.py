@@ -59,6 +59,12 @@ class Strategy:
         """Its own collectives in the objective's units (its bytes where time is not priced)."""
         return self.cost if self.own_time is None else self.own_time
 
+    def less(self, nbytes: float) -> Strategy:
+        """This strategy with ``nbytes`` of its own cost priced elsewhere (a copy paid once for
+        several ops, or only under other ops' strategies), in both objectives' units."""
+        return dataclasses.replace(self, cost=max(self.cost - nbytes, 0.0),
+                                   own_time=None if self.own_time is None else max(self.own_time - nbytes, 0.0))
+
 
 @dataclasses.dataclass
 class Node:

@@ -19,8 +19,8 @@ import math
 from ..costmodel.cost import element_bytes, moved_bytes
 from ..costmodel.hardware import Hardware
 from ..rewrite.relayout import relayout_bytes
-from .casts import follow_types
-from .graph import CommonCopy, Graph, Node, SharedCopy, Strategy
+from .copies import common_copies, follow_types, share_copies
+from .graph import Graph, Node, SharedCopy, Strategy
 from .remat import value_bytes
 from .solve import Solution, solve
 
@@ -162,24 +162,31 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
                 own_time=prices.own(own) + reads if rate else None,
                 memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives)),
                 **_beyond(f, k in grads)))
-        graph.saved.update(v for v in op.operands if k in grads and recording.values[v][3])   # read again backward
+        if k in grads:   # what a differentiated op reads, the backward pass reads again
+            graph.saved.update(v for v in op.operands if recording.values[v][3])
         node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
         nodes[node_of[k]] = k
         for s, (maker, makers), cost in later:   # the copy is made once: free where its first reader makes it
             graph.shared.append(SharedCopy(node_of[k], s, maker, frozenset(makers), cost))
-        _share_copies(graph, node_of, op.strategies)
+        share_copies(graph, node_of, op.strategies)
     body = set().union(*(op.inner for op in recording.ops))
-    _common_copies(graph, {n for n, k in nodes.items() if not recording.ops[k].inner and k not in body})
+    common_copies(graph, {n for n, k in nodes.items() if not recording.ops[k].inner and k not in body})
     follow_types(graph)   # a cast another operand's type makes: paid where its producer leaves that type
+    _sinks(ctx, graph, recording, unread_sinks, prices)
+    return graph, nodes
+
+
+def _sinks(ctx, graph, recording, unread, prices) -> None:
+    """A node per output and ``x.array`` read, needing its value in the placement it is read
+    in; one the program never reads (``unread``: their numbers) moves nothing forward for it."""
     for i, (v, pl) in enumerate(recording.sinks):
         if v not in graph.producer:
             continue
-        if i in unread_sinks:   # the block read there is never read: nothing moves forward for it
+        if i in unread:
             graph.add(Node(f"unread {v}", [v], [], [Strategy((Unread(pl),), (), label="needed, unread")]))
             continue
         _replicate_at(ctx, graph, recording.values[v], v, pl, prices)
         graph.add(Node(f"output {v}", [v], [], [Strategy((pl,), (), label="needed")]))
-    return graph, nodes
 
 
 def _beyond(found, grad: bool) -> dict:
@@ -215,110 +222,6 @@ def _dead_reads(found, s, node, live, orphans, later) -> float:
         else:
             later.append((s, first, cost))
     return reads
-
-
-def _share_copies(graph, node_of, found) -> None:
-    """The copies the strategies ``found`` of the node just added read from a live op: free
-    only where that op takes a strategy making them (it may take one that does not: a cast its
-    default makes and the plan's candidate leaves out). A reader computing from the maker's
-    results follows the maker's choice (an op reading what an op left uncast computed is not
-    cast either: :meth:`meshdsl.rewrite.explicit.ExplicitContext.vary`): its copy stays free -
-    unless the copy is a cast over axes the reader itself splits over, which it needs whatever
-    the maker took (a maker computing replicated and taking its block leaves its result split)."""
-    reader = len(graph.nodes) - 1
-    for s, f in enumerate(found):
-        for maker, cost, copy in f.reads:
-            if copy[0] == "varies" and cost:
-                _typed_varying(graph, reader, s, copy, cost)
-            if maker not in node_of or not cost:
-                continue
-            if _reads_from(graph, reader, node_of[maker]) and not _cast_over_own_split(f, copy):
-                continue
-            m = node_of[maker]
-            makers = frozenset(i for i, st in enumerate(graph.nodes[m].strategies) if copy in st.detail.makes)
-            if len(makers) < len(graph.nodes[m].strategies):
-                graph.shared.append(SharedCopy(reader, s, m, makers, cost))
-
-
-def _typed_varying(graph, reader, s, copy, cost) -> None:
-    """Strategy ``s`` of node ``reader`` reads a value as typed varying over mesh axes (``copy``:
-    ``("varies", value, axes)``), as the planning trace leaves it: where the op deciding that type
-    takes a strategy leaving it otherwise (a parameter left unwidened), the reader casts it, for
-    ``cost`` (a :class:`~meshdsl.planner.graph.SharedCopy` that op's varying strategies make). The
-    deciding op is the value's producer, or - where every strategy of the producer varies because
-    an operand does (an elementwise op follows its operands' types) - that operand's, back along
-    the one value whose type it follows (where several make it vary, the reader pays the cast)."""
-    _, v, axes = copy
-
-    def varies(st, slot):
-        return st.detail is not None and bool(st.detail.vary) and axes <= st.detail.vary[slot] | st.gives[slot].used_axes()
-
-    seen = set()
-    while v in graph.producer and v not in seen:
-        seen.add(v)
-        p, slot = graph.producer[v]
-        strategies = graph.nodes[p].strategies
-        makers = frozenset(i for i, st in enumerate(strategies) if varies(st, slot))
-        if len(makers) < len(strategies):
-            graph.shared.append(SharedCopy(reader, s, p, makers, cost))
-            return
-        if strategies[0].gives[slot].used_axes() & axes:
-            return   # split or pending there: varying by its placement, whatever it reads
-        follows = {w for w in graph.nodes[p].operands
-                   if varies(graph.nodes[graph.producer[w][0]].strategies[0], graph.producer[w][1])}
-        if len(follows) != 1:   # several operands make it vary: the reader pays the cast
-            graph.shared.append(SharedCopy(reader, s, p, frozenset(), cost))
-            return
-        v = follows.pop()
-
-
-def _common_copies(graph, plain) -> None:
-    """Copies that strategies of several nodes make, each in its own sandbox (one value cast or
-    relaid the same way: a parameter cast to vary over the axes two ops' candidates both split
-    over): paid once where any of those strategies is taken (a
-    :class:`~meshdsl.planner.graph.CommonCopy`), not by each - the emitted program makes the copy
-    once and the later op reads it. Only ops of ``plain`` (graph nodes neither a loop nor in a
-    loop's body, whose copies a loop's candidate counts again as its own) take part. Under the
-    time objective the copy is priced as its bytes on the reference link (its axes are not kept)."""
-    makers: dict = {}
-    for k, node in enumerate(graph.nodes):
-        for s, st in enumerate(node.strategies if k in plain else ()):
-            for copy, cost in getattr(st.detail, "made", ()):
-                if cost > 0:
-                    makers.setdefault((copy, cost), set()).add((k, s))
-    for (_, cost), members in makers.items():
-        if len({k for k, _ in members}) < 2:
-            continue
-        for k, s in members:
-            st = graph.nodes[k].strategies[s]
-            graph.nodes[k].strategies[s] = dataclasses.replace(
-                st, cost=max(st.cost - cost, 0.0), own_time=None if st.own_time is None else max(st.own_time - cost, 0.0))
-        graph.common.append(CommonCopy(cost, frozenset(members)))
-
-
-def _cast_over_own_split(found, copy) -> bool:
-    """Is ``copy`` (``(source id, key)``) a cast to varying over mesh axes that strategy
-    ``found`` splits its operands or results over?"""
-    key = copy[1]
-    if not (isinstance(key, tuple) and key and key[0] == "cast"):
-        return False
-    split = {a for pl in (*found.entry, *found.gives) if pl is not None for axes in pl.axes for a in axes}
-    return set(key[1]) <= split
-
-
-def _reads_from(graph, reader: int, maker: int) -> bool:
-    """Does node ``reader`` compute from a result of node ``maker`` (through any ops between)?"""
-    stack, seen = [reader], set()
-    while stack:
-        k = stack.pop()
-        for v in graph.nodes[k].operands:
-            p = graph.producer[v][0]
-            if p == maker:
-                return True
-            if p > maker and p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return False
 
 
 def _replicate_at(ctx, graph, value, v, pl, prices) -> None:

@@ -194,7 +194,7 @@ _LINE = re.compile(r"mdl\[([^\]]*)\]")   # the name scope of a user's line (:fun
 
 def line_scope(line: str):
     """A name scope saying that what is traced inside comes from the user's ``line``
-    (``file:line``), read back by :func:`user_line` (through jax's transpositions too)."""
+    (``file:line``), read back by :func:`scoped_line` (through jax's transpositions too)."""
     return jax.named_scope(f"mdl[{line}]")
 
 

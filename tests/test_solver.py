@@ -195,3 +195,26 @@ def test_a_value_is_held_from_its_producer_to_its_last_reader_or_to_the_end_when
     assert g.live_range("x") == (0, 3)
     assert g.memory([0, 0, 0, 0]) == 12.0 and g.memory([1, 0, 0, 0]) == 9.0
     assert solve(g, memory_budget=10.0).choice[0] == 1
+
+
+def test_tied_nodes_take_one_strategy_as_a_loops_carry_enters_and_leaves_its_step():
+    # A loop gives its step the carry in 'a' or 'b' (strategy 0 or 1), and the node after the
+    # step needs what the step returns where the carry entered. The step's op computes in 'b'
+    # only; entering in 'a' has the step's result relaid to 'a' every step (5 B). Untied, the
+    # solver would enter in 'a' (no relay before the loop) and leave in 'b' (none after the
+    # step), a plan of 0 B no program runs; tied, it enters in 'b': one relay before the loop (1 B).
+    SIZE.clear()
+    SIZE["w"] = 5.0
+    g = Graph(relay)
+    source(g, "v", "a")
+    loop = g.add(Node("loop", ["v"], ["c"], [Strategy(("a",), ("a",), label="a"), Strategy(("b",), ("b",), label="b")]))
+    g.add(Node("step", ["c"], ["w"], [Strategy(("b",), ("b",), label="b")]))
+    leave = g.add(Node("leaves", ["w"], [], [Strategy(("a",), (), label="a"), Strategy(("b",), (), label="b")]))
+    g.tie(loop, leave)
+    sol = solve(g)
+    assert sol.choice[loop] == sol.choice[leave] == 1 and sol.bytes == 1.0
+    assert g.cost([0, 0, 0, 0]) == 6.0   # the step reading the carry in "b" (1 B) and its result relaid back (5 B)
+    assert sol.bytes == solve_exact(g).bytes
+    assert [s for s, _ in sol.alternatives(g, loop)] == [0]   # its alternative moves the tied node too
+    with pytest.raises(ValueError, match="as many strategies"):
+        g.tie(loop, 0)

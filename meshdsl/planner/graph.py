@@ -123,6 +123,7 @@ class Graph:
         self._time_cache: dict = {}
         self.rate = 0.0             # bytes per second of the link time is priced at (0: bytes alone)
         self.saved: set = set()     # value ids the backward pass reads: live to the program's end
+        self.ties: list = []        # (node, node) taking the same strategy (a loop's carry entering and leaving)
 
     def add(self, node: Node) -> int:
         """Append ``node`` (its operands must have producers already); its index."""
@@ -137,6 +138,14 @@ class Graph:
             self.producer[v] = (k, slot)
         self.nodes.append(node)
         return k
+
+    def tie(self, a: int, b: int) -> None:
+        """Nodes ``a`` and ``b`` (as many strategies each) take the same strategy: one choice
+        seen at two points of the program (where a loop's carry enters a step, and where the
+        step leaves it for the next)."""
+        if len(self.nodes[a].strategies) != len(self.nodes[b].strategies):
+            raise ValueError(f"{self.nodes[a].name} and {self.nodes[b].name}: tied nodes need as many strategies")
+        self.ties.append((a, b))
 
     def relay(self, value, src, dst) -> float:
         """Bytes of bringing ``value`` from placement ``src`` to ``dst`` (0 when equal), cached."""
@@ -241,6 +250,8 @@ class Graph:
             first = min(k for k, _ in c.members)
             for k, _ in c.members:
                 parent[find(k)] = find(first)
+        for a, b in self.ties:
+            parent[find(b)] = find(a)
         groups: dict = {}
         for k in range(len(self.nodes)):
             groups.setdefault(find(k), []).append(k)

@@ -12,6 +12,9 @@ relay between the consumers that read a value in the same placement:
                          over the maker's strategies s' that make it
     w[c]     in [0, 1]   a copy strategies of several nodes make is made: w >= x[k, s] for each
 
+    x[a, s] = x[b, s]    nodes tied to one strategy (a loop's node and the node after its step
+                         that needs the step's carry where the loop entered it)
+
     minimise  sum x * own bytes  +  sum y * relay(v, gives(s), T)  +  sum (z + w) * copy bytes
 
 A relay is shared by every consumer needing the same placement. With ``x`` integral, ``y`` is
@@ -70,6 +73,9 @@ class Solution:
         for s in range(len(graph.nodes[k].strategies)):
             if s != self.choice[k]:
                 other = list(self.choice)
+                for a, b in graph.ties:   # a tied node's alternative is its partner's too
+                    if k in (a, b):
+                        other[a] = other[b] = s
                 other[k] = s
                 out.append((s, graph.cost(other)))
         return sorted(out, key=lambda t: t[1])
@@ -116,7 +122,8 @@ def solve_exact(graph: Graph, memory_budget: float | None = None) -> Solution:
     start = time.perf_counter()
     best = None
     for choice in itertools.product(*(range(len(n.strategies)) for n in graph.nodes)):
-        if memory_budget is not None and graph.memory(choice) > memory_budget:
+        if any(choice[a] != choice[b] for a, b in graph.ties) or \
+                memory_budget is not None and graph.memory(choice) > memory_budget:
             continue
         key = (round(graph.cost(choice), 6), sum(1 for s in choice if s))
         if best is None or key < best[0]:
@@ -186,6 +193,7 @@ def _solve_part(graph: Graph, part: list, time_limit: float, memory_budget: floa
             w = prog.var(c.cost, integer=False, upper=1.0)
             for k, s in c.members:
                 prog.row({w: 1.0, x[k][s]: -1.0}, 0.0, np.inf)
+    _tie_rows(graph, prog, x)
     for coefs in _memory_rows(graph, x, memory_budget) if memory_budget is not None else ():
         prog.row(coefs, -np.inf, memory_budget)
     res = prog.run(prog.bytes, time_limit=time_limit)
@@ -195,6 +203,14 @@ def _solve_part(graph: Graph, part: list, time_limit: float, memory_budget: floa
         return {k: 0 for k in part}, prog.n, False
     picked = {k: int(np.argmax([res.x[i] for i in ids])) for k, ids in x.items()}
     return picked, prog.n, bool(res.status == 0)
+
+
+def _tie_rows(graph: Graph, prog: _Program, x: dict) -> None:
+    """x[a][s] = x[b][s] for each pair of tied nodes (``x``: node -> its strategies' variables)."""
+    for a, b in graph.ties:
+        if a in x and b in x:
+            for xa, xb in zip(x[a], x[b]):
+                prog.row({xa: 1.0, xb: -1.0}, 0.0, 0.0)
 
 
 def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) -> None:
@@ -249,6 +265,7 @@ def _least_memory(graph: Graph) -> float:
     for k in range(len(graph.nodes)):
         ids[k] = [prog.var() for _ in graph.nodes[k].strategies]
         prog.row({i: 1.0 for i in ids[k]}, 1.0, 1.0)
+    _tie_rows(graph, prog, ids)
     peak = prog.var(1.0, integer=False, upper=np.inf)
     for coefs in _memory_rows(graph, ids, 0.0):
         prog.row({**coefs, peak: -1.0}, -np.inf, 0.0)

@@ -43,6 +43,32 @@ def _leaves(tree) -> list:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
+def _assert_trained_alike(got, want) -> None:
+    """The parameters of two runs equal to float rounding, except where a gradient was zero up to
+    rounding all along: Adafactor's unfactored second moment ``v`` of a rounding error normalises
+    it into a whole step of its sign, so there one run's rounding steps one way and the other's
+    the other (one element of the embedding's 262144 on this machine, its ``v`` 1.2e-20). There
+    ``v`` is under 1e-8 of the leaf's largest (a gradient under 1e-4 of the largest), at no more
+    than four elements of a leaf."""
+    second = {jax.tree_util.keystr(path).split(".v", 1)[1]: np.asarray(v)
+              for path, v in jax.tree_util.tree_flatten_with_path(want["opt_state"])[0]
+              if ".v[" in jax.tree_util.keystr(path)}
+    for path, a in jax.tree_util.tree_flatten_with_path(got["params"])[0]:
+        key = jax.tree_util.keystr(path)
+        b = np.asarray(_at(want["params"], path))
+        off = ~np.isclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+        if off.any():
+            assert key in second and off.sum() <= 4 and (second[key][off] < 1e-8 * second[key].max()).all(), \
+                (key, int(off.sum()), second.get(key, np.zeros_like(b))[off][:4], np.asarray(a)[off][:4], b[off][:4])
+
+
+def _at(tree, path):
+    """The leaf of ``tree`` at a key path."""
+    for key in path:
+        tree = tree[key.key] if hasattr(key, "key") else tree[key.idx] if hasattr(key, "idx") else getattr(tree, key.name)
+    return tree
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """20 steps with the optimizer state on the device, the same offloaded (a checkpoint at step
@@ -112,8 +138,7 @@ def test_parameters_in_host_memory_train_exactly_as_on_the_device(runs, streamed
     device = runs[0]
     np.testing.assert_allclose([float(r["loss"]) for r in streamed["records"]],
                                [float(r["loss"]) for r in device["records"]], rtol=1e-5)
-    for a, b in zip(_leaves(streamed["state"]["params"]), _leaves(device["state"]["params"])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_trained_alike(streamed["state"], device["state"])
     assert _kinds(streamed["state"]["params"]) == _kinds(streamed["state"]["opt_state"]) == {"pinned_host"}
     moves = {(t["what"], t["direction"]): t["bytes"] for t in streamed["trainer"].transfers(streamed["state"])}
     per_device = sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(streamed["state"]["params"])
@@ -131,8 +156,7 @@ def test_activations_in_host_memory_train_exactly_as_on_the_device(runs, tmp_pat
     assert acts["trainer"].remat == "offload" and not acts["trainer"].layout.offload
     np.testing.assert_allclose([float(r["loss"]) for r in acts["records"]],
                                [float(r["loss"]) for r in device["records"]], rtol=1e-5)
-    for a, b in zip(_leaves(acts["state"]["params"]), _leaves(device["state"]["params"])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_trained_alike(acts["state"], device["state"])
     assert _kinds(acts["state"]["params"]) == _kinds(acts["state"]["opt_state"]) == {"device"}
 
 

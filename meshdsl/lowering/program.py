@@ -232,7 +232,7 @@ class Program:
         ctx = ExplicitContext(owner.mesh, owner.layout, params=policy, schedule=owner.schedule,
                               repeats=owner.repeats, attention=owner.attention)
         if self.plan is not None:
-            ctx.planner = Recording(self.plan.choice, self.plan.sinks)
+            ctx.planner = Recording(self.plan.choice, self.plan.sinks, self.plan.carries)
         elif self._recording:
             ctx.planner = Recording()
         self.last_ctx = ctx

@@ -59,12 +59,23 @@ def order(ctx, axes):
 def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unroll, where):
     """``(carry, ys)`` of scanning ``step`` over ``length`` entries of ``dim`` of ``x_leaves``."""
     widen: dict[int, frozenset] = {}
-    placed: dict = {}   # carry index -> axes per dim it enters with (else the layout's)
+    planner = ctx.planner if ctx.explicit else None
+    loop = planner.current if planner is not None else None   # the op number the planner knows it by
+    # carry index -> axes per dim it enters with (else the layout's); a trace following a plan
+    # enters as the plan says, and a candidate the planner pins where it is pinned: there each
+    # step's carry is relaid back, as the plan priced it
+    emit = planner is not None and planner.emit
+    pin = planner.pinned.get(loop) if planner is not None and not emit else None
+    placed: dict = dict(planner.carries.get(loop, {}) if emit else pin or {})
+    fixed = emit or pin is not None
     mark = ctx.checkpoint() if ctx.explicit else None
     while True:
         try:
-            return _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed,
-                              reverse, unroll, where)
+            out = _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed,
+                             reverse, unroll, where, (loop, fixed, emit))
+            if planner is not None and not fixed:   # the planning trace's (its latest run: the rule's own)
+                planner.carries[loop] = dict(placed)
+            return out
         except Widen as w:  # forget the aborted trace's records and try again
             widen[w.index] = widen.get(w.index, frozenset()) | w.axes
             ctx.rollback(mark)
@@ -73,24 +84,36 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unr
             ctx.rollback(mark)
 
 
-def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed, reverse, unroll, where):
+def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed, reverse, unroll, where,
+               planned):
+    start = len(ctx.rec.records)
     c_arrays, c_templates = _enter_carry(ctx, c_leaves, widen, placed)
+    carried = len(ctx.rec.records)
     carry_vary = frozenset().union(*(varying_axes(a) for a in c_arrays)) if ctx.explicit else frozenset()
     x_arrays, x_templates = _enter_xs(ctx, x_leaves, dim, carry_vary)
     y_templates = []
+    planning = ctx.explicit and ctx.planner is not None and not planned[2]
+    if planning:   # where the step reads its carry and slices (the carry relaid there: a move the plan prices)
+        ctx.planner.carry_in[planned[0]] = (tuple(t[2] for t in c_templates + x_templates if t is not None),
+                                            (start, carried))
 
     def body(c_arrs, x_arrs):
         carry = _rebuild(c_tree, c_arrs, c_templates)
         x_arrs = [to_memory(a, "device") if host_resident(a) else a for a in x_arrs]   # this step's slice
         xs = _rebuild(x_tree, x_arrs, x_templates)
         with ctx.rec.loop(length):
+            if planning:   # (read as often as the step runs)
+                ctx.planner.stepping(ctx, planned[0], [x for tree in (carry, xs)
+                                                       for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_named)
+                                                       if _is_named(x)])
             new_carry, ys = step(carry, xs)
             new_leaves, new_tree = jax.tree_util.tree_flatten(new_carry, is_leaf=_is_named)
             if new_tree != c_tree:
                 raise ShapeError(f"{where}: the step returned a carry of structure {new_tree}, "
                                  f"but it entered as {c_tree}")
-            out_c = [_carry_out(ctx, i, leaf, old, t, where, i not in placed)
-                     for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
+            named = {i: n for n, i in enumerate(i for i, t in enumerate(c_templates) if t is not None)}
+            out_c = [_carry_out(ctx, (i, named.get(i)), leaf, old, t, where, i not in placed and not planned[1],
+                                planned[0]) for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
             y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
             y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
             y_templates.append(y_tree)
@@ -181,9 +204,12 @@ def _stack_ys(dim, length, y_tree, y_arrays, y_templates):
     return jax.tree_util.tree_unflatten(y_tree, ys)
 
 
-def _carry_out(ctx, i, leaf, old, template, where, may_replace):
-    """Bring a carry leaf back to the placement and type it entered the step with (or, where that
-    moves bytes every step, ask for a try with the carry entering as the step leaves it)."""
+def _carry_out(ctx, index, leaf, old, template, where, may_replace, loop):
+    """Bring carry leaf ``index`` (its index among the leaves, and among the named ones) back to
+    the placement and type it entered the step with (or, where that moves bytes every step, ask
+    for a try with the carry entering as the step leaves it). The planner (loop op number
+    ``loop``) prices that relay where its plan moves the step's ops, and where the carry enters."""
+    i = index[0]
     if template is None:
         if _is_named(leaf):
             raise ShapeError(f"{where}: carry entry {i} entered as a plain array and left as a NamedArray")
@@ -205,6 +231,8 @@ def _carry_out(ctx, i, leaf, old, template, where, may_replace):
         if may_replace and not now.pending and now.axes != pl.axes and relayout_bytes(
                 ctx, dims, leaf.dtype.itemsize, now.axes, frozenset(), pl.axes):
             raise Replace(i, now.axes)
+        if ctx.planner is not None:
+            ctx.planner.carried(ctx, leaf, loop, index)
         arr = ctx.local(leaf, dict(zip(leaf.names, pl.axes)), varying_axes(old))
     if ctx.explicit:
         extra = varying_axes(arr) - varying_axes(old)

@@ -76,11 +76,15 @@ def loop_tries(ctx, rule, xs) -> list:
     per candidate): its operands' pending sums reduced before it (once, not per step), and its
     operands in the layout's placement (a value the loop reads as the return needs it: one move
     for both). Its body's ops are priced as they run in the loop's default; a candidate's own
-    bytes are what it moves beyond theirs (less, where the body moves less: negative)."""
+    bytes are what it moves beyond theirs (less, where the body moves less: negative). A
+    parameter stack stored split stays so: each step's ops gather their slice as ``param_gather``
+    says (kept for the backward pass or gathered again, the plan's choice under ``"auto"``), never
+    the whole stack before the loop (held through the backward pass, outside the solve's memory)."""
     here = tuple(ctx.placement(x) for x in xs)
     tries = [tuple(Placement(pl.axes) for pl in here)]
     try:
-        tries.append(tuple(Placement(tuple(ctx.canonical(x.dims))) for x in xs))
+        tries.append(tuple(pl if x.is_param and _stored(ctx, x) else Placement(tuple(ctx.canonical(x.dims)))
+                           for x, pl in zip(xs, here)))
     except MeshDSLError:
         pass
     tries = [e for e in dict.fromkeys(tries) if e != here and all(valid(pl) for pl in e)

@@ -41,7 +41,7 @@ __all__ = ["share_copies", "common_copies", "follow_types", "cast_axes"]
 def _varies(strategy, slot: int, axes: frozenset) -> bool:
     """Does ``strategy`` give its result ``slot`` typed varying over all of ``axes``?"""
     detail = strategy.detail
-    typed = detail.vary[slot] if detail is not None and detail.vary else frozenset()
+    typed = detail.vary[slot] if detail is not None and slot < len(detail.vary) else frozenset()
     return axes <= typed | strategy.gives[slot].used_axes()
 
 
@@ -124,7 +124,7 @@ def _typed_varying(graph, reader, s, copy, cost) -> None:
     _, v, axes = copy
 
     def varies(st, slot):
-        return st.detail is not None and bool(st.detail.vary) and axes <= st.detail.vary[slot] | st.gives[slot].used_axes()
+        return st.detail is not None and slot < len(st.detail.vary) and axes <= st.detail.vary[slot] | st.gives[slot].used_axes()
 
     seen = set()
     while v in graph.producer and v not in seen:

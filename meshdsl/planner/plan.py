@@ -19,12 +19,14 @@ import math
 from ..costmodel.cost import element_bytes, moved_bytes
 from ..costmodel.hardware import Hardware
 from ..rewrite.relayout import relayout_bytes
+from . import carries
+from .carries import loops_of
 from .copies import common_copies, follow_types, share_copies
 from .graph import Graph, Node, SharedCopy, Strategy
 from .remat import value_bytes
 from .solve import Solution, solve
 
-__all__ = ["build", "choose", "decisions", "Plan", "Unread", "OBJECTIVES"]
+__all__ = ["build", "choose", "decisions", "priced", "Plan", "Unread", "OBJECTIVES"]
 
 
 
@@ -38,6 +40,7 @@ class Plan:
     graph: Graph
     nodes: dict             # graph node index -> op number
     sinks: tuple = ()       # the placement each output and x.array read needs, in program order
+    carries: dict = dataclasses.field(default_factory=dict)   # loop op number -> where its carries enter
 
     @property
     def gain(self) -> float:
@@ -118,8 +121,9 @@ class _Prices:
             found.backward * ratio(found.duals) + latency
 
 
-def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph, dict]:
-    """The graph of ``recording`` (made in ``ctx``'s trace) and graph node -> op number. With the
+def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph, dict, dict]:
+    """The graph of ``recording`` (made in ``ctx``'s trace), graph node -> op number, and loop node
+    -> its :class:`~meshdsl.planner.carries.Loop` (what its step reads from it). With the
     ``"time"`` objective each strategy also pays its compute (:func:`_compute_cost`), and its own
     collectives and each relay their seconds on the links of their axes (:class:`_Prices`), in
     bytes of the mesh's slowest link, so that the plan minimises the step's time, not its bytes."""
@@ -131,10 +135,10 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
     graph.rate = rate
     nodes = {}
     held = functools.partial(value_bytes, ctx, recording)
-    for v, pl in recording.entered.items():
-        graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered", memory=(held(v, pl),))]))
-        graph.saved.add(v)   # an argument's buffer is held throughout
     live, grads = _live(recording), _differentiated(recording)
+    loops = {k: loop for k, loop in loops_of(recording).items() if k in live}
+    looped = {}   # loop node -> its Loop
+    _inputs(graph, recording, held, {v for loop in loops.values() for v in loop.values})
     unread_ops, unread_sinks = recording.unread
     node_of = {}
     orphans: dict = {}   # a copy whose maker the compiler drops -> (graph node, strategies) of its first live reader
@@ -164,8 +168,11 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
                 **_beyond(f, k in grads)))
         if k in grads:   # what a differentiated op reads, the backward pass reads again
             graph.saved.update(v for v in op.operands if recording.values[v][3])
-        node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), list(op.results), strategies))
+        strategies, stepped = carries.entering(strategies, loops.get(k), held)   # what its step reads from it
+        node_of[k] = graph.add(Node(f"{op.name} at {op.line}", list(op.operands), [*op.results, *stepped], strategies))
         nodes[node_of[k]] = k
+        if stepped:
+            looped[node_of[k]] = loops[k]
         for s, (maker, makers), cost in later:   # the copy is made once: free where its first reader makes it
             graph.shared.append(SharedCopy(node_of[k], s, maker, frozenset(makers), cost))
         share_copies(graph, node_of, op.strategies)
@@ -173,7 +180,18 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
     common_copies(graph, {n for n, k in nodes.items() if not recording.ops[k].inner and k not in body})
     follow_types(graph)   # a cast another operand's type makes: paid where its producer leaves that type
     _sinks(ctx, graph, recording, unread_sinks, prices)
-    return graph, nodes
+    for node, leaves in looped.items():   # a step's carry, taken by the next step where it entered
+        carries.leave(graph, node, leaves)
+    return graph, nodes, looped
+
+
+def _inputs(graph, recording, held, stepped) -> None:
+    """A node per value first met where it entered (an argument, held throughout), but those a
+    loop's step reads from the loop (``stepped``: the loop's node gives them)."""
+    for v, pl in recording.entered.items():
+        if v not in stepped:
+            graph.add(Node(f"input {v}", [], [v], [Strategy((), (pl,), label="entered", memory=(held(v, pl),))]))
+            graph.saved.add(v)
 
 
 def _sinks(ctx, graph, recording, unread, prices) -> None:
@@ -234,7 +252,7 @@ def _replicate_at(ctx, graph, value, v, pl, prices) -> None:
     local = element_bytes(dtype, ctx.mesh.platform) * math.prod(dims.sizes) / ctx.mesh.axes_size(pl.split_axes())
     for i, s in enumerate(node.strategies):
         found = s.detail
-        extra = (found.vary[slot] - pl.split_axes()) if found is not None and found.vary else frozenset()
+        extra = (found.vary[slot] - pl.split_axes()) if found is not None and slot < len(found.vary) else frozenset()
         if extra:
             cost = moved_bytes("all-reduce", local, local, ctx.mesh.axes_size(tuple(extra))) * executions
             node.strategies[i] = dataclasses.replace(s, cost=s.cost + cost, own_time=None if s.own_time is None else
@@ -246,7 +264,7 @@ def choose(ctx, recording, *, time_limit: float = 60.0, objective: str = "time",
     """Solve the program ``recording`` holds for ``objective`` on ``hardware``, holding at most
     ``memory_budget`` bytes per device as the graph sees it; the ops the plan moves, with their
     entries. Raises :class:`~meshdsl.planner.solve.NoPlanFits` where no plan holds so little."""
-    graph, nodes = build(ctx, recording, objective, hardware)
+    graph, nodes, looped = build(ctx, recording, objective, hardware)
     solution = solve(graph, time_limit=time_limit, memory_budget=memory_budget)
     default = graph.cost([0] * len(graph.nodes))
     choice = {}
@@ -254,7 +272,15 @@ def choose(ctx, recording, *, time_limit: float = 60.0, objective: str = "time",
         s = solution.choice[g]
         if s:
             choice[k] = graph.nodes[g].strategies[s].detail
-    return Plan(choice, solution, default, graph, nodes, tuple(pl for _, pl in recording.sinks))
+    return Plan(choice, solution, default, graph, nodes, tuple(pl for _, pl in recording.sinks),
+                {**recording.carries, **carries.entries(graph, looped, solution.choice)})
+
+
+def priced(plan) -> dict:
+    """The solved plan as its graph prices it: ``bytes`` per device it moves, ``memory`` (the
+    peak per device the graph's liveness sees)."""
+    choice = plan.solution.choice
+    return {"bytes": plan.graph.moved(choice), "memory": plan.graph.memory(choice)}
 
 
 def decisions(plan, followed: bool) -> list:

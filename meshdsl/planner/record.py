@@ -20,21 +20,18 @@ function alike, so they agree (a ``md.scan`` body traced twice rolls its numbers
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from ..costmodel.cost import dual_bytes
-from ..names.errors import MeshDSLError
-from ..platform.jaxcompat import apart, differentiated, pricing, primal_var, varying_axes
+from ..platform.jaxcompat import differentiated, pricing, primal_var
 from ..names.named import NamedArray, Placement, is_named
-from ..rewrite import collectives as C
 from . import remat
 from .candidates import loop_tries, op_tries
+from .found import distinct, less, run, runs_of, sandboxed_run, sliced, try_all
 
-__all__ = ["Recording", "OpRecord", "Found", "OP_SCOPE"]
+__all__ = ["Recording", "OpRecord", "OP_SCOPE"]
 
 OP_SCOPE = "mdop"   # the name scope of outermost op number k in the planning trace: mdop<k>
 
@@ -57,10 +54,22 @@ class OpRecord:
 class Recording:
     """What the planning trace records (``choice is None``), or the plan an emitting trace follows."""
 
-    def __init__(self, choice=None, sinks=()):
+    def __init__(self, choice=None, sinks=(), carries=None):
         self.emit = choice is not None
         self.choice = dict(choice or {})
         self.planned_sinks = list(sinks)   # emitting: where each output and x.array read is read, as planned
+        # loop op number -> {carry index: axes per dim it enters with} where the planning trace's
+        # loop took them from its step (not the layout's); emitting, each loop enters so
+        self.carries: dict = dict(carries or {})
+        # what a loop's step reads from the loop (meshdsl.planner.carries): (loop op number, value
+        # ids of its carry's and its slices' named leaves), and a step's carry leaving it: (value
+        # id, loop op number, its index among the carry's named leaves, and among its leaves)
+        self.steps: list = []
+        self.carry_outs: list = []
+        # loop op number -> (placements its step reads its carry and slices in, (first, end) of the
+        # records relaying the carry there) as the latest run of its rule left them (meshdsl.ops.loop)
+        self.carry_in: dict = {}
+        self.pinned: dict = {}     # loop op number -> its carry's entry a candidate holds fixed (meshdsl.ops.loop)
         self.ops: list[OpRecord] = []
         self.values: dict = {}     # value id -> (dims, dtype, executions, differentiated)
         self.entered: dict = {}    # value id -> placement where first met (not made by an op)
@@ -106,6 +115,18 @@ class Recording:
         self.sink_vars.append(None)
         return axes
 
+    def stepping(self, ctx, loop: int, xs: list) -> None:
+        """A step of loop op ``loop`` reads ``xs`` (its carry's and its slices' named leaves) as
+        the loop gives them (:mod:`meshdsl.planner.carries`)."""
+        if not self.emit and not pricing() and ctx.frame is None:
+            self.steps.append((loop, tuple(self.vid(ctx, x) for x in xs)))
+
+    def carried(self, ctx, x: NamedArray, loop: int, index: tuple) -> None:
+        """``x`` leaves a step of loop op ``loop`` as its carry's leaf ``index`` (among the named
+        leaves, and among all): the next step takes it where this one took it."""
+        if not self.emit and not pricing() and ctx.frame is None:
+            self.carry_outs.append((self.vid(ctx, x), loop, *index))
+
     def sank(self, ctx, block) -> None:
         """``block`` is what the latest sink reads (its placement's block, sums reduced)."""
         if ctx.frame is None and not self.emit and self.sink_vars:
@@ -114,12 +135,14 @@ class Recording:
     # -- ops -------------------------------------------------------------------------------------
 
     def checkpoint(self):
-        return self.count, len(self.ops), len(self.sinks)
+        return self.count, len(self.ops), len(self.sinks), len(self.steps), len(self.carry_outs)
 
     def rollback(self, mark) -> None:
-        self.count, n_ops, n_sinks = mark
+        self.count, n_ops, n_sinks, n_steps, n_carried = mark
         del self.ops[n_ops:]
         del self.sinks[n_sinks:]
+        del self.steps[n_steps:]
+        del self.carry_outs[n_carried:]
         del self.sink_vars[n_sinks:]
 
     def apply(self, ctx, name, rule, args, kwargs):
@@ -133,7 +156,7 @@ class Recording:
             found = self.choice.get(k) if ctx.frame is None else None
             if found is None:
                 return rule(ctx, *args, **kwargs)
-            return _run(ctx, rule, leaves, tree, named, xs, found.entry, found.options)[0]
+            return run(ctx, rule, leaves, tree, named, xs, found.entry, found.options)[0]
         if pricing():   # an op of a loop body a candidate of the loop traces again: its own choices
             self._forced.append(({}, [], [], []))   # (its decision points are its own, not the loop's)
             try:
@@ -146,30 +169,22 @@ class Recording:
         upstream = [tuple(dict.fromkeys(self.gives.get(v, ()) + self.read_at.get(v, ()))) for v in operands]
         tries = op_tries(ctx, rule, xs, args, kwargs, upstream) if explore else \
             loop_tries(ctx, rule, xs) if xs and ctx.frame is None else []
-        others = _try_all(ctx, rule, leaves, tree, named, xs, tries)
+        others = try_all(ctx, rule, leaves, tree, named, xs, tries)
         before = ctx.checkpoint()
         with jax.named_scope(f"{OP_SCOPE}{k}"):   # what it computes, found by the planner in the trace
-            result, default = _run(ctx, rule, leaves, tree, named, xs, tuple(map(ctx.placement, xs)), {})
+            result, default = run(ctx, rule, leaves, tree, named, xs, tuple(map(ctx.placement, xs)), {})
         if explore:   # decision points the rule met but does not declare (whether to widen a type), with each strategy
             declared = len(getattr(rule, "options", lambda *a, **k: [])(*args, **kwargs))
             with ctx.as_at(before):   # priced without the copies the default made
-                others += _try_all(ctx, rule, leaves, tree, named, xs, [
+                others += try_all(ctx, rule, leaves, tree, named, xs, [
                     (f.entry, {**dict(f.options), p: c}) for f in [default] + others
                     for p, n in enumerate(f.points) if p >= declared for c in range(1, n)])
+        if getattr(rule, "relays", 0) and self.carries.get(k):   # its carry entered where its step left it
+            others += self._pinned(ctx, k, rule, (leaves, tree, named, xs))
         inner = [self.ops[j].strategies[0] for j in range(k, len(self.ops))]   # a scan body's ops, priced apart
         if inner:
-            # the body's collectives traced again when jax differentiates the loop (after the
-            # body's ops ended, attributed to them): the program runs them once, the sandboxes
-            # (never differentiated) trace them once
-            again = [r for r in ctx.rec.records[self.ended:] if (r.op, r.line) != ctx.rec.op]
-            default = dataclasses.replace(default, forward=default.forward - sum(r.total_bytes for r in again),
-                                          backward=default.backward - dual_bytes(again),
-                                          runs=_less(default.runs, _runs(again, [])))
-            fwd, bwd = sum(f.forward for f in inner), sum(f.backward for f in inner)
-            body = [run for f in inner for run in f.runs]
-            default, *others = [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd,
-                                                    runs=_less(f.runs, body)) for f in [default] + others]
-        strategies = _distinct([default] + [s for s in others if len(s.gives) == len(default.gives)])
+            default, *others = self._apart(ctx, inner, default, others)
+        strategies = distinct([default] + [s for s in others if len(s.gives) == len(default.gives)])
         if inner:   # a loop: its remat policy's residuals, and the policies it leaves to the plan
             strategies = remat.strategies(ctx, self, rule, self.ops[k:], operands, strategies, xs)
         outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
@@ -178,12 +193,41 @@ class Recording:
             self.gives[v] = tuple(dict.fromkeys(f.gives[slot] for f in strategies[1:] if f.gives[slot] != default.gives[slot]))
         for slot, v in enumerate(operands):   # a reader slicing it (no data moves): another may share the copy
             self.read_at[v] = tuple(dict.fromkeys(self.read_at.get(v, ()) + tuple(
-                f.entry[slot] for f in strategies if _sliced(self.placed[v], f.entry[slot]))))
+                f.entry[slot] for f in strategies if sliced(self.placed[v], f.entry[slot]))))
         self.ops.insert(len(self.ops) - (self.count - k - 1), OpRecord(
             name, ctx.rec.op[1] if ctx.rec.op else "", operands, results, strategies,
             any(differentiated(x.raw) for x in xs), range(k + 1, self.count)))
         self.ended = len(ctx.rec.records)
         return result
+
+    def _apart(self, ctx, inner, default, others) -> list:
+        """A loop's ``default`` and ``others`` strategies less what its body's ops (``inner``:
+        their defaults) move, which they price each on its own."""
+        # the body's collectives traced again when jax differentiates the loop (after the body's
+        # ops ended, attributed to them): the program runs them once, the sandboxes (never
+        # differentiated) trace them once
+        again = [r for r in ctx.rec.records[self.ended:] if (r.op, r.line) != ctx.rec.op]
+        default = dataclasses.replace(default, forward=default.forward - sum(r.total_bytes for r in again),
+                                      backward=default.backward - dual_bytes(again),
+                                      runs=less(default.runs, runs_of(again, [])))
+        fwd, bwd = sum(f.forward for f in inner), sum(f.backward for f in inner)
+        body = [run for f in inner for run in f.runs]
+        return [dataclasses.replace(f, forward=f.forward - fwd, backward=f.backward - bwd, runs=less(f.runs, body))
+                for f in [default] + others]
+
+    def _pinned(self, ctx, k, rule, operands) -> list:
+        """Loop op ``k`` whose rule entered its carry where its step left it: the candidate with
+        the carry entering where the layout places it, and relaid back there each step (its step's
+        ops may leave it there under the plan: :mod:`meshdsl.planner.carries`)."""
+        leaves, tree, named, xs = operands
+        saved, self.count = self.count, k + 1   # the loop's rule runs again as op k
+        self.pinned[k] = {}
+        try:
+            found = sandboxed_run(ctx, rule, leaves, tree, named, xs, tuple(map(ctx.placement, xs)), {})
+        finally:
+            self.count = saved
+            del self.pinned[k]
+        return [] if found is None else [found]
 
     @property
     def current(self) -> int:
@@ -220,154 +264,3 @@ class Recording:
         options, met, _, _ = self._forced[-1]
         met.append(count)
         return options.get(len(met) - 1, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Found:
-    """A strategy the rule showed: entry placements, result placements, own bytes, options."""
-
-    entry: tuple
-    gives: tuple
-    forward: float
-    backward: float
-    options: tuple = ()    # (decision point, candidate) pairs
-    vary: tuple = ()       # per result: mesh axes it varies over beyond its placement (typed so)
-    points: tuple = ()     # candidates of each decision point the rule met, in order
-    reads: tuple = ()      # (op number, bytes, copy) of the copies other ops made that the rule read
-    collectives: tuple = ()   # (kind, mesh axes, bytes) of each collective the rule emitted, forward
-    duals: tuple = ()         # (mesh axes, bytes) of what its backward moves (the part priced ahead)
-    runs: tuple = ()          # (mesh axes, forward runs, backward runs) of each collective it emits
-    work: tuple = ()          # (forward FLOPs, HBM bytes, backward FLOPs, HBM bytes) of its local
-    #                           contractions, per device (empty: it emitted none)
-    held: tuple = ()          # (kept, working) bytes per device it holds beyond its operands and
-    #                           results (empty: none declared)
-    again: tuple = ()         # (forward FLOPs, HBM bytes) a loop's remat policy recomputes
-    remat: str = ""           # a loop's remat policy (meshdsl.planner.remat), for reports
-    gathers: tuple = ()       # (kept, moved, mesh axes, executions, again) of each parameter it
-    #                           gathered inside a loop (Recorder.param_gathered)
-    regathered: int = 0       # a loop's: parameters its backward gathers again by the plan's choice
-    host: float = 0.0         # a loop's: bytes per device its remat policy moves to host memory and back
-    beside: tuple = ()        # a loop's: its body's work (as ``work``), which those moves overlap
-    made: tuple = ()          # (copy key, bytes) of each copy the rule made
-
-    @property
-    def makes(self) -> frozenset:
-        """The copies (keys) the rule made."""
-        return frozenset(c for c, _ in self.made)
-
-
-def _run(ctx, rule, leaves, tree, named, xs, entry, options):
-    """``rule`` on the operands relaid to ``entry``, its decision points taking ``options``:
-    ``(result, Found)``."""
-    leaves = list(leaves)
-    for i, x, pl in zip(named, xs, entry):
-        leaves[i] = _relay(ctx, x, pl)
-    entry = tuple(ctx.placement(leaves[i]) for i in named)   # as relaid: a pending sum x does not carry is not claimed
-    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-    start = len(ctx.rec.records), len(ctx.rec.casts), len(ctx.rec.work), len(ctx.rec.held), len(ctx.rec.gathers)
-    met: list = []
-    reads: list = []
-    makes: list = []
-    ctx._narrowing = False
-    ctx.planner._forced.append((dict(options), met, reads, makes))
-    saved, ctx.entry = ctx.entry, frozenset(id(leaves[i].raw) for i in named)
-    try:
-        result = rule(ctx, *args, **kwargs)
-    finally:
-        ctx.planner._forced.pop()
-        ctx.entry = saved
-    outs = [y for y in jax.tree_util.tree_leaves(result, is_leaf=is_named) if is_named(y)]
-    forward = sum(r.total_bytes for r in ctx.rec.records[start[0]:])
-    vary = tuple(frozenset(varying_axes(y.raw)) - ctx.placement(y).used_axes() for y in outs)
-    emitted = tuple((r.kind, r.axes, r.total_bytes) for r in ctx.rec.records[start[0]:])
-    duals = tuple((r.axes, dual_bytes([r])) for r in ctx.rec.records[start[0]:]) + \
-        tuple((axes, b) for b, axes, _ in ctx.rec.casts[start[1]:])
-    runs = _runs(ctx.rec.records[start[0]:], ctx.rec.casts[start[1]:])
-    return result, Found(tuple(entry), tuple(ctx.placement(y) for y in outs), forward,
-                         _backward_guess(ctx, start), tuple(sorted(dict(options).items())), vary, tuple(met),
-                         tuple(reads), emitted, duals, runs,
-                         tuple(map(sum, zip(*ctx.rec.work[start[2]:]))), tuple(map(sum, zip(*ctx.rec.held[start[3]:]))),
-                         gathers=tuple(ctx.rec.gathers[start[4]:]), made=tuple(makes))
-
-
-def _runs(records, casts) -> tuple:
-    """``(mesh axes, forward runs, backward runs)`` of each collective of ``records`` (a gather's
-    backward reduce-scatter runs as often as it) and of each cast's backward psum: each pays its
-    link's latency each run."""
-    return tuple((r.axes, r.count, r.count if dual_bytes([r]) else 0) for r in records) + \
-        tuple((axes, 0, n) for _, axes, n in casts)
-
-
-def _less(runs, minus) -> tuple:
-    """``runs`` less the entries of ``minus`` (a loop body's collectives, priced by its own ops)."""
-    left = collections.Counter(minus)
-    out = []
-    for run in runs:
-        if left[run]:
-            left[run] -= 1
-        else:
-            out.append(run)
-    return tuple(out)
-
-
-def _sliced(held: Placement, entry: Placement) -> bool:
-    """Is ``entry`` ``held`` with more of its dims split (a local slice of it, nothing moved)?"""
-    return entry != held and entry.pending == held.pending and held.sliced_to(entry.axes)
-
-
-def _distinct(strategies) -> list:
-    """``strategies`` less those that compute like an earlier one (entry, results, bytes and
-    types alike: another decision point's candidate that changed nothing)."""
-    seen, out = set(), []
-    for f in strategies:
-        key = (f.entry, f.gives, f.forward, f.backward, f.vary)
-        if key not in seen:
-            seen.add(key)
-            out.append(f)
-    return out
-
-
-def _relay(ctx, x: NamedArray, pl: Placement) -> NamedArray:
-    """``x`` relaid to placement ``pl`` (pending sums outside ``pl.pending`` reduced). A sum
-    ``pl`` keeps pending that ``x`` does not hold (a candidate of its producer leaves it pending,
-    the trace's reduced it) is, in a sandbox, made so: the block on the first device of the sum's
-    group, zeros elsewhere (what the consumer computes from, and moves, is then what it would
-    from the producer's candidate). Outside a sandbox it stays reduced: a placement never claims
-    a sum its block does not carry."""
-    made = pl.pending - ctx.pending(x) if ctx.rec.sandbox is not None else frozenset()
-    if made & ctx.placement(x).split_axes() or made & {a for axes in pl.axes for a in axes}:
-        made = frozenset()
-    pl = Placement(pl.axes, pl.pending & (ctx.pending(x) | made))
-    if ctx.placement(x) == pl:
-        return x
-    arr = ctx.local(x, dict(zip(x.names, pl.axes)), keep_pending=pl.pending - made)
-    if made:
-        first = C.axis_index(tuple(a for a in ctx.mesh.factor_axes if a in made)) == 0
-        arr = jnp.where(first, arr, jnp.zeros((), arr.dtype))
-    return NamedArray(arr, x.dims, is_param=x.is_param, placement=pl)
-
-
-def _sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options):
-    """:func:`_run` in a sandbox the trace then rolls back (records, relayout cache): the strategy
-    it shows, or None if the rule refuses it with a :class:`MeshDSLError` (what it would tell a
-    user who placed the operands there). Any other exception is a bug in the rule: it surfaces."""
-    mark = ctx.checkpoint()
-    try:
-        with ctx.rec.sandboxed(), apart():
-            return _run(ctx, rule, leaves, tree, named, xs, entry, options)[1]
-    except MeshDSLError:   # the rule refuses that entry: not a candidate
-        return None
-    finally:
-        ctx.rollback(mark)
-
-
-def _backward_guess(ctx, start) -> float:
-    """The backward bytes of what the op emitted since ``start``: its collectives' duals
-    (:func:`meshdsl.costmodel.cost.dual_bytes`) and its casts' psums."""
-    return dual_bytes(ctx.rec.records[start[0]:]) + sum(b for b, *_ in ctx.rec.casts[start[1]:])
-
-
-def _try_all(ctx, rule, leaves, tree, named, xs, tries) -> list:
-    """The strategies the rule shows for ``tries`` (entry placements, options), each in a sandbox."""
-    found = (_sandboxed_run(ctx, rule, leaves, tree, named, xs, entry, options) for entry, options in tries)
-    return [f for f in found if f is not None]

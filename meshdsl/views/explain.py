@@ -25,7 +25,7 @@ from ..costmodel import jaxpr_stats, liveness, roofline, simplify
 from ..costmodel.cost import KINDS
 from ..lowering.lower import lower
 from ..names.named import is_named
-from ..planner.plan import decisions
+from ..planner.plan import decisions, priced
 from ..costmodel.step_time import StepTime, predict
 from ..names.units import fmt_bytes, fmt_flops, fmt_seconds
 
@@ -52,6 +52,7 @@ class Report:
     pipeline: dict | None = None   # stages, microbatches, schedule, ticks, bubble_fraction (if any)
     bytes_accessed: float | None = None   # HBM bytes read and written per device (jaxpr_stats.bytes_accessed)
     plan_decisions: list = dataclasses.field(default_factory=list)   # see decisions()
+    planned: dict = dataclasses.field(default_factory=dict)   # the solved plan as its graph prices it: bytes, memory
     attention: list = dataclasses.field(default_factory=list)   # each md.attention: strategy, bytes, memory, balance
     kernels: list = dataclasses.field(default_factory=list)   # the program's kernels (meshdsl.costmodel.roofline.Kernel)
     compile: object = dataclasses.field(default=None, repr=False, compare=False)  # concrete mesh: -> compiled
@@ -201,6 +202,7 @@ def explain(fn, mesh, layout, *args, param_gather: str = "keep", schedule: str =
                   bytes_accessed=jaxpr_stats.bytes_accessed(body), kernels=roofline.program_kernels(body, ctx.attentions),
                   pipeline=_pipeline_entry(ctx.pipelines), attention=[dict(a) for a in ctx.attentions],
                   plan_decisions=[] if prog.solved is None else decisions(prog.solved, prog.plan is not None or not prog.solved.choice),
+                  planned={} if prog.solved is None else priced(prog.solved),
                   compile=None if f.mesh.is_abstract else (lambda: f.lower(*args).compile()))
 
 

@@ -119,3 +119,17 @@ def test_axis_of_size_one_splits_nothing():
     assert _moved(fn, mesh, layout, x) == {"explicit": 0.0, "gspmd": 0.0}
     assert md.explain(fn, mesh, layout, x).summary() == {}
     _same(fn, {"x": 8, "y": 1}, {"d": "x", "m128": ("y", "x")}, x)
+
+
+def test_a_lookup_moves_its_ids_onto_an_idle_axis_to_sum_the_rows_over_the_table_split():
+    """take(w[d a:y], ids[c:y+z], "a") on x:2 y:2 z:2: the ids move onto the idle axis x (a
+    permute and a gather over y, 8 B), so the devices holding the two halves of the table hold
+    the same ids; the looked-up rows are summed over y (64 B) and moved back to c:y+z (a permute
+    and a gather, 64 B): 136 B, as gspmd. Gathering the ids over both axes and reduce-scattering
+    the rows moved 152 B. Found by the campaign (tests/fuzz_campaign.py, seed 58)."""
+    r = np.random.default_rng(0)
+    w = md.param(md.named(jnp.asarray(r.standard_normal((8, 16)), jnp.float32), "d a"))
+    ids = md.named(jnp.asarray(r.integers(0, 16, 8), jnp.int32), "c")
+    fn = lambda w, ids: md.take(w, ids, "a")
+    mesh, layout = md.Mesh({"x": 2, "y": 2, "z": 2}), md.Layout({"a": "y", "c": ("y", "z")})
+    _kept(fn, mesh, layout, w, ids, moved={"all-reduce": 64, "all-gather": 36, "collective-permute": 36})

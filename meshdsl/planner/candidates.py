@@ -108,7 +108,9 @@ def _candidates(ctx, xs) -> list:
     """Entry placements to explore for an op over ``xs``, the first where they are: the layout's
     placement, pending sums reduced in place, every operand aligned with one of them, one dim
     of one operand brought to the layout's placement, one dim of one operand gathered (from where
-    it is or from the layout's placement): every placement one collective reaches."""
+    it is or from the layout's placement), one axis of one operand's dim swapped for a mesh axis
+    of its size no operand uses (a permute: ids split over ``y+z`` moved to ``x+z`` leave ``y``
+    to the table they are looked up in): every placement one collective reaches."""
     here = tuple(ctx.placement(x) for x in xs)
     out = [here]
 
@@ -137,6 +139,22 @@ def _candidates(ctx, xs) -> list:
             for i, (axes, want) in enumerate(zip(here[j].axes, layout[j].axes)):
                 if axes != want:
                     add(_with(reduced, j, i, want))
+    for entry in _swapped(ctx, reduced):
+        add(entry)
+    return out
+
+
+def _swapped(ctx, entry) -> list:
+    """``entry`` with one axis of one operand's dim replaced by an idle mesh axis of its size
+    (one no operand is split or pending over)."""
+    used = {a for pl in entry for a in pl.used_axes()}
+    idle = [b for b in ctx.mesh.factor_axes if b not in used]
+    out = []
+    for j, pl in enumerate(entry):
+        for i, axes in enumerate(pl.axes):
+            for k, a in enumerate(axes):
+                out += [_with(entry, j, i, axes[:k] + (b,) + axes[k + 1:]) for b in idle
+                        if ctx.mesh.axes_size((b,)) == ctx.mesh.axes_size((a,))]
     return out
 
 

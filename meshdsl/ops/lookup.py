@@ -34,7 +34,7 @@ from .restructure import rename
 __all__ = ["take"]
 
 
-@op("take", gathers=True)
+@op("take", gathers=True, swaps=True)
 def take(ctx, table, ids, dim) -> NamedArray:
     """Rows of ``table`` along ``dim`` picked by integer ``ids``: dims are ids' dims, then the
     table's other dims. Over a split ``dim`` the result is a pending partial sum.

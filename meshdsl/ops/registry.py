@@ -27,15 +27,18 @@ __all__ = ["RULES", "op"]
 RULES: dict = {}
 
 
-def op(name: str, *, gathers: bool = False):
+def op(name: str, *, gathers: bool = False, swaps: bool = False):
     """Register a rule. ``gathers``: the planner (:mod:`meshdsl.planner`) also prices the op with
     its operands entering with one dim gathered where they sit as the layout says (an op moving
-    data along a dim - a reshape, a shift, a lookup - may read a copy other ops share)."""
+    data along a dim - a reshape, a shift, a lookup - may read a copy other ops share).
+    ``swaps``: and with one operand's mesh axis swapped for one no operand uses (a lookup's ids
+    leaving the table's axis to it, so its halves see the same ids)."""
     def register(rule):
         if name in RULES:
             raise RuntimeError(f"lowering rule {name!r} registered twice")
         RULES[name] = rule
         rule.gathers = gathers
+        rule.swaps = swaps
 
         @functools.wraps(rule)
         def public(*args, **kwargs):

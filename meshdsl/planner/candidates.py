@@ -33,7 +33,7 @@ def op_tries(ctx, rule, xs, args, kwargs, upstream) -> list:
     # an op moving data along a dim may read a copy gathered for others (outside loop bodies:
     # there the trace would carry every priced candidate as dead code into the loop's derivative)
     gathers = getattr(rule, "gathers", False) and ctx.rec.multiplier == 1
-    entries = _candidates(ctx, xs) if gathers or _off_layout(ctx, xs) else [here]
+    entries = _candidates(ctx, xs, swaps=gathers and getattr(rule, "swaps", False)) if gathers or _off_layout(ctx, xs) else [here]
     if any(x.is_param and _stored(ctx, x) for x in xs):
         gathered = _gathered_tries(ctx, rule, xs, args, kwargs, upstream)
         if ctx.params.name != "auto":
@@ -104,13 +104,14 @@ def _relaid_by_the_rule(ctx, rule, xs, here, entry) -> bool:
         return False
 
 
-def _candidates(ctx, xs) -> list:
+def _candidates(ctx, xs, swaps: bool = False) -> list:
     """Entry placements to explore for an op over ``xs``, the first where they are: the layout's
     placement, pending sums reduced in place, every operand aligned with one of them, one dim
     of one operand brought to the layout's placement, one dim of one operand gathered (from where
-    it is or from the layout's placement), one axis of one operand's dim swapped for a mesh axis
-    of its size no operand uses (a permute: ids split over ``y+z`` moved to ``x+z`` leave ``y``
-    to the table they are looked up in): every placement one collective reaches."""
+    it is or from the layout's placement), and (``swaps``: a rule declaring it, outside loop
+    bodies) one mesh axis of one operand's dim swapped for one of its size no operand uses (a
+    permute: ids split over ``y+z`` moved to ``x+z`` leave ``y`` to the table they are looked
+    up in): every placement one collective reaches."""
     here = tuple(ctx.placement(x) for x in xs)
     out = [here]
 
@@ -139,22 +140,24 @@ def _candidates(ctx, xs) -> list:
             for i, (axes, want) in enumerate(zip(here[j].axes, layout[j].axes)):
                 if axes != want:
                     add(_with(reduced, j, i, want))
-    for entry in _swapped(ctx, reduced):
+    for entry in _swapped(ctx, reduced) if swaps else ():
         add(entry)
     return out
 
 
 def _swapped(ctx, entry) -> list:
-    """``entry`` with one axis of one operand's dim replaced by an idle mesh axis of its size
-    (one no operand is split or pending over)."""
+    """``entry`` with one mesh axis splitting one operand's dim (all its factors there) replaced
+    by an idle mesh axis of its size (one no operand is split or pending over)."""
     used = {a for pl in entry for a in pl.used_axes()}
-    idle = [b for b in ctx.mesh.factor_axes if b not in used]
+    whole = {m: ctx.mesh.factors(m) for m in ctx.mesh.shape}
+    idle = [f for f in whole.values() if not used & set(f)]
     out = []
     for j, pl in enumerate(entry):
         for i, axes in enumerate(pl.axes):
-            for k, a in enumerate(axes):
-                out += [_with(entry, j, i, axes[:k] + (b,) + axes[k + 1:]) for b in idle
-                        if ctx.mesh.axes_size((b,)) == ctx.mesh.axes_size((a,))]
+            for f in whole.values():
+                for k in (k for k in range(len(axes) - len(f) + 1) if axes[k:k + len(f)] == f):
+                    out += [_with(entry, j, i, axes[:k] + g + axes[k + len(f):]) for g in idle
+                            if ctx.mesh.axes_size(g) == ctx.mesh.axes_size(f)]
     return out
 
 

@@ -4,6 +4,8 @@
   (if the step makes it vary over more mesh axes, the loop is traced again, wider). Where the step
   leaves a carry split otherwise and bringing it back would move data every step, the loop is
   traced again with the carry entering split as the step leaves it: moved once, not per step.
+  A trace following a plan enters the carry where the plan's strategy for the loop says
+  (:mod:`meshdsl.planner.carries`) and relays it back there at the end of each step, as priced.
 * The stacked ``xs`` are cast, once and before the loop, to vary over the axes the carry varies
   over (casting per step inside the loop would make jax keep every layer's weights as residuals).
 * Collectives traced in the body are recorded with the trip count as their count. A stacked xs
@@ -19,6 +21,8 @@ run their steps through :func:`run`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -33,6 +37,16 @@ from . import streamed
 from .restructure import transpose
 
 __all__ = ["run", "Widen", "order"]
+
+
+class _Planned(NamedTuple):
+    """How the planner sees one run of a loop: ``loop``, its op number; ``fixed``, its carry may
+    not enter elsewhere than it is told (a trace following a plan, a pinned candidate); ``emit``,
+    the trace follows a plan (it records nothing)."""
+
+    loop: int | None
+    fixed: bool
+    emit: bool
 
 
 class Replace(Exception):
@@ -72,7 +86,7 @@ def run(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, reverse, unr
     while True:
         try:
             out = _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen, placed,
-                             reverse, unroll, where, (loop, fixed, emit))
+                             reverse, unroll, where, _Planned(loop, fixed, emit))
             if planner is not None and not fixed:   # the planning trace's (its latest run: the rule's own)
                 planner.carries[loop] = dict(placed)
             return out
@@ -92,9 +106,9 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
     carry_vary = frozenset().union(*(varying_axes(a) for a in c_arrays)) if ctx.explicit else frozenset()
     x_arrays, x_templates = _enter_xs(ctx, x_leaves, dim, carry_vary)
     y_templates = []
-    planning = ctx.explicit and ctx.planner is not None and not planned[2]
+    planning = ctx.explicit and ctx.planner is not None and not planned.emit
     if planning:   # where the step reads its carry and slices (the carry relaid there: a move the plan prices)
-        ctx.planner.carry_in[planned[0]] = (tuple(t[2] for t in c_templates + x_templates if t is not None),
+        ctx.planner.carry_in[planned.loop] = (tuple(t[2] for t in c_templates + x_templates if t is not None),
                                             (start, carried))
 
     def body(c_arrs, x_arrs):
@@ -103,7 +117,7 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
         xs = _rebuild(x_tree, x_arrs, x_templates)
         with ctx.rec.loop(length):
             if planning:   # (read as often as the step runs)
-                ctx.planner.stepping(ctx, planned[0], [x for tree in (carry, xs)
+                ctx.planner.stepping(ctx, planned.loop, [x for tree in (carry, xs)
                                                        for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_named)
                                                        if _is_named(x)])
             new_carry, ys = step(carry, xs)
@@ -112,8 +126,8 @@ def _scan_once(ctx, step, dim, length, x_leaves, x_tree, c_leaves, c_tree, widen
                 raise ShapeError(f"{where}: the step returned a carry of structure {new_tree}, "
                                  f"but it entered as {c_tree}")
             named = {i: n for n, i in enumerate(i for i, t in enumerate(c_templates) if t is not None)}
-            out_c = [_carry_out(ctx, (i, named.get(i)), leaf, old, t, where, i not in placed and not planned[1],
-                                planned[0]) for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
+            out_c = [_carry_out(ctx, (i, named.get(i)), leaf, old, t, where, i not in placed and not planned.fixed,
+                                planned.loop) for i, (leaf, old, t) in enumerate(zip(new_leaves, c_arrs, c_templates))]
             y_leaves, y_tree = jax.tree_util.tree_flatten(ys, is_leaf=_is_named)
             y_templates[:] = [(y.dims, y.is_param, y.placement) if _is_named(y) else None for y in y_leaves]
             y_templates.append(y_tree)

@@ -107,8 +107,7 @@ class Program:
     def make_jaxpr(self, avals):
         """The traced program: a planning trace (:mod:`meshdsl.planner`: the rules' own choices,
         each op's candidates priced apart), the solve, and - where the plan differs from the rules'
-        own choices - an emitting trace following it (and, with a loop whose body a plan of fewer
-        bytes moves, that plan's: :meth:`_plans`). The trace best by the objective is kept (its
+        own choices - an emitting trace following it. The trace best by the objective is kept (its
         predicted step time, or the bytes it moves) of those whose peak memory (:func:`meshdsl.costmodel.liveness.memory`)
         fits ``memory_budget``. The solve is unconstrained first (where its plan's trace fits, no
         constraint could improve it: the graph's memory is an estimate that errs high as well as
@@ -192,19 +191,9 @@ class Program:
         return best, least, over
 
     def _plans(self, ctx, recording, hw, limit) -> list:
-        """The plan of the objective (and, under time, the plan of fewest bytes where it moves an op
-        of a loop body), holding at most ``limit`` bytes per device as the graph sees it."""
-        plans = [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
-        if self.owner.objective == "time" and any(op.inner for op in recording.ops):
-            # a loop body's ops decide the placements its carries settle in, which the graph
-            # holds fixed: a plan of fewer bytes moving a body op is traced too, and weighed
-            fewest = choose(ctx, recording, objective="bytes", hardware=hw, memory_budget=limit)
-            body = set().union(*(op.inner for op in recording.ops))
-            moved = {k for k in set(fewest.choice) | set(plans[0].choice)
-                     if fewest.choice.get(k) != plans[0].choice.get(k)}
-            if moved & body:
-                plans.append(fewest)
-        return plans
+        """The plan of the objective, holding at most ``limit`` bytes per device as the graph sees
+        it (a loop's carries settle where the plan says: :mod:`meshdsl.planner.carries`)."""
+        return [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
 
     # -- the traced program ----------------------------------------------------------------------
 

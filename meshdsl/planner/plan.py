@@ -278,9 +278,11 @@ def choose(ctx, recording, *, time_limit: float = 60.0, objective: str = "time",
 
 def priced(plan) -> dict:
     """The solved plan as its graph prices it: ``bytes`` per device it moves, ``memory`` (the
-    peak per device the graph's liveness sees)."""
+    peak per device the graph's liveness sees), whether the solver proved it ``optimal`` (False:
+    it ran out of time and kept the best plan it had) and its ``seconds``."""
     choice = plan.solution.choice
-    return {"bytes": plan.graph.moved(choice), "memory": plan.graph.memory(choice)}
+    return {"bytes": plan.graph.moved(choice), "memory": plan.graph.memory(choice),
+            "optimal": plan.solution.optimal, "seconds": plan.solution.seconds}
 
 
 def decisions(plan, followed: bool) -> list:

@@ -5,8 +5,12 @@ An integer linear program over a :class:`~meshdsl.planner.graph.Graph`, solved b
 relay between the consumers that read a value in the same placement:
 
     x[k, s]  in {0, 1}   node k computes by strategy s            (one per node)
-    y[v, T, s] in [0, 1] value v is relaid to placement T from its producer's strategy s:
-                         y <= x[producer, s]; sum over s of y >= x of each consumer needing T
+    e[v, c, g, T] >= 0   consumer slot c reads value v in placement T while its producer gives
+                         v in g: for each g, sum over T of e = the x of the producer's
+                         strategies giving g; for each T, sum over g of e = the x of c's
+                         strategies needing T (the pair's joint choice: Alpa's edge variables)
+    y[v, g, T] in [0, 1] v is relaid from g to T: y >= e[v, c, g, T] for every consumer slot c
+                         (one relay shared by every consumer needing T)
 
     z[c]     in [0, 1]   a shared copy's reader makes it: z >= x[reader, s] - sum of x[maker, s']
                          over the maker's strategies s' that make it
@@ -15,13 +19,16 @@ relay between the consumers that read a value in the same placement:
     x[a, s] = x[b, s]    nodes tied to one strategy (a loop's node and the node after its step
                          that needs the step's carry where the loop entered it)
 
-    minimise  sum x * own bytes  +  sum y * relay(v, gives(s), T)  +  sum (z + w) * copy bytes
+    minimise  sum x * own bytes  +  sum y * relay(v, g, T)  +  sum (z + w) * copy bytes
 
-A relay is shared by every consumer needing the same placement. With ``x`` integral, ``y`` is
-``x[producer] * (some consumer needs T)`` at the optimum, so the optimum of the program is the
-optimum of the plan; and the relaxation is tight where one producer strategy feeds a relay (the
-bound an earlier ``u >= x + z - 1`` form left loose: a t5-small train step's graph of 2,200
-variables, every copy a rule reads priced, solves in 0.4 s instead of 1.2 s).
+A relay is shared by every consumer needing the same placement. With ``x`` integral, ``e`` is
+the product of the producer's and the consumer's choice and ``y`` the largest of them, so the
+optimum of the program is the optimum of the plan. The edge variables tie each consumer's
+placement to the producer's: without them (``y[v, T, s] <= x[producer, s]``, summed over ``s``
+to cover each consumer) the relaxation mixes strategies half and half, each read relaid from
+whichever half is cheaper, and HiGHS could not close the gap: a tiny Switch model under expert
+parallelism and ZeRO-3, time objective, hit the 60 s limit with a 9% gap (and a plan 2,160
+units over the optimum); with them it solves exactly in 0.13 s.
 Ties go to the default strategies (index 0: the rule's own choice): each op off its default
 costs a ten-thousandth of a byte, so a program where nothing can be gained lowers as the rules
 alone would. (Memory is not a tie-break yet: the strategies do not price it.)
@@ -214,25 +221,33 @@ def _tie_rows(graph: Graph, prog: _Program, x: dict) -> None:
 
 
 def _relay_terms(graph: Graph, prog: _Program, x: dict, v, p: int, slot: int) -> None:
-    """Variables and rows pricing the relays of value ``v`` (made by node ``p``)."""
-    needed: dict = {}   # placement -> {consumer node: [strategy indices needing it]}
+    """Variables and rows pricing the relays of value ``v`` (made by node ``p``'s result
+    ``slot``): an edge variable per consumer slot, source and target placement, and a relay
+    variable per source and target, shared by the consumers (the module doc)."""
+    sources: dict = {}   # placement the producer gives -> its strategies giving it
+    for s, strat in enumerate(graph.nodes[p].strategies):
+        sources.setdefault(strat.gives[slot], []).append(s)
+    readers = []         # per consumer slot: (node, {placement needed: its strategies needing it})
     for c, j in graph.consumers.get(v, ()):
+        needed: dict = {}
         for s, strat in enumerate(graph.nodes[c].strategies):
-            needed.setdefault(strat.needs[j], {}).setdefault(c, []).append(s)
-    gives = [s.gives[slot] for s in graph.nodes[p].strategies]
-    for target, by_consumer in needed.items():
-        costs = [graph.relay_cost(v, src, target) for src in gives]
-        if not any(costs):
-            continue
-        # y[s]: the relay happens, from the producer's strategy s (y[s] <= x[p][s]; none from a
-        # strategy no relay reaches the target from), shared by every consumer needing it
-        ys = {}
-        for s, cost in enumerate(costs):
-            if cost != np.inf:
-                ys[s] = prog.var(cost, integer=False, upper=1.0)
-                prog.row({ys[s]: 1.0, x[p][s]: -1.0}, -np.inf, 0.0)
-        for c, strategies in by_consumer.items():
-            prog.row({**{y: 1.0 for y in ys.values()}, **{x[c][s]: -1.0 for s in strategies}}, 0.0, np.inf)
+            needed.setdefault(strat.needs[j], []).append(s)
+        readers.append((c, needed))
+    costs = {(g, t): graph.relay_cost(v, g, t) for g in sources for _, needed in readers for t in needed}
+    if not any(costs.values()):
+        return
+    relays = {pair: prog.var(cost, integer=False, upper=1.0) for pair, cost in costs.items()
+              if cost and cost != np.inf}
+    for c, needed in readers:
+        e = {(g, t): prog.var(0.0, integer=False, upper=0.0 if costs[g, t] == np.inf else 1.0)
+             for g in sources for t in needed}
+        for g, strategies in sources.items():
+            prog.row({**{e[g, t]: 1.0 for t in needed}, **{x[p][s]: -1.0 for s in strategies}}, 0.0, 0.0)
+        for t, strategies in needed.items():
+            prog.row({**{e[g, t]: 1.0 for g in sources}, **{x[c][s]: -1.0 for s in strategies}}, 0.0, 0.0)
+        for pair, y in relays.items():
+            if pair[1] in needed:
+                prog.row({y: 1.0, e[pair]: -1.0}, 0.0, np.inf)
 
 
 def _memory_rows(graph: Graph, x: dict, budget: float) -> list:

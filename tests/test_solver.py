@@ -80,6 +80,19 @@ def test_a_tie_keeps_the_default_strategies():
     assert solve(g).choice == [0, 0]
 
 
+def test_of_two_plans_of_equal_cost_the_one_departing_less_from_the_rules_is_taken():
+    """A candidate taken at a rule's decision point counts as a further departure from the
+    rules' own choices: between two strategies off the default that cost the same, the solver
+    takes the one with fewer (a plan the emitting trace reproduces more surely)."""
+    g = Graph(relay)
+    node = g.add(Node("op", [], [], [Strategy((), (), 3.0, label="default"),
+                                      Strategy((), (), 1.0, label="two decisions", departures=2),
+                                      Strategy((), (), 1.0, label="one decision", departures=1)]))
+    sol = solve(g)
+    assert sol.choice[node] == 2 and sol.bytes == 1.0
+    assert solve_exact(g).choice == sol.choice
+
+
 def test_parts_no_value_joins_are_solved_apart_and_single_choices_not_at_all():
     SIZE.clear()
     g = Graph(relay)

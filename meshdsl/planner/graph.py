@@ -53,6 +53,13 @@ class Strategy:
     kept: float = 0.0      # bytes per device it holds beyond operands and results, to the end
     #                        (residuals the backward pass reads) or, undifferentiated, while it runs
     working: float = 0.0   # bytes per device it holds beyond operands and results while it runs
+    departures: int = 0    # candidates it takes at its rule's decision points (beyond its entry):
+    #                        a tie goes to the plan departing least from the rules' own choices
+
+    @property
+    def tie(self) -> int:
+        """How far it departs from its node's default, for breaking ties (the default: 0)."""
+        return 1 + self.departures
 
     @property
     def time(self) -> float:

@@ -164,7 +164,7 @@ def build(ctx, recording, objective: str = "time", hardware=None) -> tuple[Graph
                 own.forward + own.backward + reads, detail=f, label=_label(ctx, recording, op, f),
                 work=_compute_cost(op, f, k in grads, dtype, hw, rate, k not in unread_ops) if rate else 0.0,
                 own_time=prices.own(own) + reads if rate else None,
-                memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives)),
+                memory=tuple(held(v, pl) for v, pl in zip(op.results, f.gives)), departures=len(f.options),
                 **_beyond(f, k in grads)))
         if k in grads:   # what a differentiated op reads, the backward pass reads again
             graph.saved.update(v for v in op.operands if recording.values[v][3])

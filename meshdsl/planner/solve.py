@@ -30,8 +30,9 @@ whichever half is cheaper, and HiGHS could not close the gap: a tiny Switch mode
 parallelism and ZeRO-3, time objective, hit the 60 s limit with a 9% gap (and a plan 2,160
 units over the optimum); with them it solves exactly in 0.13 s.
 Ties go to the default strategies (index 0: the rule's own choice): each op off its default
-costs a ten-thousandth of a byte, so a program where nothing can be gained lowers as the rules
-alone would. (Memory is not a tie-break yet: the strategies do not price it.)
+costs a ten-thousandth of a byte, and as much again per candidate it takes at its rule's decision
+points (``Strategy.departures``), so a program where nothing can be gained lowers as the rules
+alone would, and of two plans of equal cost the one departing less from the rules is taken. (Memory is not a tie-break yet: the strategies do not price it.)
 
 With a memory budget (bytes per device), Alpa's constraint at each point of the program:
 
@@ -132,7 +133,7 @@ def solve_exact(graph: Graph, memory_budget: float | None = None) -> Solution:
         if any(choice[a] != choice[b] for a, b in graph.ties) or \
                 memory_budget is not None and graph.memory(choice) > memory_budget:
             continue
-        key = (round(graph.cost(choice), 6), sum(1 for s in choice if s))
+        key = (round(graph.cost(choice), 6), sum(graph.nodes[k].strategies[s].tie for k, s in enumerate(choice) if s))
         if best is None or key < best[0]:
             best = (key, list(choice))
     if best is None:
@@ -184,7 +185,7 @@ def _solve_part(graph: Graph, part: list, time_limit: float, memory_budget: floa
     x = {}
     for k in part:
         node = graph.nodes[k]
-        ids = [prog.var(s.time + s.work + (_TIE if i else 0.0)) for i, s in enumerate(node.strategies)]
+        ids = [prog.var(s.time + s.work + (_TIE * s.tie if i else 0.0)) for i, s in enumerate(node.strategies)]
         x[k] = ids
         prog.row({i: 1.0 for i in ids}, 1.0, 1.0)
     members = set(part)

@@ -116,6 +116,7 @@ def test_the_run_names_each_transfer_and_its_bytes_per_device(runs, capsys):
     assert runs[0]["trainer"].transfers(runs[0]["state"]) == []
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; the streamed stack at one step: tests/test_offload.py
 def test_parameters_in_host_memory_train_exactly_as_on_the_device(runs, streamed):
     """Parameters streamed from host memory to each layer (and again to its backward pass), their
     gradients sent back, the update on the device: the same losses and parameters, which live in
@@ -132,6 +133,7 @@ def test_parameters_in_host_memory_train_exactly_as_on_the_device(runs, streamed
     assert moves[("parameters", "device to host")] == 2 * per_device
 
 
+@pytest.mark.slow  # ~15 s on 2 cores; the offloading policies at one step: tests/test_offload.py
 def test_activations_in_host_memory_train_exactly_as_on_the_device(runs, tmp_path):
     """``--offload activations``: what each layer keeps for its backward pass waits in host memory
     (``--remat offload``); 20 steps give the same losses and parameters, which stay on the device."""

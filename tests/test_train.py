@@ -157,6 +157,7 @@ def test_options_run(tmp_path):
     assert kernel.dtype == np.dtype("bfloat16")
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: a search through the CLI (its ranking: tests/test_search.py)
 def test_layout_auto_trains_with_the_layout_the_search_ranks_first(tmp_path, capsys):
     """--layout auto: md.search ranks the training step's layouts on the mesh given (a rich table),
     the run trains with the first and records it in run.json (so --resume keeps it)."""
@@ -185,6 +186,7 @@ def test_remat_auto_is_chosen_with_the_layout_and_recorded(tmp_path, capsys):
     assert json.loads((tmp_path / "auto" / "run.json").read_text())["remat"] == chosen
 
 
+@pytest.mark.slow  # ~25 s on 2 cores: the plan's remat choice is tests/test_remat_is_a_strategy_the_planner_weighs.py's
 def test_remat_auto_on_a_given_layout_is_the_planners_choice_under_the_memory_budget(tmp_path):
     """--remat auto without --layout auto: the planner chooses the stacks' policy within
     --memory-budget; the run trains the losses of --remat none (recomputing changes no value)."""

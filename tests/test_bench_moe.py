@@ -5,9 +5,12 @@ explain predicts the compiled bytes of every layer."""
 
 import json
 
+import pytest
+
 from bench import moe
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; the layers' bytes, drops and bounds are tests/test_dropless_experts.py's
 def test_one_shape_writes_rows_and_tables(tmp_path):
     moe.run(pairs=1, out=str(tmp_path), shapes=moe.SHAPES[:1], factors=(1.0,))
     data = json.loads((tmp_path / "moe.json").read_text())

@@ -146,8 +146,10 @@ def loss_and_grads(model, batch, key):
     return nnx.value_and_grad(lambda m: t5_loss(m, batch, key=key, train=True)[0].array)(model)
 
 
+# both with -m slow (~35 s and ~20 s): the plan's keep / gather-again choice per stored weight is
+# tests/test_zero3_weights_kept_or_gathered_again_by_the_plan.py's
 @pytest.mark.parametrize("rules, stays", [pytest.param({"batch": "data"}, True, marks=pytest.mark.slow),
-                                          (MEGATRON, False)],   # ZeRO-3 alone: -m slow (~35 s)
+                                          pytest.param(MEGATRON, False, marks=pytest.mark.slow)],
                          ids=["ZeRO-3", "Megatron + ZeRO-3"])
 def test_param_gather_auto_gathers_a_parameter_only_where_cheaper(rules, stays, batch):
     """A tied embedding [vocab:1024, d_model:128] stored d_model:data, read by two lookups and

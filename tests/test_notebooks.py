@@ -41,11 +41,11 @@ def test_notebook_is_stored_clean_and_sets_devices_first(path):
     assert nb.metadata.kernelspec.name == "python3"
 
 
-# 02 (T5 under six layouts, ~2 min), 04 (decoding under each layout, ~20 s; tests/test_generate.py
-# decodes under every layout), 05 (pipelines, ~20 s; tests/test_pipeline*.py) and 06 (the layout
+# 02 (T5 under six layouts, ~2 min), 03 (MoE under expert parallelism, ~20 s; tests/test_moe*.py),
+# 04 (decoding under each layout, ~20 s; tests/test_generate.py decodes under every layout), 05 (pipelines, ~20 s; tests/test_pipeline*.py) and 06 (the layout
 # search, ~70 s; md.search's behaviour is tests/test_search.py's) run with the end-to-end tests:
 # python -m pytest -m slow
-SLOW = ("02_t5_layouts", "04_decode_layouts", "05_pipelines", "06_layout_search")
+SLOW = ("02_t5_layouts", "03_moe_expert_parallel", "04_decode_layouts", "05_pipelines", "06_layout_search")
 RUNS = [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS]
 
 

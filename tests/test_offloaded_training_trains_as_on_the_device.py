@@ -17,7 +17,8 @@ from meshdsl.models.cli.train import main
 
 TINY = ["--override", "d_model=32,d_ff=64,heads=4,d_kv=8", "--batch", "8", "--encoder-length", "32",
         "--log-every", "1", "--no-explain", "--eval-batches", "0", "--params-layout", "d_model:data"]
-STEPS = 20
+STEPS = 10   # a checkpoint at the half (HALF) resumed
+HALF = STEPS // 2
 
 
 def _kinds(tree) -> set:
@@ -56,22 +57,22 @@ def _at(tree, path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """20 steps with the optimizer state on the device, the same offloaded (a checkpoint at step
-    10), and the offloaded run resumed from that checkpoint."""
+    """10 steps with the optimizer state on the device, the same offloaded (a checkpoint at step
+    5), and the offloaded run resumed from that checkpoint."""
     root = tmp_path_factory.mktemp("offload")
     device = main([*TINY, "--out", str(root / "device"), "--steps", str(STEPS), "--ckpt-every", "-1"])
-    host = main([*TINY, "--out", str(root / "host"), "--steps", str(STEPS), "--ckpt-every", "10",
+    host = main([*TINY, "--out", str(root / "host"), "--steps", str(STEPS), "--ckpt-every", str(HALF),
                  "--offload", "optimizer"])
     shutil.copytree(root / "host", root / "resumed")
     shutil.rmtree(root / "resumed" / "checkpoints" / str(STEPS))
-    resumed = main([*TINY, "--out", str(root / "resumed"), "--steps", str(STEPS), "--ckpt-every", "10",
+    resumed = main([*TINY, "--out", str(root / "resumed"), "--steps", str(STEPS), "--ckpt-every", str(HALF),
                     "--offload", "optimizer", "--resume"])
     return device, host, resumed
 
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory, runs):
-    """20 steps with the parameters (stored d_model:data) and the optimizer state in host memory."""
+    """10 steps with the parameters (stored d_model:data) and the optimizer state in host memory."""
     root = tmp_path_factory.mktemp("offload-params")
     return main([*TINY, "--out", str(root / "params"), "--steps", str(STEPS), "--ckpt-every", "-1",
                  "--offload", "params,optimizer"])
@@ -91,8 +92,8 @@ def test_an_offloaded_optimizer_state_trains_exactly_as_one_on_the_device(runs):
 
 def test_an_offloaded_run_resumes_into_host_memory_bit_identically(runs):
     _, host, resumed = runs
-    assert [r["step"] for r in resumed["records"]] == list(range(11, STEPS + 1))
-    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in host["records"][10:]]
+    assert [r["step"] for r in resumed["records"]] == list(range(HALF + 1, STEPS + 1))
+    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in host["records"][HALF:]]
     for a, b in zip(_leaves(resumed["state"]), _leaves(host["state"])):
         np.testing.assert_array_equal(a, b)
     assert _kinds(resumed["state"]["opt_state"]) == {"pinned_host"}

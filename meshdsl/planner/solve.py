@@ -89,8 +89,8 @@ class Solution:
         return sorted(out, key=lambda t: t[1])
 
 
-_TIE = 1e-4   # bytes charged per op off its default: a tie keeps the rules' choices; far below
-#               the smallest difference in bytes two plans can have (half a byte)
+_TIE = 1e-4   # bytes charged per departure from the rules' choices (Strategy.tie): a tie keeps
+#               them; far below the smallest difference in bytes two plans can have (half a byte)
 
 
 class NoPlanFits(Exception):

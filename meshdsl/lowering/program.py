@@ -132,7 +132,8 @@ class Program:
         least_tried = False
         for _ in range(1 if budget is None else 4):
             try:
-                plans = self._plans(ctx, recording, hw, limit)
+                # the plan of the objective (a loop's carries settle where it says: planner/carries.py)
+                plan = choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)
             except NoPlanFits as e:
                 if best is None and limit is not None and limit < e.least and not least_tried:
                     # less than the graph's least asked: its least, traced (it may fit where the
@@ -144,8 +145,8 @@ class Program:
                                         f"held from their producer to their last reader, the backward pass's "
                                         f"to the end)") from None
                 break
-            self.solved = plans[0]   # the latest solve: the budget it kept
-            best, least, over = self._weigh(plans, avals, rules, best, least, measure)
+            self.solved = plan   # the latest solve: the budget it kept
+            best, least, over = self._weigh([plan], avals, rules, best, least, measure)
             if not over:
                 break
             # a plan the graph thought fits does not: ask the solve for its graph's estimate less
@@ -189,11 +190,6 @@ class Program:
             if best is None or cost < best[0]:
                 best = (cost, planned, self.last_ctx, plan)
         return best, least, over
-
-    def _plans(self, ctx, recording, hw, limit) -> list:
-        """The plan of the objective, holding at most ``limit`` bytes per device as the graph sees
-        it (a loop's carries settle where the plan says: :mod:`meshdsl.planner.carries`)."""
-        return [choose(ctx, recording, objective=self.owner.objective, hardware=hw, memory_budget=limit)]
 
     # -- the traced program ----------------------------------------------------------------------
 
